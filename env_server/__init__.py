@@ -1,0 +1,1 @@
+"""env_server package."""

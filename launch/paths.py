@@ -1,0 +1,17 @@
+"""Default locations every command agrees on (override the root with SHOP_R1_ARTIFACTS)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = Path(os.environ.get("SHOP_R1_ARTIFACTS", REPO_ROOT / "artifacts"))
+TINY_MODEL_DIR = ARTIFACTS / "models" / "tiny-qwen2"
+"""The embedded base model (random weights + Shop-R1 tokenizer), built by `trainer.tiny_model`."""
+SFT_MODEL_DIR = ARTIFACTS / "models" / "tiny-qwen2-sft"
+"""The SFT cold-start checkpoint of the embedded model."""
+DATA_DIR = ARTIFACTS / "data" / "shop_r1"
+"""The generated Shop-R1 dataset (train/validation/test JSONL)."""
+RUNS_DIR = REPO_ROOT / "runs"
+"""Run directories of launch/run_all.sh (logs, checkpoints, plots)."""

@@ -1,0 +1,132 @@
+"""Process helpers shared by the launcher, the tests and the benchmarks.
+
+Every process we start is started in its own process group and stopped by the PID we got
+back from ``Popen`` -- never by pattern (``pkill -f`` would hit a neighbour's run).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Ask the kernel for a free TCP port on ``host``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def tail(path: Path | str, n: int = 40) -> str:
+    """Last ``n`` lines of a log file ('' if it does not exist)."""
+    p = Path(path)
+    if not p.exists():
+        return ""
+    lines = p.read_text(errors="replace").splitlines()
+    return "\n".join(lines[-n:])
+
+
+class ManagedProcess:
+    """A child process with its own log file, stopped by its PID (process group)."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path | str,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | str | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = Path(log_path)
+        self.env = dict(os.environ if env is None else env)
+        self.cwd = str(cwd or REPO_ROOT)
+        self.popen: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None, f"{self.name} was not started"
+        return self.popen.pid
+
+    def start(self) -> ManagedProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        try:
+            self.popen = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=True,  # own process group: stop() reaches its children
+            )
+        finally:
+            log.close()
+        return self
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM the process group, wait, then SIGKILL. Returns the exit code."""
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
+            _signal_group(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(timeout=timeout)
+        else:
+            # The leader exited; children it left in the group may still run.
+            _signal_group(self.popen.pid, signal.SIGKILL)
+        return self.popen.returncode
+
+    def kill9(self) -> None:
+        """Hard kill (fault-injection tests)."""
+        if self.popen is not None and self.popen.poll() is None:
+            _signal_group(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(timeout=30)
+
+    def wait_http(self, url: str, timeout: float = 300.0, interval: float = 0.5) -> None:
+        """Wait until ``url`` answers 200, failing early (with the log tail) if we die."""
+        deadline = time.monotonic() + timeout
+        last_err = ""
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(
+                    f"{self.name} exited with {self.popen.returncode if self.popen else '?'} "
+                    f"before {url} answered; read {self.log_path}:\n{tail(self.log_path)}"
+                )
+            try:
+                r = httpx.get(url, timeout=5.0)
+                if r.status_code == 200:
+                    return
+                last_err = f"HTTP {r.status_code}"
+            except httpx.HTTPError as e:
+                last_err = repr(e)
+            time.sleep(interval)
+        raise TimeoutError(
+            f"{self.name} did not answer {url} within {timeout:.0f}s ({last_err}); "
+            f"read {self.log_path}:\n{tail(self.log_path)}"
+        )
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        os.kill(pid, sig)

@@ -1,0 +1,1 @@
+"""trainer/bridge package."""

@@ -1,0 +1,1 @@
+"""vllm_patching package."""
