@@ -93,7 +93,9 @@ def start_plain_vllm(model_dir: Path, log_path: Path, extra: list[str] | None = 
 
 
 @pytest.fixture(scope="session")
-def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+def vllm_server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
     """A real vLLM OpenAI server (CPU) serving the tiny model, shared by a test session."""
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     server = start_plain_vllm(tiny_model_dir, log)
