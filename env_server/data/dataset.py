@@ -1,0 +1,147 @@
+"""The Shop-R1 dataset: one row per step, split into train/validation/test by session.
+
+Row schema (docs/INTERFACES.md):
+    session_id: str, step: int,
+    pages: list[str]             simplified HTML of every page so far, oldest first
+    previous_actions: list[str]  JSON of the action taken on each earlier page (len(pages) - 1)
+    rationale: str, action: str  the gold rationale and action JSON (keys its type needs)
+    action_type: str             the gold action's type (for stratified metrics)
+    alternatives: str            JSON [[action_json, prob], ...] of the simulated shopper's
+                                 plausible actions ("[]" for real data)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+from env_server.actions import action_to_json
+from env_server.data.simulator import Session, generate_sessions
+
+SPLITS = ("train", "validation", "test")
+FEATURES = datasets.Features(
+    {
+        "session_id": datasets.Value("string"),
+        "step": datasets.Value("int64"),
+        "pages": datasets.Sequence(datasets.Value("string")),
+        "previous_actions": datasets.Sequence(datasets.Value("string")),
+        "rationale": datasets.Value("string"),
+        "action": datasets.Value("string"),
+        "action_type": datasets.Value("string"),
+        "alternatives": datasets.Value("string"),
+    }
+)
+
+
+def rows_from_session(session: Session) -> list[dict[str, Any]]:
+    """The dataset rows of one simulated session (step i sees pages 0..i)."""
+    pages = [s.page for s in session.steps]
+    actions = [action_to_json(s.action) for s in session.steps]
+    return [
+        {
+            "session_id": session.session_id,
+            "step": i,
+            "pages": pages[: i + 1],
+            "previous_actions": actions[:i],
+            "rationale": s.rationale,
+            "action": actions[i],
+            "action_type": s.action["type"],
+            "alternatives": json.dumps(s.alternatives),
+        }
+        for i, s in enumerate(session.steps)
+    ]
+
+
+def split_of(index: int, order: list[int], val_fraction: float, test_fraction: float) -> str:
+    """Which split the session at ``index`` falls in, given a seeded permutation ``order``."""
+    n = len(order)
+    n_test, n_val = round(n * test_fraction), round(n * val_fraction)
+    rank = order[index]
+    if rank < n_test:
+        return "test"
+    if rank < n_test + n_val:
+        return "validation"
+    return "train"
+
+
+def build_dataset(
+    num_sessions: int = 3000,
+    seed: int = 0,
+    val_fraction: float = 0.1,
+    test_fraction: float = 0.1,
+) -> datasets.DatasetDict:
+    """Simulate ``num_sessions`` sessions and split them (by session) into three splits."""
+    sessions = generate_sessions(num_sessions, seed)
+    order = list(range(num_sessions))
+    random.Random(f"shop-r1-split-{seed}").shuffle(order)
+    rows: dict[str, list[dict[str, Any]]] = {s: [] for s in SPLITS}
+    for i, session in enumerate(sessions):
+        rows[split_of(i, order, val_fraction, test_fraction)].extend(rows_from_session(session))
+    return datasets.DatasetDict(
+        {s: datasets.Dataset.from_list(rows[s], features=FEATURES) for s in SPLITS}
+    )
+
+
+def write_jsonl(rows: Iterable[dict[str, Any]], path: Path) -> int:
+    """Write rows atomically (temp file + rename): a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    n = 0
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                n += 1
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return n
+
+
+def save_dataset(dsd: datasets.DatasetDict, out_dir: Path | str) -> dict[str, int]:
+    """Write ``<split>.jsonl`` for every split; returns rows written per split."""
+    out = Path(out_dir)
+    return {name: write_jsonl(iter(ds), out / f"{name}.jsonl") for name, ds in dsd.items()}
+
+
+def load_dataset_dir(data_dir: Path | str) -> datasets.DatasetDict:
+    """Read the ``<split>.jsonl`` files of a folder, validating every row (clear errors)."""
+    from env_server.data.loaders import load_rows
+
+    d = Path(data_dir)
+    found = {s: d / f"{s}.jsonl" for s in SPLITS if (d / f"{s}.jsonl").exists()}
+    if not found:
+        raise FileNotFoundError(f"no train/validation/test .jsonl files in {d}")
+    return datasets.DatasetDict({s: load_rows(p) for s, p in found.items()})
+
+
+def load_or_build(
+    data_dir: Path | str, num_sessions: int = 3000, seed: int = 0
+) -> datasets.DatasetDict:
+    """Load the dataset in ``data_dir``; simulate and save it there first if it is missing."""
+    d = Path(data_dir)
+    if not any((d / f"{s}.jsonl").exists() for s in SPLITS):
+        save_dataset(build_dataset(num_sessions, seed), d)
+    return load_dataset_dir(d)
+
+
+def split_by_session(
+    ds: datasets.Dataset, seed: int = 0, val_fraction: float = 0.1, test_fraction: float = 0.1
+) -> datasets.DatasetDict:
+    """Split rows of user data into train/validation/test, keeping each session in one split."""
+    sessions = sorted(set(ds["session_id"]))
+    order = list(range(len(sessions)))
+    random.Random(f"shop-r1-split-{seed}").shuffle(order)
+    where = {s: split_of(i, order, val_fraction, test_fraction) for i, s in enumerate(sessions)}
+    names = ds["session_id"]
+    return datasets.DatasetDict(
+        {s: ds.select([i for i, n in enumerate(names) if where[n] == s]) for s in SPLITS}
+    )

@@ -1,0 +1,249 @@
+"""Evaluation: exact match, action-type accuracy, macro-F1, per-type table (paper Tables 2-3).
+
+    python -m env_server.evaluate --split test --inference-url http://127.0.0.1:8000
+    python -m env_server.evaluate --split test --predictions preds.jsonl
+
+A predictions file has one JSON object per line: ``session_id``, ``step`` and ``completion``
+(the model's raw text). With ``--inference-url`` the model is asked greedily (temperature 0).
+Prints the table, writes ``metrics.json``, ``predictions.jsonl`` and ``confusion.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from env_server.actions import ACTION_TYPES, actions_equal
+from env_server.reward import ParsedOutput, RewardConfig, parse_output, score
+
+INVALID = "invalid"
+"""Predicted label of a completion that fails the format check."""
+
+
+def compute_metrics(
+    golds: Sequence[Mapping[str, Any]], completions: Sequence[str]
+) -> dict[str, Any]:
+    """Metrics of raw completions against gold actions (a format failure counts as wrong).
+
+    Macro-F1 averages the F1 of the three action types; an invalid prediction is a false
+    negative of its gold type and a false positive of none.
+    """
+    if len(golds) != len(completions) or not golds:
+        raise ValueError(
+            f"need as many completions as golds (>0), got {len(completions)}/{len(golds)}"
+        )
+    labels = [*ACTION_TYPES, INVALID]
+    confusion = {g: dict.fromkeys(labels, 0) for g in ACTION_TYPES}
+    exact = {t: 0 for t in ACTION_TYPES}
+    support = {t: 0 for t in ACTION_TYPES}
+    reward_sum = 0.0
+    for gold, text in zip(golds, completions, strict=True):
+        parsed = parse_output(text)
+        pred = parsed.action["type"] if isinstance(parsed, ParsedOutput) else INVALID
+        confusion[gold["type"]][pred] += 1
+        support[gold["type"]] += 1
+        if isinstance(parsed, ParsedOutput) and actions_equal(parsed.action, gold):
+            exact[gold["type"]] += 1
+        reward_sum += score(text, dict(gold), RewardConfig()).total
+    per_type = {}
+    for t in ACTION_TYPES:
+        tp = confusion[t][t]
+        predicted = sum(confusion[g][t] for g in ACTION_TYPES)
+        p = tp / predicted if predicted else 0.0
+        r = tp / support[t] if support[t] else 0.0
+        per_type[t] = {
+            "support": support[t],
+            "precision": p,
+            "recall": r,  # = type accuracy on this type's steps
+            "f1": 2 * p * r / (p + r) if p + r else 0.0,
+            "exact_match": exact[t] / support[t] if support[t] else 0.0,
+        }
+    present = [t for t in ACTION_TYPES if support[t]]
+    n = len(golds)
+    return {
+        "n": n,
+        "exact_match": sum(exact.values()) / n,
+        "type_accuracy": sum(confusion[t][t] for t in ACTION_TYPES) / n,
+        "macro_f1": sum(per_type[t]["f1"] for t in present) / len(present),
+        "format_rate": 1.0 - sum(confusion[g][INVALID] for g in ACTION_TYPES) / n,
+        "mean_reward": reward_sum / n,
+        "per_type": per_type,
+        "confusion": {"labels": labels, "matrix": {g: confusion[g] for g in ACTION_TYPES}},
+    }
+
+
+def oracle_exact_match(alternatives: Sequence[str]) -> float | None:
+    """Expected exact match of the best possible predictor on simulated data (else None).
+
+    The simulated shopper draws each gold action from a known distribution; always naming the
+    most likely action is right with probability max_a p(a). Real data carries no such bound.
+    """
+    probs = [json.loads(a) for a in alternatives]
+    if not probs or any(not p for p in probs):
+        return None
+    return sum(p[0][1] for p in probs) / len(probs)
+
+
+def format_table(m: Mapping[str, Any]) -> str:
+    """The paper-style table: overall metrics, then one line per action type."""
+    lines = [
+        f"steps {m['n']}  exact match {100 * m['exact_match']:.2f}%  "
+        f"type accuracy {100 * m['type_accuracy']:.2f}%  macro-F1 {100 * m['macro_f1']:.2f}%  "
+        f"valid format {100 * m['format_rate']:.1f}%  mean reward {m['mean_reward']:.2f}",
+        f"{'type':<16}{'support':>8}{'exact':>9}{'type acc':>10}{'precision':>11}{'F1':>8}",
+    ]
+    for t, r in m["per_type"].items():
+        lines.append(
+            f"{t:<16}{r['support']:>8}{100 * r['exact_match']:>8.2f}%{100 * r['recall']:>9.2f}%"
+            f"{100 * r['precision']:>10.2f}%{100 * r['f1']:>7.2f}%"
+        )
+    if m.get("oracle_exact_match") is not None:
+        lines.append(f"(best reachable exact match on this simulated split: "
+                     f"{100 * m['oracle_exact_match']:.2f}%)")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot_confusion(m: Mapping[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = m["confusion"]["labels"]
+    golds = list(m["confusion"]["matrix"])
+    grid = [[m["confusion"]["matrix"][g][p] for p in labels] for g in golds]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.imshow(grid, cmap="Blues")
+    ax.set_xticks(range(len(labels)), labels, rotation=20)
+    ax.set_yticks(range(len(golds)), golds)
+    ax.set_xlabel("predicted type")
+    ax.set_ylabel("gold type")
+    top = max(max(r) for r in grid) or 1
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            color = "white" if v > top / 2 else "black"  # readable on dark cells
+            ax.text(j, i, str(v), ha="center", va="center", color=color)
+    ax.set_title(f"Action types (exact match {100 * m['exact_match']:.1f}%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+async def generate_completions(
+    rows: Sequence[Mapping[str, Any]],
+    client: Any,
+    tokenizer: Any,
+    max_prompt_tokens: int | None,
+    max_tokens: int,
+    latest_only: bool = False,
+    concurrency: int = 4,
+) -> list[str]:
+    """Greedy completions of ``rows`` from an :class:`~env_server.inference.InferenceClient`."""
+    from env_server.rollout import prompt_ids
+
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(row: Mapping[str, Any]) -> str:
+        ids = prompt_ids(row, tokenizer, max_prompt_tokens, latest_only)
+        async with sem:
+            batch = await client.complete(ids, n=1, max_tokens=max_tokens, temperature=0.0)
+        return batch.completions[0].text
+
+    return list(await asyncio.gather(*(one(r) for r in rows)))
+
+
+def read_predictions(path: Path, rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Completions of a predictions file, in the order of ``rows`` (every row must have one)."""
+    from env_server.data.loaders import DataFormatError, iter_records
+
+    by_key: dict[tuple[str, int], str] = {}
+    for where, rec in iter_records(path):
+        if not isinstance(rec.get("completion"), str):
+            raise DataFormatError(path, where, "completion", "expected the model's text")
+        by_key[(str(rec.get("session_id")), int(rec.get("step", -1)))] = rec["completion"]
+    missing = [
+        (r["session_id"], r["step"]) for r in rows if (r["session_id"], r["step"]) not in by_key
+    ]
+    if missing:
+        raise ValueError(f"{path}: no prediction for {len(missing)} rows, e.g. {missing[:3]}")
+    return [by_key[(r["session_id"], r["step"])] for r in rows]
+
+
+async def _predict_with_model(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]:
+    from transformers import AutoTokenizer
+
+    from env_server.inference import InferenceClient
+
+    client = InferenceClient(args.inference_url, args.model, max_attempts=args.max_attempts)
+    try:
+        _, root = await client.discover() if args.model is None else (args.model, None)
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or root)
+        return await generate_completions(
+            rows, client, tokenizer, args.max_prompt_tokens, args.max_tokens, args.latest_only,
+            args.concurrency,
+        )  # fmt: skip
+    finally:
+        await client.aclose()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from env_server.data.dataset import load_or_build
+    from launch.paths import DATA_DIR
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument(
+        "--data-dir", type=Path, default=DATA_DIR, help="dataset folder (built if missing)"
+    )
+    ap.add_argument(
+        "--num-sessions", type=int, default=3000, help="sessions to simulate if missing"
+    )
+    ap.add_argument("--split", default="test", choices=["train", "validation", "test"])
+    ap.add_argument("--limit", type=int, default=None, help="evaluate the first N steps only")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--predictions", type=Path, help="JSONL of session_id, step, completion")
+    src.add_argument("--inference-url", help="OpenAI-compatible server to ask (greedy)")
+    ap.add_argument("--model", default=None, help="served model name (default: ask the server)")
+    ap.add_argument(
+        "--tokenizer", default=None, help="tokenizer path (default: the server's model)"
+    )
+    ap.add_argument("--max-prompt-tokens", type=int, default=1536, help="context budget")
+    ap.add_argument("--max-tokens", type=int, default=160, help="completion budget")
+    ap.add_argument("--latest-only", action="store_true", help="latest page only (Table 5)")
+    ap.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    ap.add_argument("--max-attempts", type=int, default=5, help="tries per request")
+    ap.add_argument("--out-dir", type=Path, default=Path("runs/eval"), help="where outputs go")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
+
+    split = load_or_build(args.data_dir, args.num_sessions)[args.split]
+    rows = split.to_list()[: args.limit]
+    if args.predictions:
+        completions = read_predictions(args.predictions, rows)
+    else:
+        completions = asyncio.run(_predict_with_model(args, rows))
+    m = compute_metrics([json.loads(r["action"]) for r in rows], completions)
+    m["oracle_exact_match"] = oracle_exact_match([r["alternatives"] for r in rows])
+    m["split"], m["source"] = args.split, str(args.predictions or args.inference_url)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "metrics.json").write_text(json.dumps(m, indent=2) + "\n")
+    with (args.out_dir / "predictions.jsonl").open("w") as f:
+        for r, c in zip(rows, completions, strict=True):
+            f.write(
+                json.dumps({"session_id": r["session_id"], "step": r["step"], "completion": c})
+                + "\n"
+            )
+    plot_confusion(m, args.out_dir / "confusion.png")
+    print(format_table(m))
+    print(f"wrote {args.out_dir}/metrics.json, predictions.jsonl, confusion.png", file=sys.stderr)
+    return m
+
+
+if __name__ == "__main__":
+    main()

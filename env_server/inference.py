@@ -1,0 +1,188 @@
+"""Client of the inference server's OpenAI-compatible completions API (vLLM).
+
+Token in, token out: the prompt goes as token ids (so the ids we train on are the ids the
+server saw) and the request asks for ``return_token_ids`` and the sampled tokens' logprobs
+(``logprobs: 0``), so the completion's ids and logprobs come back aligned. vLLM 0.32's
+``/v1/completions`` offers all three (see ``vllm/entrypoints/openai/completion/protocol.py``).
+
+Which weights produced a completion: our patched server (``vllm_patching``) adds an
+``x-weight-version`` header to every completion response; a plain vLLM reports none and the
+caller falls back to the version the API reports.
+
+Transient failures (connection refused/reset, timeouts, 429, 5xx) are retried with
+exponential backoff; anything else is raised at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import httpx
+
+log = logging.getLogger("env_server.inference")
+VERSION_HEADER = "x-weight-version"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class CompletionBatch:
+    prompt_ids: list[int]
+    completions: list[Completion]
+    weight_version: int | None
+    """Version the server says produced them (None: the server does not say)."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Worth retrying: the peer is down, slow, overloaded, or restarting."""
+    if isinstance(exc, httpx.TransportError):  # connect/read errors and timeouts
+        return True
+    if isinstance(exc, httpx.HTTPStatusError):
+        code = exc.response.status_code
+        return code == 429 or code >= 500
+    return False
+
+
+async def with_retries(
+    what: str,
+    fn: Callable[[], Awaitable[T]],
+    max_attempts: int | None = None,
+    base_delay: float = 0.5,
+    max_delay: float = 5.0,
+    transient: Callable[[BaseException], bool] = is_transient,
+) -> T:
+    """Call ``fn`` until it succeeds, backing off on transient errors (None = forever)."""
+    attempt = 0
+    while True:
+        try:
+            return await fn()
+        except Exception as e:
+            attempt += 1
+            if not transient(e) or (max_attempts is not None and attempt >= max_attempts):
+                raise
+            delay = min(max_delay, base_delay * 2 ** (attempt - 1)) * random.uniform(0.8, 1.2)
+            log.warning(
+                "%s failed (%s: %s); retry %d in %.1fs", what, type(e).__name__, e, attempt, delay
+            )
+            await asyncio.sleep(delay)
+
+
+class InferenceClient:
+    """Async client for one inference server."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        timeout_s: float = 300.0,
+        max_attempts: int | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.max_attempts = max_attempts
+        # Connecting should be quick; generating on a CPU can take minutes.
+        timeout = httpx.Timeout(timeout_s, connect=5.0)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _get_json(self, path: str) -> Any:
+        r = await self._http.get(path)
+        r.raise_for_status()
+        return r.json()
+
+    async def discover(self) -> tuple[str, str | None]:
+        """The model name to request and the model's path (its tokenizer), asking the server.
+
+        In ``lora_only`` mode the name changes with every weight version; our bridge's
+        ``/bridge/info`` says which one is current. A plain vLLM lists it in ``/v1/models``.
+        """
+
+        async def ask() -> tuple[str, str | None]:
+            models = await self._get_json("/v1/models")
+            first = models["data"][0]
+            name, root = first["id"], first.get("root")
+            try:
+                info = await self._get_json("/bridge/info")
+                name = info.get("served_model") or name
+                root = info.get("model") or root
+            except httpx.HTTPStatusError:
+                pass  # a plain vLLM: no bridge routes
+            return name, root
+
+        name, root = await with_retries(f"GET {self.base_url}/v1/models", ask, self.max_attempts)
+        self.model = name
+        return name, root
+
+    async def complete(
+        self,
+        prompt_ids: list[int],
+        n: int,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> CompletionBatch:
+        """``n`` completions of one tokenized prompt, with token ids and logprobs."""
+        if self.model is None:
+            await self.discover()
+        body: dict[str, Any] = {
+            "prompt": prompt_ids,
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "logprobs": 0,  # the sampled token's logprob only
+            "return_token_ids": True,
+            "skip_special_tokens": True,
+        }
+        if seed is not None:
+            body["seed"] = seed
+
+        async def post() -> httpx.Response:
+            r = await self._http.post("/v1/completions", json={**body, "model": self.model})
+            if r.status_code == 404:  # model renamed (lora_only new version): ask again
+                await self.discover()
+                r = await self._http.post("/v1/completions", json={**body, "model": self.model})
+            r.raise_for_status()
+            return r
+
+        r = await with_retries(f"POST {self.base_url}/v1/completions", post, self.max_attempts)
+        return parse_completion_response(r.json(), prompt_ids, r.headers.get(VERSION_HEADER))
+
+
+def parse_completion_response(
+    data: dict[str, Any], prompt_ids: list[int], version_header: str | None
+) -> CompletionBatch:
+    """Turn a ``/v1/completions`` JSON body into aligned ids and logprobs (checked)."""
+    out = []
+    for c in sorted(data["choices"], key=lambda c: c["index"]):
+        ids = c.get("token_ids")
+        lp = (c.get("logprobs") or {}).get("token_logprobs")
+        if ids is None or lp is None:
+            raise ValueError("server returned no token_ids/logprobs (vLLM >= 0.10 required)")
+        if len(ids) != len(lp):
+            raise ValueError(f"{len(ids)} completion tokens but {len(lp)} logprobs")
+        # A logprob can be None only for a prompt token; -inf is clamped to stay JSON-safe.
+        logprobs = [max(float(x), -1e4) if x is not None else 0.0 for x in lp]
+        out.append(Completion(c["text"], list(ids), logprobs, c.get("finish_reason")))
+    version = None
+    if version_header is not None:
+        try:
+            version = int(float(version_header))
+        except ValueError:
+            log.warning("ignoring non-numeric %s header %r", VERSION_HEADER, version_header)
+    return CompletionBatch(prompt_ids=list(prompt_ids), completions=out, weight_version=version)

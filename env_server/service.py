@@ -1,0 +1,258 @@
+"""The environment service loop: prompts -> completions -> scores -> scored groups -> API.
+
+    register with the API
+    loop:
+        wanted = API backpressure           # how many groups the trainer side wants now
+        start rollouts up to min(wanted - in flight, concurrency)
+        each rollout: prompt ids -> group_size completions (ids + logprobs) -> reward
+                      -> scored group -> push (the group_id is the idempotency key)
+
+Every call to the API or the inference server retries transient failures with backoff, without
+limit: when either goes away the service says so in its log and carries on once it is back.
+A rollout that fails for a non-transient reason is logged and skipped; too many in a row stop
+the service (a misconfiguration, not a hiccup).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import signal
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from env_server.config import EnvConfig
+from env_server.evaluate import compute_metrics, generate_completions
+from env_server.inference import InferenceClient, is_transient, with_retries
+from env_server.rollout import build_group, prompt_ids
+
+log = logging.getLogger("env_server")
+REREGISTER_S = 60.0
+"""Re-register this often: an API that lost its database would otherwise auto-register us
+with default weight and group size when we next ask for backpressure."""
+
+
+def api_transient(exc: BaseException) -> bool:
+    """``ApiClient`` retries briefly itself, then raises ``ApiError``: without a status code
+    (unreachable) or with a 5xx the API is down or restarting -- keep trying; a 4xx is a bug."""
+    from api.client import ApiError
+
+    if isinstance(exc, ApiError):
+        return exc.status_code is None or exc.status_code >= 500 or exc.status_code == 429
+    return is_transient(exc)
+
+
+class ApiLink:
+    """The batching API, through ``api.client.ApiClient`` (sync httpx) run in threads."""
+
+    def __init__(self, cfg: EnvConfig) -> None:
+        from api.client import ApiClient
+
+        self.cfg = cfg
+        self.client = ApiClient(cfg.api_url, token=cfg.api_token)
+        self.policy_version = 0
+
+    async def _call(self, what: str, fn, *args: Any) -> Any:
+        return await with_retries(
+            f"API {what}", lambda: asyncio.to_thread(fn, *args), transient=api_transient
+        )
+
+    async def register(self) -> None:
+        c = self.cfg
+        await self._call(
+            "register", self.client.register_env, c.env_name, c.env_weight, c.group_size
+        )
+
+    async def wanted(self) -> int:
+        """Groups the API wants now; also remembers the policy version it reports."""
+        bp = await self._call("backpressure", self.client.wanted, self.cfg.env_name)
+        if isinstance(bp, Mapping):
+            self.policy_version = int(bp.get("policy_version", self.policy_version))
+            return int(bp["wanted"])
+        self.policy_version = int(getattr(bp, "policy_version", self.policy_version))
+        return int(getattr(bp, "wanted", bp))
+
+    async def push(self, group: dict[str, Any]) -> Any:
+        return await self._call("push", self.client.push_groups, [group])
+
+
+class Stats:
+    """Counters for the progress log and the metrics file."""
+
+    def __init__(self) -> None:
+        self.pushed = self.dropped = self.failed = self.consecutive_failures = 0
+        self.scores: list[float] = []
+        self.valid: list[float] = []
+        self.t0 = time.monotonic()
+
+    def line(self) -> str:
+        n = max(1, len(self.scores))
+        rate = self.pushed / max(1e-9, time.monotonic() - self.t0) * 60
+        return (
+            f"pushed {self.pushed} groups ({rate:.1f}/min), dropped {self.dropped} constant, "
+            f"failed {self.failed}; recent mean score {sum(self.scores) / n:.3f}, "
+            f"valid format {sum(self.valid) / max(1, len(self.valid)):.2%}"
+        )
+
+
+def cycle_rows(rows: list[dict[str, Any]], seed: int) -> Iterator[dict[str, Any]]:
+    """Rows in a seeded random order, reshuffled every epoch."""
+    rng = random.Random(f"env-order-{seed}")
+    epoch = 0
+    while True:
+        order = list(range(len(rows)))
+        rng.shuffle(order)
+        for i in order:
+            yield rows[i]
+        epoch += 1
+        log.info("finished epoch %d over %d prompts", epoch, len(rows))
+
+
+class EnvService:
+    def __init__(
+        self, cfg: EnvConfig, api: ApiLink, inference: InferenceClient, tokenizer: Any, dataset: Any
+    ) -> None:
+        self.cfg, self.api, self.inference, self.tokenizer = cfg, api, inference, tokenizer
+        self.rows = cycle_rows(dataset["train"].to_list(), cfg.seed)
+        self.val_rows = dataset["validation"].to_list()[: cfg.eval_samples]
+        self.reward = cfg.reward_config()
+        self.stats = Stats()
+        self.stop = asyncio.Event()
+        self._eval_task: asyncio.Task | None = None
+        self._next_eval = cfg.eval_every_groups
+
+    def _record(self, kind: str, payload: Mapping[str, Any]) -> None:
+        if self.cfg.metrics_path is None:
+            return
+        self.cfg.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.cfg.metrics_path.open("a") as f:
+            f.write(json.dumps({"kind": kind, "time": time.time(), **payload}) + "\n")
+
+    async def rollout(self, row: Mapping[str, Any]) -> None:
+        c = self.cfg
+        ids = prompt_ids(row, self.tokenizer, c.max_prompt_tokens, c.latest_only)
+        batch = await self.inference.complete(
+            ids, c.group_size, c.max_tokens, c.temperature, c.top_p
+        )
+        version = (
+            batch.weight_version if batch.weight_version is not None else self.api.policy_version
+        )
+        # In the loop's thread, not a worker: HF fast tokenizers may raise "Already borrowed"
+        # when two threads use one at once, and scoring a group takes milliseconds.
+        group = build_group(row, batch, self.tokenizer, self.reward, version)
+        scores = [s["score"] for s in group["sequences"]]
+        self.stats.scores = (self.stats.scores + scores)[-200:]
+        self.stats.valid = (self.stats.valid + [group["metrics"]["valid"]])[-50:]
+        if c.drop_constant_groups and max(scores) == min(scores):
+            self.stats.dropped += 1
+            return
+        await self.api.push(group)
+        self.stats.pushed += 1
+        self._record("group", {"policy_version": version, **group["metrics"]})
+
+    async def _guarded(self, row: Mapping[str, Any]) -> None:
+        try:
+            await self.rollout(row)
+            self.stats.consecutive_failures = 0
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.stats.failed += 1
+            self.stats.consecutive_failures += 1
+            log.exception("rollout of %s step %s failed", row["session_id"], row["step"])
+            if self.stats.consecutive_failures >= self.cfg.max_consecutive_failures:
+                log.error("%d rollouts failed in a row; stopping", self.stats.consecutive_failures)
+                self.stop.set()
+            await asyncio.sleep(min(10.0, 0.2 * self.stats.consecutive_failures))
+
+    async def evaluate(self) -> dict[str, Any]:
+        """Greedy evaluation on the first ``eval_samples`` validation steps."""
+        c = self.cfg
+        completions = await generate_completions(
+            self.val_rows, self.inference, self.tokenizer, c.max_prompt_tokens, c.max_tokens,
+            c.latest_only, c.concurrency,
+        )  # fmt: skip
+        m = compute_metrics([json.loads(r["action"]) for r in self.val_rows], completions)
+        flat = {k: v for k, v in m.items() if isinstance(v, (int, float))}
+        log.info("eval (policy version ~%d): %s", self.api.policy_version, json.dumps(flat))
+        self._record("eval", {"policy_version": self.api.policy_version, **flat})
+        return m
+
+    def _maybe_start_eval(self) -> None:
+        if not self.cfg.eval_every_groups or self.stats.pushed < self._next_eval:
+            return
+        if self._eval_task is None or self._eval_task.done():
+            self._next_eval = self.stats.pushed + self.cfg.eval_every_groups
+            self._eval_task = asyncio.create_task(self.evaluate())
+
+    async def run(self) -> Stats:
+        await self.api.register()
+        log.info("registered %r with %s; sampling from %s", self.cfg.env_name, self.cfg.api_url,
+                 self.cfg.inference_url)  # fmt: skip
+        in_flight: set[asyncio.Task] = set()
+        last_log = last_register = time.monotonic()
+        try:
+            while not self.stop.is_set():
+                if self.cfg.max_groups is not None and self.stats.pushed >= self.cfg.max_groups:
+                    break
+                if time.monotonic() - last_register >= REREGISTER_S:
+                    # Cheap and idempotent; restores weight/group size after an API reset.
+                    await self.api.register()
+                    last_register = time.monotonic()
+                wanted = await self.api.wanted()
+                room = min(wanted, self.cfg.concurrency) - len(in_flight)
+                if self.cfg.max_groups is not None:  # do not overshoot a bounded run
+                    room = min(room, self.cfg.max_groups - self.stats.pushed - len(in_flight))
+                for _ in range(max(0, room)):
+                    in_flight.add(asyncio.create_task(self._guarded(next(self.rows))))
+                if in_flight:
+                    done, in_flight = await asyncio.wait(
+                        in_flight,
+                        timeout=self.cfg.poll_interval_s,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                else:
+                    await asyncio.sleep(self.cfg.poll_interval_s)
+                self._maybe_start_eval()
+                if time.monotonic() - last_log >= self.cfg.log_every_s:
+                    log.info(self.stats.line())
+                    last_log = time.monotonic()
+        finally:
+            for t in [*in_flight, *([self._eval_task] if self._eval_task else [])]:
+                t.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
+        log.info("stopped: %s", self.stats.line())
+        return self.stats
+
+
+async def serve(cfg: EnvConfig) -> Stats:
+    """Build the clients, tokenizer and dataset, then run until stopped (SIGTERM/SIGINT)."""
+    from transformers import AutoTokenizer
+
+    from env_server.data.dataset import load_or_build
+
+    dataset = await asyncio.to_thread(load_or_build, cfg.data_dir, cfg.num_sessions, cfg.seed)
+    inference = InferenceClient(cfg.inference_url, cfg.model, timeout_s=cfg.request_timeout_s)
+    try:
+        name, root = await inference.discover()
+        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or root)
+        log.info("model %r, tokenizer %s, %d train steps", name, cfg.tokenizer or root,
+                 len(dataset["train"]))  # fmt: skip
+        service = EnvService(cfg, ApiLink(cfg), inference, tokenizer, dataset)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, service.stop.set)
+        return await service.run()
+    finally:
+        await inference.aclose()
+
+
+def write_summary(stats: Stats, path: Path | None) -> None:
+    if path is not None:
+        with path.open("a") as f:
+            f.write(json.dumps({"kind": "summary", "pushed": stats.pushed, "dropped": stats.dropped,
+                                "failed": stats.failed}) + "\n")  # fmt: skip
