@@ -1,0 +1,190 @@
+"""``ApiClient``: the synchronous httpx client of the batching API (envs and the trainer).
+
+Every call has an explicit timeout. Only transient failures are retried, with exponential
+backoff: connection errors and 502/503/504 always (the request never reached the API), and
+read timeouts or dropped connections only for calls that are safe to repeat. All calls but
+``lease`` are idempotent on the server (``group_id`` dedup, ack of an acked batch is a no-op,
+registering/setting a version twice is the same as once); a retried ``lease`` could lease a
+second batch while the first reply was lost, which loses nothing (the first lease expires and
+its groups go back) but delays them, so it is retried on connection errors only.
+A 4xx is the caller's bug and raises ``ApiError`` at once with the server's message.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from api.protocol import (
+    AckResponse,
+    Backpressure,
+    Lease,
+    PolicyVersionResponse,
+    PushGroupsResponse,
+    RegisterEnvResponse,
+    ScoredGroup,
+    Status,
+)
+
+log = logging.getLogger(__name__)
+
+TOKEN_HEADER = "Authorization"
+RETRY_STATUS = frozenset({502, 503, 504})
+GZIP_MIN_BYTES = 64 * 1024
+"""Request bodies at least this large are sent gzip-compressed."""
+
+
+class ApiError(RuntimeError):
+    """The API answered with an error that retrying will not fix (or retries ran out)."""
+
+    def __init__(self, message: str, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class ApiClient:
+    """Client of the batching API. Thread-safe (one pooled ``httpx.Client``)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        timeout: float = 30.0,
+        connect_timeout: float = 5.0,
+        retries: int = 5,
+        backoff: float = 0.5,
+    ) -> None:
+        headers = {TOKEN_HEADER: f"Bearer {token}"} if token else {}
+        self.base_url = base_url.rstrip("/")
+        self.retries = retries
+        self.backoff = backoff
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=connect_timeout),
+        )
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> ApiClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        params: Mapping[str, Any] | None = None,
+        idempotent: bool = True,
+    ) -> httpx.Response:
+        content, headers = _encode(body)
+        transient: tuple[type[Exception], ...] = (httpx.ConnectError, httpx.ConnectTimeout)
+        if idempotent:
+            transient += (httpx.ReadTimeout, httpx.RemoteProtocolError, httpx.ReadError)
+        for attempt in range(self.retries + 1):
+            last = attempt == self.retries
+            try:
+                r = self._http.request(
+                    method, path, content=content, headers=headers, params=params
+                )
+            except transient as e:
+                if last:
+                    raise ApiError(f"{method} {path}: {e!r} after {attempt + 1} tries") from e
+                self._sleep(attempt, f"{method} {path}: {e!r}")
+                continue
+            if r.status_code in RETRY_STATUS and not last:
+                self._sleep(attempt, f"{method} {path}: HTTP {r.status_code}")
+                continue
+            if r.status_code >= 400:
+                raise ApiError(
+                    f"{method} {path}: HTTP {r.status_code}: {r.text[:2000]}", r.status_code
+                )
+            return r
+        raise AssertionError("unreachable")
+
+    def _sleep(self, attempt: int, why: str) -> None:
+        delay = min(self.backoff * 2**attempt, 10.0)
+        log.warning("API transient failure (%s); retry %d in %.1fs", why, attempt + 1, delay)
+        time.sleep(delay)
+
+    # -- API -----------------------------------------------------------------------------
+
+    def push_groups(self, groups: Sequence[ScoredGroup | Mapping[str, Any]]) -> PushGroupsResponse:
+        """Store scored groups (all or none); a repeated ``group_id`` counts as duplicate."""
+        body = {"groups": [g.model_dump() if isinstance(g, ScoredGroup) else g for g in groups]}
+        return PushGroupsResponse.model_validate_json(
+            self._request("POST", "/groups", body=body).content
+        )
+
+    def register_env(
+        self, name: str, weight: float = 1.0, group_size: int = 1
+    ) -> RegisterEnvResponse:
+        """Register (or update) an environment's fair-share weight and group size."""
+        body = {"name": name, "weight": weight, "group_size": group_size}
+        r = self._request("POST", "/envs/register", body=body)
+        return RegisterEnvResponse.model_validate_json(r.content)
+
+    def wanted(self, env: str) -> Backpressure:
+        """How many groups ``env`` may push now, and the live policy version."""
+        r = self._request("GET", "/backpressure", params={"env": env})
+        return Backpressure.model_validate_json(r.content)
+
+    def lease(
+        self,
+        max_tokens: int | None = None,
+        max_sequences: int | None = None,
+        lease_seconds: float = 300.0,
+        allow_partial: bool = False,
+    ) -> Lease | None:
+        """Lease the next batch, or ``None`` when not enough data is queued yet."""
+        body = {
+            "max_tokens": max_tokens,
+            "max_sequences": max_sequences,
+            "lease_seconds": lease_seconds,
+            "allow_partial": allow_partial,
+        }
+        r = self._request("POST", "/batches/lease", body=body, idempotent=False)
+        if r.status_code == 204:
+            return None
+        return Lease.model_validate_json(r.content)
+
+    def ack(self, batch_id: str) -> AckResponse:
+        """Mark a leased batch consumed (idempotent)."""
+        r = self._request("POST", f"/batches/{batch_id}/ack")
+        return AckResponse.model_validate_json(r.content)
+
+    def set_policy_version(self, version: int) -> PolicyVersionResponse:
+        """Report the weight version now live; too-stale queued groups are dropped."""
+        r = self._request("POST", "/policy_version", body={"version": version})
+        return PolicyVersionResponse.model_validate_json(r.content)
+
+    def status(self) -> Status:
+        return Status.model_validate_json(self._request("GET", "/status").content)
+
+    def health(self) -> bool:
+        """True when the API answers ``/health``; raises ``ApiError`` when it cannot be reached."""
+        return self._request("GET", "/health").status_code == 200
+
+
+def _encode(body: Any) -> tuple[bytes | None, dict[str, str]]:
+    if body is None:
+        return None, {}
+    raw = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    headers = {"Content-Type": "application/json"}
+    if len(raw) >= GZIP_MIN_BYTES:
+        raw = gzip.compress(raw, compresslevel=1)  # level 1: most of the win, little CPU
+        headers["Content-Encoding"] = "gzip"
+    return raw, headers

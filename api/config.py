@@ -1,0 +1,84 @@
+"""Configuration of the batching API (``python -m api --help`` lists every field as a flag)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from launch.paths import RUNS_DIR
+
+TOKEN_ENV = "SHOP_R1_API_TOKEN"
+
+
+class ApiConfig(BaseModel):
+    """The batching API: durable queue of scored groups, leased batches, policy versions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    host: str = "127.0.0.1"
+    """Interface to bind. Loopback by default: exposing the API is an explicit choice."""
+    port: int = Field(8000, ge=0, le=65535)
+    """TCP port."""
+    db_path: Path = RUNS_DIR / "api" / "api.sqlite"
+    """SQLite database file (WAL mode); everything acknowledged to a client is in it."""
+    synchronous: Literal["FULL", "NORMAL"] = "FULL"
+    """SQLite `synchronous` pragma. FULL fsyncs the WAL on every commit, so an acknowledged
+    group survives power loss too; NORMAL survives a process crash (`kill -9`) but may lose
+    the last commits on an OS crash, in exchange for less fsync latency per request."""
+    token: str | None = Field(default_factory=lambda: os.environ.get(TOKEN_ENV) or None)
+    """Shared token required on every route when set (header `Authorization: Bearer <token>`
+    or `X-API-Token`); default: $SHOP_R1_API_TOKEN."""
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    """Largest accepted request body, after gzip decompression (larger: HTTP 413)."""
+    max_staleness: int = Field(2, ge=0)
+    """Groups sampled more than this many policy versions behind the live one are dropped
+    (counted per env in /status) instead of being served."""
+    default_batch_sequences: int = Field(64, ge=1)
+    """Batch size (sequences) assumed by backpressure until the trainer's first lease."""
+    env_timeout_s: float = Field(300.0, gt=0)
+    """An env not heard from for this long (and with nothing queued) leaves the fair shares."""
+    rate_window_s: float = Field(60.0, gt=0)
+    """Window of the ingest/serve rates in /status."""
+    atropos_lease_seconds: float = Field(600.0, gt=0)
+    """Atropos `GET /batch` has no ack: its batch is acked by the next `GET /batch`, or goes
+    back to the queue after this long if the trainer never asks again."""
+    atropos_missing_logprobs: Literal["reject", "zeros"] = "reject"
+    """Atropos groups without `inference_logprobs`: reject them (HTTP 422), or store 0.0
+    logprobs (only for trainers that ignore them, e.g. on-policy without importance ratios)."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Log level of the service and of uvicorn."""
+
+
+def _is_bool(annotation: Any) -> bool:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    return annotation is bool
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m api", description=ApiConfig.__doc__)
+    for name, field in ApiConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_text = " ".join((field.description or "").split()).replace("%", "%%")
+        if _is_bool(field.annotation):
+            ap.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                            default=argparse.SUPPRESS, help=help_text)  # fmt: skip
+        else:
+            ap.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=help_text)
+    return ap
+
+
+def parse_config(argv: list[str] | None = None) -> ApiConfig:
+    """Flags -> validated config (a bad value exits with a clear message)."""
+    ns = build_parser().parse_args(argv)
+    values = {name: getattr(ns, name) for name in ApiConfig.model_fields if name in ns}
+    try:
+        return ApiConfig.model_validate(values)
+    except ValidationError as e:
+        raise SystemExit(f"error: invalid ApiConfig:\n{e}") from None

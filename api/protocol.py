@@ -1,0 +1,260 @@
+"""Wire schemas of the batching API (pydantic). The data contract is in ../shared/DESIGN.md.
+
+Everything that crosses the wire is JSON validated by these models; nothing is pickled.
+Validation is strict where a bad value would poison training (lengths that disagree, non-finite
+scores, empty groups) and lenient where it only costs a label (free-form ``metrics``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+GROUP_ID_MAX = 200
+"""Longest accepted ``group_id`` (an idempotency key, usually a UUID)."""
+ENV_NAME_PATTERN = r"^[A-Za-z0-9_.:\-]{1,100}$"
+"""Environment names: short, printable, safe in logs and URLs."""
+
+
+class ScoredSequence(BaseModel):
+    """One completion of a group, aligned token by token."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: list[int] = Field(min_length=1, description="Prompt + completion token ids.")
+    mask: list[Literal[0, 1]] = Field(description="1 = a completion token to train on.")
+    logprobs: list[float] = Field(description="Inference logprobs aligned to `tokens`.")
+    score: float = Field(description="The reward of this completion (finite).")
+    spans: dict[str, list[Literal[0, 1]]] = Field(
+        default_factory=dict,
+        description="Named 0/1 token masks aligned to `tokens`, e.g. `rationale`.",
+    )
+
+    @field_validator("score")
+    @classmethod
+    def _finite_score(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("score must be finite")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _finite_logprobs(cls, v: list[float]) -> list[float]:
+        for i, x in enumerate(v):
+            if not math.isfinite(x):
+                raise ValueError(f"logprobs[{i}] is not finite")
+        return v
+
+    @model_validator(mode="after")
+    def _aligned(self) -> ScoredSequence:
+        n = len(self.tokens)
+        if len(self.mask) != n or len(self.logprobs) != n:
+            raise ValueError(
+                f"tokens, mask and logprobs must have equal lengths "
+                f"(got {n}, {len(self.mask)}, {len(self.logprobs)})"
+            )
+        for name, span in self.spans.items():
+            if len(span) != n:
+                raise ValueError(f"spans.{name} has length {len(span)}, tokens has {n}")
+        return self
+
+
+class ScoredGroup(BaseModel):
+    """All completions of one prompt, scored. ``group_id`` is the idempotency key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group_id: str = Field(min_length=1, max_length=GROUP_ID_MAX, description="Unique id.")
+    env: str = Field(pattern=ENV_NAME_PATTERN, description="Name of the producing environment.")
+    policy_version: int = Field(ge=0, description="Weight version that sampled the group.")
+    sequences: list[ScoredSequence] = Field(min_length=1, description="The completions.")
+    metrics: dict[str, float | int | bool | str | None] = Field(
+        default_factory=dict, description="Free-form per-group metrics (e.g. reward parts)."
+    )
+    extras: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Opaque fields passed through to the trainer unchanged (the Atropos "
+        "routes keep `advantages`, `ref_logprobs`, `messages`, `overrides`... here).",
+    )
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.sequences)
+
+
+# --- ingest -------------------------------------------------------------------------------
+
+
+class PushGroupsRequest(BaseModel):
+    """Body of ``POST /groups``. All-or-nothing: one invalid group rejects the request."""
+
+    groups: list[ScoredGroup] = Field(min_length=1)
+
+
+class PushGroupsResponse(BaseModel):
+    accepted: int = Field(description="Groups newly stored by this request.")
+    duplicates: int = Field(description="Groups whose group_id was already stored (kept once).")
+    stale: int = Field(0, description="Accepted groups already beyond max_staleness (dropped).")
+
+
+# --- environments and backpressure --------------------------------------------------------
+
+
+class RegisterEnvRequest(BaseModel):
+    """Body of ``POST /envs/register``; registering again updates weight and group size."""
+
+    name: str = Field(pattern=ENV_NAME_PATTERN)
+    weight: float = Field(1.0, gt=0, le=1e6, description="Share of batches (relative).")
+    group_size: int = Field(1, ge=1, le=65536, description="Sequences per group.")
+
+
+class RegisterEnvResponse(BaseModel):
+    name: str
+    weight: float
+    group_size: int
+    policy_version: int
+
+
+class Backpressure(BaseModel):
+    """Reply of ``GET /backpressure?env=NAME``."""
+
+    wanted: int = Field(description="Groups this env may push now without overfilling.")
+    policy_version: int = Field(description="Weight version the trainer reported last.")
+
+
+# --- batches ------------------------------------------------------------------------------
+
+
+class LeaseRequest(BaseModel):
+    """Body of ``POST /batches/lease``. At least one of the two budgets must be given."""
+
+    max_tokens: int | None = Field(None, ge=1, description="Budget: sum of sequence lengths.")
+    max_sequences: int | None = Field(None, ge=1, description="Budget: number of sequences.")
+    lease_seconds: float = Field(300.0, gt=0, le=7 * 86400, description="Lease duration.")
+    allow_partial: bool = Field(
+        False, description="Serve what is queued even if it does not fill the budget."
+    )
+
+    @model_validator(mode="after")
+    def _some_budget(self) -> LeaseRequest:
+        if self.max_tokens is None and self.max_sequences is None:
+            raise ValueError("give max_tokens and/or max_sequences")
+        return self
+
+
+class Lease(BaseModel):
+    """A leased batch (``200``); ``204`` means not enough data yet."""
+
+    batch_id: str
+    groups: list[ScoredGroup]
+    lease_deadline: float = Field(description="Unix time after which the groups go back.")
+    policy_version: int = Field(description="Weight version when the batch was formed.")
+
+
+class AckResponse(BaseModel):
+    batch_id: str
+    status: Literal["acked", "already_acked", "acked_late"] = Field(
+        description="`acked_late`: the lease had expired; groups not re-leased were acked."
+    )
+    groups_acked: int
+
+
+class PolicyVersionRequest(BaseModel):
+    version: int = Field(ge=0, description="Weight version now live on the inference servers.")
+
+
+class PolicyVersionResponse(BaseModel):
+    version: int
+    dropped: int = Field(description="Queued groups dropped as too stale by this update.")
+
+
+# --- status -------------------------------------------------------------------------------
+
+
+class EnvStatus(BaseModel):
+    name: str
+    weight: float
+    group_size: int
+    connected: bool
+    queued_groups: int
+    queued_sequences: int
+    leased_groups: int
+    acked_groups: int
+    dropped_groups: int = Field(description="Dropped for staleness (never served).")
+    duplicate_groups: int
+    min_queued_version: int | None
+    max_queued_version: int | None
+    wanted: int
+
+
+class Status(BaseModel):
+    current_step: int = Field(description="Batches served so far (Atropos field name).")
+    queue_size: int = Field(description="Queued groups, all envs (Atropos field name).")
+    policy_version: int
+    max_staleness: int
+    envs: list[EnvStatus]
+    queued_groups: int
+    active_leases: int
+    expired_leases: int
+    acked_batches: int
+    dropped_groups: int
+    ingest_groups_per_s: float = Field(description="Over the last `rate_window_s` seconds.")
+    serve_groups_per_s: float = Field(description="Over the last `rate_window_s` seconds.")
+    rate_window_s: float
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+# --- Atropos wire compatibility (field names as atroposlib's run-api sends them) ----------
+
+
+class AtroposRegistration(BaseModel):
+    """Body of Atropos ``POST /register`` (the trainer announces itself)."""
+
+    wandb_group: str = ""
+    wandb_project: str = ""
+    batch_size: int = Field(ge=1, description="Sequences per batch served by GET /batch.")
+    max_token_len: int = -1
+    checkpoint_dir: str = ""
+    save_checkpoint_interval: int = -1
+    starting_step: int = Field(0, ge=0)
+    num_steps: int = -1
+
+
+class AtroposRegisterEnv(BaseModel):
+    """Body of Atropos ``POST /register-env``."""
+
+    max_token_length: int = -1
+    desired_name: str = Field(min_length=1, max_length=80)
+    weight: float = Field(1.0, ge=0)
+    group_size: int = Field(1, ge=1)
+    min_batch_allocation: float | None = Field(
+        None, description="Accepted for compatibility; fair share uses `weight` only."
+    )
+
+
+class AtroposEnvIdentifier(BaseModel):
+    env_id: int
+
+
+class AtroposScoredData(BaseModel):
+    """One group as Atropos envs post it: parallel lists, one entry per completion.
+
+    `masks` are Atropos labels: -100 on tokens not to train, the token id elsewhere."""
+
+    tokens: list[list[int]] = Field(min_length=1)
+    masks: list[list[int]]
+    scores: list[float]
+    advantages: list[list[float]] | None = None
+    ref_logprobs: list[list[float]] | None = None
+    messages: list[list[dict[str, Any]]] | None = None
+    generation_params: dict[str, Any] | None = None
+    inference_logprobs: list[list[float]] | None = None
+    overrides: list[dict[str, Any]] | None = None
+    group_overrides: dict[str, Any] | None = None
+    images: Any | None = None
+    env_id: int | None = None
