@@ -1,0 +1,138 @@
+"""serve.py argument handling, the auth policy of the routes, and the trainer-side name checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from trainer.bridge import make_bridge
+from trainer.bridge.params import check_against_server, hf_tensors
+from vllm_patching.protocol import SETTINGS_ENV, TOKEN_HEADER, BridgeSettings
+from vllm_patching.routes import requires_token, token_ok
+from vllm_patching.serve import build, write_config_file
+
+pytestmark = pytest.mark.unit
+
+
+def _build(*extra: str):
+    return build(["--model", "/m", "--port", "8123", "--bridge-device", "cpu", *extra])
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.parametrize(
+    ("extra", "backend"),
+    [((), "gloo_bcast"), (("--single-copy",), "shm"), (("--bridge-mode", "none"), None)],
+)
+def test_backend_choice_on_cpu(extra: tuple[str, ...], backend: str | None) -> None:
+    settings, argv, env = _build(*extra)
+    assert settings.backend == backend
+    if backend:
+        assert json.loads(_flag(argv, "--weight-transfer-config")) == {"backend": backend}
+    else:
+        assert "--weight-transfer-config" not in argv
+    assert BridgeSettings.model_validate_json(env[SETTINGS_ENV]) == settings
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and "shop_r1_bridge" in env["VLLM_PLUGINS"]
+
+
+def test_cuda_backends_and_ipc_serialization() -> None:
+    settings, argv, env = build(["--model", "/m", "--bridge-device", "cuda", "--single-copy"])
+    assert settings.backend == "ipc" and env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    settings, _, _ = build(["--model", "/m", "--bridge-device", "cuda"])
+    assert settings.backend == "nccl"
+
+
+def test_defaults_bind_localhost_and_add_worker_extension() -> None:
+    _, argv, _ = _build()
+    assert _flag(argv, "--host") == "127.0.0.1"
+    assert _flag(argv, "--worker-extension-cls").endswith("BridgeWorkerExtension")
+    _, argv, _ = _build("--host", "0.0.0.0")
+    assert argv.count("--host") == 1
+
+
+def test_lora_mode_enables_runtime_lora() -> None:
+    settings, argv, env = _build("--bridge-mode", "lora_only", "--served-model-name", "pol")
+    assert "--enable-lora" in argv and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    assert settings.served_model_name == "pol"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--bridge-mode", "none", "--single-copy", "--model", "/m"],
+        ["--bridge-mode", "x", "--model", "/m"],
+    ],
+)
+def test_bad_flags_are_refused(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        build(argv)
+
+
+def test_config_file_is_rewritten_per_run(tmp_path) -> None:
+    path = tmp_path / "vllm_bridge_config.json"
+    path.write_text('{"run_id": "old-run", "handles": "stale"}')
+    settings, argv, _ = _build("--bridge-config", str(path))
+    write_config_file(settings, argv)
+    doc = json.loads(path.read_text())
+    assert doc["run_id"] == settings.run_id != "old-run"
+    assert doc["port"] == 8123 and "handles" not in doc
+    assert "token" not in path.read_text().lower()
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "guarded"),
+    [
+        ("POST", "/v1/completions", False),
+        ("POST", "/v1/chat/completions", False),
+        ("GET", "/bridge/info", False),
+        ("POST", "/pause", True),
+        ("POST", "/init_weight_transfer_engine", True),
+        ("POST", "/update_weights", True),
+        ("POST", "/collective_rpc", True),
+        ("POST", "/v1/load_lora_adapter", True),
+        ("POST", "/bridge/apply", True),
+        ("DELETE", "/some/future/route", True),
+    ],
+)
+def test_auth_policy_is_default_deny(method: str, path: str, guarded: bool) -> None:
+    assert requires_token(method, path) is guarded
+
+
+def test_token_check() -> None:
+    assert token_ok({TOKEN_HEADER: "s3cret"}, "s3cret")
+    assert token_ok({"authorization": "Bearer s3cret"}, "s3cret")
+    assert not token_ok({TOKEN_HEADER: "wrong"}, "s3cret")
+    assert not token_ok({}, "s3cret")
+
+
+def test_hf_tensors_skip_tied_lm_head_and_check_names() -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+    )  # fmt: skip
+    names = [n for n, _ in hf_tensors(Qwen2ForCausalLM(cfg))]
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    param_map = {n: {} for n in names}
+    check_against_server(names, param_map)
+    with pytest.raises(ValueError, match="missing"):
+        check_against_server([n for n in names if "k_proj" not in n], param_map)
+    with pytest.raises(ValueError, match="unknown"):
+        check_against_server([*names, "extra.weight"], param_map)
+    assert torch.is_tensor(hf_tensors(Qwen2ForCausalLM(cfg))[0][1])
+
+
+def test_make_bridge_rejects_bad_modes() -> None:
+    with pytest.raises(ValueError, match="unknown bridge mode"):
+        make_bridge("nope", ["http://127.0.0.1:1"])
+    with pytest.raises(ValueError, match="single_copy"):
+        make_bridge("none", ["http://127.0.0.1:1"], single_copy=True)
+    with pytest.raises(ValueError, match="save_dir"):
+        make_bridge("lora_only", ["http://127.0.0.1:1"])
+    with pytest.raises(ValueError, match="restart_interval"):
+        make_bridge("shared_vllm", ["http://127.0.0.1:1"], restart_interval=3)

@@ -1,0 +1,131 @@
+"""Packing plan, shared-memory segment and gloo group of the bridge's data plane."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from launch.procs import free_port
+from vllm_patching.transport import (
+    SHM_PREFIX,
+    ShmSegment,
+    TensorMeta,
+    broadcast,
+    check_segment_name,
+    dtype_name,
+    gloo_group,
+    metas_from_wire,
+    metas_to_wire,
+    pack_into,
+    plan_buckets,
+    unpack,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def _tensors() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("model.embed_tokens.weight", torch.randn(33, 8, generator=g)),
+        ("model.layers.0.self_attn.q_proj.weight", torch.randn(8, 8, generator=g)),
+        ("model.layers.0.self_attn.q_proj.bias", torch.randn(8, generator=g).to(torch.bfloat16)),
+        ("model.norm.weight", torch.randn(3, generator=g)),
+    ]
+
+
+def _metas(ts) -> list[TensorMeta]:
+    return [TensorMeta(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in ts]
+
+
+@pytest.mark.parametrize("bucket_bytes", [64, 300, 1 << 30])
+def test_pack_unpack_roundtrip_in_order(bucket_bytes: int) -> None:
+    ts = _tensors()
+    plan = plan_buckets(_metas(ts), bucket_bytes)
+    assert all(s.offset % 64 == 0 for s in plan.slots)
+    buckets = [torch.zeros(n, dtype=torch.uint8) for n in plan.bucket_sizes]
+    pack_into(plan, [t for _, t in ts], buckets)
+    out = list(unpack(plan, buckets))
+    assert [n for n, _ in out] == [n for n, _ in ts]
+    for (_, got), (_, want) in zip(out, ts, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_buckets_respect_size_and_oversized_tensor_travels_alone() -> None:
+    ts = _tensors()
+    plan = plan_buckets(_metas(ts), bucket_bytes=300)
+    # the 33x8 float32 embedding (1056 B) is larger than a bucket: alone in bucket 0
+    assert plan.slots[0].bucket == 0 and plan.bucket_sizes[0] >= 1056
+    assert plan.slots[1].bucket == 1
+    assert all(size <= 300 for size in plan.bucket_sizes[1:])
+
+
+def test_pack_casts_to_wire_dtype_and_rejects_wrong_shape() -> None:
+    ts = _tensors()
+    metas = [TensorMeta(m.name, "bfloat16", m.shape) for m in _metas(ts)]
+    plan = plan_buckets(metas)
+    buckets = [torch.zeros(n, dtype=torch.uint8) for n in plan.bucket_sizes]
+    pack_into(plan, [t for _, t in ts], buckets)
+    name, first = next(iter(unpack(plan, buckets)))
+    assert first.dtype == torch.bfloat16 and torch.equal(first, ts[0][1].to(torch.bfloat16))
+    with pytest.raises(ValueError, match="expected"):
+        pack_into(plan, [torch.zeros(2, 2)] + [t for _, t in ts[1:]], buckets)
+
+
+def test_wire_metadata_roundtrip_and_validation() -> None:
+    metas = _metas(_tensors())
+    wire = metas_to_wire(metas)
+    assert metas_from_wire(**wire) == metas
+    with pytest.raises(ValueError):
+        metas_from_wire(["a"], [], [[1]])
+    with pytest.raises(ValueError, match="unknown dtype"):
+        TensorMeta("a", "nodtype", (1,)).nbytes  # noqa: B018
+
+
+def test_shared_memory_segment_is_read_in_place_and_unlinked() -> None:
+    name = f"{SHM_PREFIX}unittest{free_port()}"
+    owner = ShmSegment(name, 4096, create=True)
+    reader = ShmSegment(name, 4096, create=False)
+    try:
+        owner.buffer[:4].copy_(torch.tensor([1, 2, 3, 4], dtype=torch.uint8))
+        assert reader.buffer[:4].tolist() == [1, 2, 3, 4]  # same pages, no copy
+        reader.buffer[4] = 9
+        assert int(owner.buffer[4]) == 9
+    finally:
+        reader.close()
+        owner.close()
+    with pytest.raises(FileNotFoundError):
+        ShmSegment(name, 4096, create=False)
+
+
+@pytest.mark.parametrize(
+    "bad", ["../etc/passwd", "psm_123", f"{SHM_PREFIX}a/b", f"{SHM_PREFIX}a.b"]
+)
+def test_segment_names_are_restricted(bad: str) -> None:
+    with pytest.raises(ValueError):
+        check_segment_name(bad)
+
+
+def test_gloo_broadcast_reaches_every_rank() -> None:
+    port = free_port()
+    got: dict[int, torch.Tensor] = {}
+
+    def rank(r: int) -> None:
+        group = gloo_group("127.0.0.1", port, r, 3, timeout_s=60)
+        t = (
+            torch.arange(1000, dtype=torch.uint8)
+            if r == 0
+            else torch.zeros(1000, dtype=torch.uint8)
+        )
+        broadcast(group, t)
+        got[r] = t
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert set(got) == {0, 1, 2}
+    assert torch.equal(got[1], got[0]) and torch.equal(got[2], got[0])

@@ -1,0 +1,82 @@
+"""The bridge interface the trainer uses: ``sync(model, version)`` then ``close()``."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import torch
+
+from trainer.bridge.http import ServerClient
+
+T = TypeVar("T")
+
+
+@dataclass
+class SyncStats:
+    """Timings of one sync (seconds); ``stall_s`` is how long generation was paused."""
+
+    version: int
+    total_s: float = 0.0
+    pack_s: float = 0.0
+    transfer_s: float = 0.0
+    stall_s: float = 0.0
+    bytes: int = 0
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class WeightBridge(ABC):
+    """Pushes the trainer's weights into one or more running vLLM servers.
+
+    ``sync`` returns when every server serves ``version`` (requests in flight during the
+    sync finish on the new weights); it raises on any failure, leaving the servers on the
+    previous weights or, for a partial failure, with generation resumed.
+    """
+
+    mode: ClassVar[str]
+
+    def __init__(
+        self, server_urls: Sequence[str], token: str | None = None, timeout: float = 600.0
+    ):
+        if not server_urls:
+            raise ValueError("at least one server url is needed")
+        self.servers = [ServerClient(u, token=token, timeout=timeout) for u in server_urls]
+        self.last_stats: SyncStats | None = None
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(2, len(self.servers)), thread_name_prefix="bridge"
+        )
+
+    @abstractmethod
+    def sync(self, model: torch.nn.Module, version: int) -> SyncStats:
+        """Make every server serve ``model``'s current weights as ``version``."""
+
+    def close(self) -> None:
+        for s in self.servers:
+            s.close()
+        self._pool.shutdown(wait=False)
+
+    def __enter__(self) -> WeightBridge:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def each(self, fn: Callable[[ServerClient], T]) -> list[T]:
+        """Run ``fn`` on every server concurrently; re-raise the first failure."""
+        futures = [self._pool.submit(fn, s) for s in self.servers]
+        return [f.result() for f in futures]
+
+    def paused_apply(self, version: int) -> tuple[float, list[dict[str, Any]]]:
+        """pause -> finish_weight_update(version) -> resume on every server, via the
+        server's /bridge/apply (one round trip; the server resumes in a ``finally``).
+
+        Returns the stall (wall time of the slowest server) and the servers' answers.
+        """
+        t0 = time.perf_counter()
+        answers = self.each(lambda s: s.post("/bridge/apply", json={"version": version}).json())
+        return time.perf_counter() - t0, answers

@@ -1,0 +1,126 @@
+"""Start/stop a patched vLLM server as a child process (tests, benchmarks, restart mode).
+
+The process runs in its own process group and is stopped by its PID (launch.procs).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from launch.procs import ManagedProcess, free_port
+from vllm_patching.protocol import TOKEN_ENV
+
+
+@dataclass
+class BridgeServer:
+    """A running ``vllm_patching.serve`` process."""
+
+    proc: ManagedProcess
+    port: int
+    served_model_name: str
+    config_path: Path
+    launch: dict
+    """The keyword arguments it was started with (what a restart reuses)."""
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+def cpu_env(token: str | None) -> dict[str, str]:
+    """vLLM-on-CPU environment: small KV cache, offline, no usage stats, our token."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    env["VLLM_NO_USAGE_STATS"] = "1"
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TRANSFORMERS_OFFLINE"] = "1"
+    if token is not None:
+        env[TOKEN_ENV] = token
+    return env
+
+
+def server_argv(
+    model: str | Path,
+    port: int,
+    mode: str,
+    config_path: Path,
+    single_copy: bool = False,
+    served_model_name: str = "tiny",
+    initial_version: int = 0,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    argv = [
+        sys.executable, "-m", "vllm_patching.serve",
+        "--model", str(model),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--served-model-name", served_model_name,
+        "--enforce-eager",
+        "--dtype", "float32",
+        "--max-model-len", "2048",
+        "--bridge-mode", mode,
+        "--bridge-config", str(config_path),
+        "--bridge-initial-version", str(initial_version),
+    ]  # fmt: skip
+    if single_copy:
+        argv.append("--single-copy")
+    return [*argv, *extra]
+
+
+def start_bridge_server(
+    model: str | Path,
+    mode: str,
+    log_path: Path,
+    *,
+    token: str | None = None,
+    single_copy: bool = False,
+    served_model_name: str = "tiny",
+    initial_version: int = 0,
+    extra: Sequence[str] = (),
+    port: int | None = None,
+    timeout: float = 600.0,
+) -> BridgeServer:
+    """Start the server and wait until /bridge/health answers (fails fast if it dies)."""
+    launch = dict(
+        model=model, mode=mode, log_path=log_path, token=token, single_copy=single_copy,
+        served_model_name=served_model_name, extra=list(extra), timeout=timeout,
+    )  # fmt: skip
+    port = port or free_port()
+    config_path = log_path.parent / f"vllm_bridge_config.{port}.json"
+    argv = server_argv(
+        model, port, mode, config_path, single_copy, served_model_name, initial_version, extra
+    )
+    proc = ManagedProcess(f"vllm-bridge-{mode}", argv, log_path, env=cpu_env(token)).start()
+    try:
+        proc.wait_http(f"http://127.0.0.1:{port}/bridge/health", timeout=timeout)
+    except BaseException:
+        proc.stop()
+        raise
+    return BridgeServer(proc, port, served_model_name, config_path, launch)
+
+
+def restart_bridge_server(
+    server: BridgeServer, model: str | Path, initial_version: int
+) -> BridgeServer:
+    """Stop ``server`` by its PID and start it again on the same port from ``model``.
+
+    A checkpoint folder holds weights and config only, so the original model keeps
+    providing the tokenizer. The new run gets a new run id and config file.
+    """
+    launch = dict(server.launch)
+    extra = list(launch.pop("extra"))
+    if "--tokenizer" not in extra:
+        extra += ["--tokenizer", str(launch["model"])]
+    launch["model"] = model
+    server.stop()
+    return start_bridge_server(
+        **launch, extra=extra, port=server.port, initial_version=initial_version
+    )

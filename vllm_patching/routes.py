@@ -1,0 +1,353 @@
+"""Endpoint plugin (``vllm.endpoint_plugins``): /bridge/* routes, token auth, version header.
+
+Loaded only in the API-server process, and only when VLLM_PLUGINS names it (serve.py sets
+that). Worker-side behaviour lives in the engines and in ``worker_ext.BridgeWorkerExtension``,
+which these routes reach through ``engine_client.collective_rpc`` -- the access path vLLM's
+plugin contract prescribes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import time
+from argparse import Namespace
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, HTTPException, Request
+from vllm.logger import init_logger
+
+from vllm_patching.protocol import (
+    PLUGIN_NAME,
+    SETTINGS_ENV,
+    TOKEN_ENV,
+    TOKEN_HEADER,
+    VERSION_HEADER,
+    ApplyRequest,
+    BridgeInfo,
+    BridgeSettings,
+    LoraLoadRequest,
+    ParamEntry,
+    ReloadRequest,
+    SyncResult,
+)
+
+logger = init_logger("vllm.shop_r1_bridge.routes")
+
+# Inference routes stay open (vLLM's own --api-key guards them if set); every other
+# non-GET route -- the dev/RL weight routes, pause/resume, collective_rpc, LoRA load,
+# /bridge/* -- needs the token. Default-deny: a route added by a future vLLM is guarded.
+OPEN_POST_PATHS = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/embeddings",
+        "/v1/messages",
+        "/tokenize",
+        "/detokenize",
+        "/inference/v1/generate",
+    }
+)
+VERSIONED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/inference/v1/generate"})
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+class BridgeState:
+    """Per-app state of the bridge (on ``app.state.bridge``)."""
+
+    def __init__(self, settings: BridgeSettings) -> None:
+        self.settings = settings
+        self.engine_client: Any = None
+        self.args: Namespace | None = None
+        self.version = str(settings.initial_version)
+        self.served_model = settings.served_model_name
+        self.loras: list[str] = []  # loaded adapter names, oldest first
+        self.param_map: dict[str, Any] = {}
+        self.tied_embeddings = False
+        self.lock = asyncio.Lock()  # one server-orchestrated sync at a time
+
+    async def refresh_version(self) -> None:
+        if self.engine_client is not None:
+            self.version = str(await self.engine_client.get_weight_version())
+
+
+def requires_token(method: str, path: str) -> bool:
+    return method not in SAFE_METHODS and path not in OPEN_POST_PATHS
+
+
+def token_ok(headers: dict[str, str], token: str) -> bool:
+    given = headers.get(TOKEN_HEADER, "")
+    auth = headers.get("authorization", "")
+    if not given and auth.lower().startswith("bearer "):
+        given = auth[7:]
+    return hmac.compare_digest(given.encode(), token.encode())
+
+
+class BridgeMiddleware:
+    """Pure ASGI middleware (streaming-safe): token check + version header + version cache."""
+
+    def __init__(self, app, state: BridgeState, token: str | None) -> None:
+        self.app = app
+        self.state = state
+        self.token = token
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        method, path = scope["method"], scope["path"]
+        if self.token and requires_token(method, path):
+            headers = {
+                k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
+            }
+            if not token_ok(headers, self.token):
+                await _deny(send)
+                return
+        version = self.state.version
+        status = 0
+
+        async def send_with_version(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                if path in VERSIONED_PATHS:
+                    message.setdefault("headers", [])
+                    message["headers"] = [
+                        *message["headers"],
+                        (VERSION_HEADER.encode(), version.encode()),
+                    ]
+            await send(message)
+
+        await self.app(scope, receive, send_with_version)
+        if (
+            method not in SAFE_METHODS
+            and status < 400
+            and path
+            in {
+                "/finish_weight_update",
+                "/update_weight_version",
+            }
+        ):
+            await self.state.refresh_version()
+
+
+async def _deny(send) -> None:
+    body = b'{"error": "missing or wrong bridge token (header x-shop-r1-bridge-token)"}'
+    await send(
+        {
+            "type": "http.response.start",
+            "status": HTTPStatus.UNAUTHORIZED.value,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def load_settings() -> BridgeSettings:
+    raw = os.environ.get(SETTINGS_ENV)
+    if not raw:
+        raise RuntimeError(
+            f"{SETTINGS_ENV} is not set: start the server with `python -m vllm_patching.serve`"
+        )
+    return BridgeSettings.model_validate_json(raw)
+
+
+router = APIRouter(prefix="/bridge")
+
+
+def _state(request: Request) -> BridgeState:
+    return request.app.state.bridge
+
+
+@router.get("/health")
+async def health(request: Request) -> dict[str, Any]:
+    st = _state(request)
+    return {
+        "status": "ok",
+        "mode": st.settings.mode,
+        "weight_version": st.version,
+        "run_id": st.settings.run_id,
+    }
+
+
+@router.get("/info", response_model=BridgeInfo)
+async def info(request: Request) -> BridgeInfo:
+    st = _state(request)
+    await st.refresh_version()
+    vcfg = st.engine_client.vllm_config
+    return BridgeInfo(
+        mode=st.settings.mode,
+        single_copy=st.settings.single_copy,
+        backend=st.settings.backend,
+        device=st.settings.device,
+        weight_version=st.version,
+        world_size=vcfg.parallel_config.world_size_across_dp,
+        dtype=str(vcfg.model_config.dtype).removeprefix("torch."),
+        model=str(vcfg.model_config.model),
+        served_model=st.served_model,
+        tied_embeddings=st.tied_embeddings,
+        param_map={k: ParamEntry(**v) for k, v in st.param_map.items()},
+        run_id=st.settings.run_id,
+        pid=os.getpid(),
+    )
+
+
+async def _paused(st: BridgeState, work) -> tuple[Any, float]:
+    """Run ``work()`` with the scheduler frozen; in-flight requests resume afterwards.
+
+    ``keep`` freezes running requests instead of aborting them; ``clear_cache`` drops the
+    prefix/KV cache, so frozen requests are recomputed with the new weights on resume.
+    """
+    engine = st.engine_client
+    t0 = time.perf_counter()
+    core = getattr(engine, "engine_core", None)
+    if hasattr(core, "pause_scheduler_async"):
+        # AsyncLLM.pause_generation is this call plus a 20 ms courtesy sleep (and an MM
+        # cache clear for multimodal models); the sleep would be a third of our stall.
+        renderer = getattr(engine, "renderer", None)
+        if renderer is not None and hasattr(renderer, "clear_mm_cache_async"):
+            await renderer.clear_mm_cache_async()
+        await core.pause_scheduler_async(mode="keep", clear_cache=True)
+    else:
+        await engine.pause_generation(mode="keep", clear_cache=True)
+    try:
+        result = await work()
+    finally:
+        await engine.resume_generation()
+    return result, time.perf_counter() - t0
+
+
+@router.post("/apply", response_model=SyncResult)
+async def apply(request: Request, body: ApplyRequest) -> SyncResult:
+    """pause -> finish_weight_update(version) -> resume in one call (shared_vllm).
+
+    The same native protocol steps the trainer could call one by one, minus two HTTP round
+    trips inside the stall; the resume is in a ``finally``.
+    """
+    st = _state(request)
+    if st.settings.mode != "shared_vllm":
+        raise HTTPException(
+            400, f"/bridge/apply is for shared_vllm, server runs {st.settings.mode}"
+        )
+    async with st.lock:
+
+        async def work():
+            await st.engine_client.finish_weight_update(str(body.version))
+
+        _, stall = await _paused(st, work)
+        detail = await st.engine_client.collective_rpc("bridge_last_timings")
+        await st.refresh_version()
+    return SyncResult(
+        weight_version=st.version,
+        served_model=st.served_model,
+        stall_s=stall,
+        detail={"workers": detail},
+    )
+
+
+@router.post("/reload", response_model=SyncResult)
+async def reload(request: Request, body: ReloadRequest) -> SyncResult:
+    st = _state(request)
+    if st.settings.mode != "none":
+        raise HTTPException(400, f"/bridge/reload is for mode none, server runs {st.settings.mode}")
+    if not os.path.isdir(body.path):
+        raise HTTPException(400, f"no such checkpoint folder: {body.path}")
+    async with st.lock:
+
+        async def work():
+            res = await st.engine_client.collective_rpc(
+                "bridge_reload_from_path", kwargs={"path": body.path}
+            )
+            await st.engine_client.update_weight_version(str(body.version))
+            return res
+
+        detail, stall = await _paused(st, work)
+        await st.refresh_version()
+    return SyncResult(
+        weight_version=st.version,
+        served_model=st.served_model,
+        stall_s=stall,
+        detail={"workers": detail},
+    )
+
+
+@router.post("/lora/load", response_model=SyncResult)
+async def lora_load(request: Request, body: LoraLoadRequest) -> SyncResult:
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    from vllm.entrypoints.serve.lora.protocol import (
+        LoadLoRAAdapterRequest,
+        UnloadLoRAAdapterRequest,
+    )
+
+    st = _state(request)
+    if st.settings.mode != "lora_only":
+        raise HTTPException(
+            400, f"/bridge/lora/load is for lora_only, server runs {st.settings.mode}"
+        )
+    models = request.app.state.openai_serving_models
+    name = f"{st.settings.served_model_name}-v{body.version}"
+    async with st.lock:
+        t0 = time.perf_counter()
+        # Loading a new name needs no pause: requests already running keep their adapter,
+        # new requests name the new one. Only the version label switches atomically.
+        res = await models.load_lora_adapter(
+            LoadLoRAAdapterRequest(lora_name=name, lora_path=body.path)
+        )
+        if isinstance(res, ErrorResponse):
+            raise HTTPException(res.error.code, res.error.message)
+        await st.engine_client.update_weight_version(str(body.version))
+        st.served_model = name
+        if name in st.loras:
+            st.loras.remove(name)
+        st.loras.append(name)
+        while len(st.loras) > st.settings.lora_keep:
+            old = st.loras.pop(0)
+            await models.unload_lora_adapter(UnloadLoRAAdapterRequest(lora_name=old))
+        await st.refresh_version()
+        stall = time.perf_counter() - t0
+    return SyncResult(
+        weight_version=st.version,
+        served_model=st.served_model,
+        stall_s=0.0,
+        detail={"load_s": stall, "loaded": list(st.loras)},
+    )
+
+
+class BridgeEndpointPlugin:
+    """The ``vllm.endpoint_plugins`` entry point (factory = this class)."""
+
+    name = PLUGIN_NAME
+    required_tasks = ("generate",)
+
+    def __init__(self) -> None:
+        self.settings = load_settings()
+        self.state = BridgeState(self.settings)
+
+    def attach_router(self, app: FastAPI) -> None:
+        token = os.environ.get(TOKEN_ENV) or None
+        if token is None:
+            logger.warning("%s is not set: mutating routes are NOT protected", TOKEN_ENV)
+        app.state.bridge = self.state
+        app.include_router(router)
+        app.add_middleware(BridgeMiddleware, state=self.state, token=token)
+
+    async def init_state(self, engine_client, state, args: Namespace) -> None:
+        st = self.state
+        st.engine_client = engine_client
+        st.args = args
+        if engine_client is None:
+            return
+        maps = await engine_client.collective_rpc("bridge_param_map")
+        st.param_map = maps[0]["params"]
+        st.tied_embeddings = bool(maps[0]["tied_embeddings"])
+        await engine_client.update_weight_version(str(self.settings.initial_version))
+        await st.refresh_version()
+        logger.info(
+            "shop-r1 bridge ready: mode=%s backend=%s version=%s",
+            st.settings.mode,
+            st.settings.backend,
+            st.version,
+        )

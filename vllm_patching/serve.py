@@ -1,0 +1,146 @@
+"""``python -m vllm_patching.serve --model PATH [vLLM args] --bridge-mode ...``
+
+Runs vLLM's own OpenAI server (in this process) with the bridge plugin enabled: parses the
+bridge flags, passes every other flag to vLLM, sets the environment the plugin reads, writes
+the per-run bridge config file, then hands over to ``vllm.entrypoints.openai.api_server``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from vllm_patching.protocol import PLUGIN_NAME, SETTINGS_ENV, BridgeConfigFile, BridgeSettings
+
+BACKENDS = {  # (device, single_copy) -> vLLM weight-transfer backend of shared_vllm
+    ("cpu", False): "gloo_bcast",
+    ("cpu", True): "shm",
+    ("cuda", False): "nccl",
+    ("cuda", True): "ipc",
+}
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(
+        "vllm_patching.serve", description=__doc__, allow_abbrev=False, add_help=False
+    )
+    p.add_argument(
+        "--bridge-mode", choices=["shared_vllm", "lora_only", "none"], default="shared_vllm"
+    )
+    p.add_argument("--single-copy", action="store_true", help="shared_vllm: shm (CPU) / IPC (GPU)")
+    p.add_argument("--bridge-config", default=None, help="where to write vllm_bridge_config.json")
+    p.add_argument("--bridge-initial-version", type=int, default=0)
+    p.add_argument("--bridge-lora-keep", type=int, default=2)
+    p.add_argument("--bridge-device", choices=["auto", "cpu", "cuda"], default="auto")
+    args, rest = p.parse_known_args(argv)
+    if args.single_copy and args.bridge_mode != "shared_vllm":
+        p.error("--single-copy only applies to --bridge-mode shared_vllm")
+    if args.bridge_lora_keep < 1:
+        p.error("--bridge-lora-keep must be >= 1")
+    return args, rest
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    """Value of ``--name X`` / ``--name=X`` in a vLLM argv, or None."""
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _detect_device() -> str:
+    from vllm.platforms import current_platform
+
+    return "cuda" if current_platform.is_cuda_alike() else "cpu"
+
+
+def build(argv: list[str]) -> tuple[BridgeSettings, list[str], dict[str, str]]:
+    """Bridge settings, the vLLM argv and the environment to add (no side effects)."""
+    args, vllm_args = parse_args(argv)
+    model = _flag(vllm_args, "--model")
+    if model is None:
+        raise SystemExit("vllm_patching.serve: --model is required")
+    vllm_args = list(vllm_args)
+    if _flag(vllm_args, "--host") is None:
+        vllm_args += ["--host", "127.0.0.1"]  # never listen on all interfaces by default
+    env = {"VLLM_SERVER_DEV_MODE": "1"}  # the native RL weight routes (guarded by our token)
+    plugins = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
+    env["VLLM_PLUGINS"] = ",".join(dict.fromkeys([*plugins, PLUGIN_NAME]))
+    device = _detect_device() if args.bridge_device == "auto" else args.bridge_device
+    backend = None
+    if args.bridge_mode == "shared_vllm":
+        backend = BACKENDS[(device, args.single_copy)]
+        vllm_args += ["--weight-transfer-config", json.dumps({"backend": backend})]
+        if backend == "ipc":
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # IPC handles travel pickled
+    if args.bridge_mode == "lora_only":
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+        if "--enable-lora" not in vllm_args:
+            vllm_args.append("--enable-lora")
+    if _flag(vllm_args, "--worker-extension-cls") is None:
+        vllm_args += ["--worker-extension-cls", "vllm_patching.worker_ext.BridgeWorkerExtension"]
+    run_id = uuid.uuid4().hex[:12]
+    config_path = args.bridge_config or str(
+        Path(tempfile.gettempdir()) / "shop_r1_bridge" / run_id / "vllm_bridge_config.json"
+    )
+    settings = BridgeSettings(
+        mode=args.bridge_mode,
+        single_copy=args.single_copy,
+        backend=backend,
+        device=device,  # type: ignore[arg-type]
+        initial_version=args.bridge_initial_version,
+        lora_keep=args.bridge_lora_keep,
+        run_id=run_id,
+        config_path=config_path,
+        served_model_name=(_flag(vllm_args, "--served-model-name") or model),
+    )
+    env[SETTINGS_ENV] = settings.model_dump_json()
+    return settings, vllm_args, env
+
+
+def write_config_file(settings: BridgeSettings, vllm_args: list[str]) -> Path:
+    """Write this run's config; an old file (a previous run) is replaced, never reused."""
+    path = Path(settings.config_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+            print(f"[bridge] replacing stale config of run {old.get('run_id')}", file=sys.stderr)
+        except (OSError, ValueError):
+            print(f"[bridge] replacing unreadable config {path}", file=sys.stderr)
+    doc = BridgeConfigFile(
+        run_id=settings.run_id,
+        pid=os.getpid(),
+        host=_flag(vllm_args, "--host") or "127.0.0.1",
+        port=int(_flag(vllm_args, "--port") or 8000),
+        settings=settings,
+        started_at=time.time(),
+    )
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(doc.model_dump_json(indent=2))
+    os.replace(tmp, path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings, vllm_args, env = build(sys.argv[1:] if argv is None else argv)
+    os.environ.update(env)
+    path = write_config_file(settings, vllm_args)
+    print(
+        f"[bridge] mode={settings.mode} backend={settings.backend} config={path}", file=sys.stderr
+    )
+    sys.argv = ["vllm.entrypoints.openai.api_server", *vllm_args]
+    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

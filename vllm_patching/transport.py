@@ -1,0 +1,238 @@
+"""Transport pieces shared by the trainer (sender) and the vLLM workers (receivers).
+
+Pure torch, no vLLM import: the trainer imports this module too. Both sides compute the
+same packing plan from the same metadata, so only names/dtypes/shapes travel over HTTP and
+the tensor bytes travel over the data plane (a gloo broadcast or a POSIX shared-memory
+segment) as a few large flat ``uint8`` buckets instead of one message per tensor.
+"""
+
+from __future__ import annotations
+
+import datetime
+import mmap
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+ALIGN = 64
+"""Every tensor starts on a 64-byte boundary (cache line; any dtype's alignment)."""
+DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+"""Largest broadcast message; a bigger tensor travels alone in its own bucket."""
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "shop_r1_bridge_"
+"""Segment names the shared-memory engine accepts (never an arbitrary path)."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One tensor in checkpoint (HF) format: name, dtype name (``"float32"``) and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * torch.empty((), dtype=torch_dtype(self.dtype)).element_size()
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor lives: bucket index and byte offset inside the bucket."""
+
+    meta: TensorMeta
+    bucket: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """Deterministic layout of a list of tensors into flat byte buckets."""
+
+    slots: tuple[Slot, ...]
+    bucket_sizes: tuple[int, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bucket_sizes)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"float32"`` -> ``torch.float32``; refuses names that are not torch dtypes."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def plan_buckets(metas: Sequence[TensorMeta], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> PackPlan:
+    """Pack tensors in order into buckets of at most ``bucket_bytes`` (greedy, aligned).
+
+    Order is preserved so that tensors of one decoder layer (and every shard of a fused
+    q/k/v or gate/up group) arrive together and vLLM's layerwise loader can process a
+    layer as soon as it is complete.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError("bucket_bytes must be positive")
+    slots: list[Slot] = []
+    sizes: list[int] = []
+    used = 0
+    for meta in metas:
+        size = _aligned(meta.nbytes)
+        if not sizes or (used + size > bucket_bytes and used > 0):
+            sizes.append(0)
+            used = 0
+        slots.append(Slot(meta, len(sizes) - 1, used))
+        used += size
+        sizes[-1] = used
+    return PackPlan(tuple(slots), tuple(sizes))
+
+
+def pack_into(
+    plan: PackPlan, tensors: Sequence[torch.Tensor], buckets: Sequence[torch.Tensor]
+) -> None:
+    """Copy ``tensors`` (same order as the plan) into the ``uint8`` bucket tensors.
+
+    Each tensor is cast to the plan's (serving) dtype first if it differs.
+    """
+    if len(tensors) != len(plan.slots):
+        raise ValueError(f"plan has {len(plan.slots)} tensors, got {len(tensors)}")
+    for slot, t in zip(plan.slots, tensors, strict=True):
+        if tuple(t.shape) != slot.meta.shape:
+            raise ValueError(
+                f"{slot.meta.name}: expected {slot.meta.dtype}{list(slot.meta.shape)}, "
+                f"got {dtype_name(t.dtype)}{list(t.shape)}"
+            )
+        if dtype_name(t.dtype) != slot.meta.dtype:
+            t = t.to(torch_dtype(slot.meta.dtype))
+        src = t.detach().contiguous().view(-1).view(torch.uint8).numpy()
+        dst = buckets[slot.bucket][slot.offset : slot.offset + slot.meta.nbytes].numpy()
+        # A single-threaded memcpy: torch's parallel copy_ stalls for tens of ms when the
+        # other cores are busy generating (measured on the 2-core CI box).
+        np.copyto(dst, src)
+
+
+def tensor_view(bucket: torch.Tensor, slot: Slot) -> torch.Tensor:
+    """A zero-copy typed view of one tensor inside its ``uint8`` bucket."""
+    nbytes = slot.meta.nbytes
+    raw = bucket[slot.offset : slot.offset + nbytes]
+    return raw.view(torch_dtype(slot.meta.dtype)).view(slot.meta.shape)
+
+
+def unpack(plan: PackPlan, buckets: Sequence[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, view)`` for every tensor of the plan, views into ``buckets`` (no copy)."""
+    for slot in plan.slots:
+        yield slot.meta.name, tensor_view(buckets[slot.bucket], slot)
+
+
+def metas_to_wire(metas: Sequence[TensorMeta]) -> dict[str, list]:
+    """Metadata as JSON lists (the shape of vLLM's own NCCL update_info)."""
+    return {
+        "names": [m.name for m in metas],
+        "dtype_names": [m.dtype for m in metas],
+        "shapes": [list(m.shape) for m in metas],
+    }
+
+
+def metas_from_wire(
+    names: list[str], dtype_names: list[str], shapes: list[list[int]]
+) -> list[TensorMeta]:
+    if not (len(names) == len(dtype_names) == len(shapes)):
+        raise ValueError("names, dtype_names and shapes must have the same length")
+    return [
+        TensorMeta(n, d, tuple(int(x) for x in s))
+        for n, d, s in zip(names, dtype_names, shapes, strict=True)
+    ]
+
+
+# ---------------------------------------------------------------- gloo process group
+
+
+def gloo_group(
+    host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0
+) -> torch.distributed.ProcessGroup:
+    """A stand-alone gloo group (no ``init_process_group``: the trainer's own default
+    group, if any, and vLLM's groups stay untouched). Rank 0 hosts the TCP store.
+
+    Blocks until all ``world_size`` ranks have joined.
+    """
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        host, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
+    )
+    return dist.ProcessGroupGloo(
+        dist.PrefixStore("shop_r1_bridge", store), rank, world_size, timeout
+    )
+
+
+def broadcast(group: torch.distributed.ProcessGroup, tensor: torch.Tensor, root: int = 0) -> None:
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    group.broadcast([tensor], opts).wait()
+
+
+# ---------------------------------------------------------------- POSIX shared memory
+
+
+def check_segment_name(name: str) -> str:
+    """Accept only our own flat segment names (no path tricks from an HTTP body)."""
+    if not name.startswith(SHM_PREFIX) or "/" in name or not name.replace("_", "").isalnum():
+        raise ValueError(f"bad shared-memory segment name {name!r}")
+    return name
+
+
+class ShmSegment:
+    """A POSIX shared-memory file in /dev/shm mapped into this process.
+
+    The trainer creates it (``create=True``) and unlinks it on close; a worker maps the
+    same name read-only and builds tensor views straight on the mapping, so the bytes the
+    trainer wrote are read in place: no second transfer copy.
+    """
+
+    def __init__(self, name: str, size: int, create: bool) -> None:
+        self.name = check_segment_name(name)
+        self.path = os.path.join(SHM_DIR, self.name)
+        self.size = size
+        self.owner = create
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size < size:
+                raise ValueError(f"segment {name} is smaller than {size} bytes")
+            self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)
+
+    def close(self) -> None:
+        # Drop the tensor view first: mmap.close() fails while a buffer export is alive.
+        self.buffer = None  # type: ignore[assignment]
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a view is still referenced elsewhere; the mapping goes with it
+        if self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,74 @@
+"""Worker-side RPC methods, mixed into vLLM's worker via ``--worker-extension-cls``.
+
+vLLM's supported way to add worker methods reachable through ``collective_rpc`` (the
+endpoint plugin calls them by name); no vLLM class is replaced or patched.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+class BridgeWorkerExtension:
+    """Methods added to every vLLM worker (``self`` is the worker)."""
+
+    def bridge_param_map(self) -> dict[str, Any]:
+        """HF checkpoint name -> vLLM parameter name and shard, for /bridge/info."""
+        from vllm_patching.engines.apply import tied_lm_head
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        out: dict[str, dict[str, Any]] = {}
+        for vname, _ in model.named_parameters(remove_duplicate=False):
+            parts = vname.split(".")
+            fused = next((p for p in parts if p in packed), None)
+            if fused is None:
+                out[vname] = {"vllm_name": vname, "shard": None}
+                continue
+            for idx, sub in enumerate(packed[fused]):
+                hf = ".".join(sub if p == fused else p for p in parts)
+                shard = sub.split("_")[0] if fused == "qkv_proj" else idx
+                out[hf] = {"vllm_name": vname, "shard": shard, "fused_group": packed[fused]}
+        lm_head = tied_lm_head(model)
+        if lm_head is not None:
+            out.pop("lm_head.weight", None)
+        return {
+            "params": out,
+            "tied_embeddings": lm_head is not None,
+            "rank": getattr(self, "rank", 0),
+        }
+
+    def bridge_reload_from_path(self, path: str) -> dict[str, float]:
+        """Load every ``*.safetensors`` file under ``path`` in place (the ``none`` mode)."""
+        from vllm.config import set_current_vllm_config
+
+        from vllm_patching.engines.apply import apply_weights
+
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors under {path}")
+        t0 = time.perf_counter()
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+            n = apply_weights(model, self.model_config, _read_safetensors(files))  # type: ignore[attr-defined]
+        self.model_runner.reset_lora_state()  # type: ignore[attr-defined]
+        return {"tensors": float(n), "apply_s": time.perf_counter() - t0}
+
+    def bridge_last_timings(self) -> dict[str, float]:
+        engine = getattr(self, "weight_transfer_engine", None)
+        return dict(getattr(engine, "last_timings", {}) or {})
+
+
+def _read_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(f, framework="pt", device="cpu") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, st.get_tensor(name)
