@@ -1,0 +1,42 @@
+"""Recipe + flags: YAML values, flags override them, Atropos-style names, clear errors."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from trainer.config import GrpoConfig, build_parser, config_from_args
+
+pytestmark = pytest.mark.unit
+
+
+def _parse(argv: list[str]) -> GrpoConfig:
+    parser = argparse.ArgumentParser()
+    build_parser(GrpoConfig, parser)
+    return config_from_args(GrpoConfig, parser.parse_args(argv))
+
+
+def test_yaml_then_flags(tmp_path: Path) -> None:
+    recipe = tmp_path / "grpo.yaml"
+    recipe.write_text("lr: 1.0e-7\nbatch-size: 16\ntis_cap: 2.0\nkl_beta: 0.01\n")
+    cfg = _parse(["--config", str(recipe), "--batch-size", "64", "--tis-cap", "none",
+                  "--weight-bridge-mode", "lora_only", "--lora-r", "8", "--single-copy",
+                  "--server-urls", "http://a:1", "http://b:2"])  # fmt: skip
+    assert cfg.lr == 1e-7 and cfg.kl_beta == 0.01  # from the recipe
+    assert cfg.batch_size == 64 and cfg.tis_cap is None  # flags win
+    assert cfg.weight_bridge_mode == "lora_only" and cfg.lora_r == 8 and cfg.single_copy
+    assert cfg.inference_urls() == ["http://a:1", "http://b:2"]
+    assert _parse(["--vllm-port", "9100"]).inference_urls() == ["http://127.0.0.1:9100"]
+
+
+def test_bad_values_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="lr"):
+        _parse(["--lr", "fast"])
+    with pytest.raises(SystemExit, match="tis_cap"):
+        _parse(["--tis-cap", "0.5"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("no_such_option: 1\n")
+    with pytest.raises(SystemExit, match="no_such_option"):
+        _parse(["--config", str(bad)])

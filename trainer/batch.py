@@ -1,0 +1,112 @@
+"""Scored groups (the data contract in DESIGN.md) -> padded tensors in token-budget micro-batches."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SeqItem:
+    """One completion of a group, validated, with its place in the batch."""
+
+    tokens: list[int]
+    mask: list[int]
+    """1 = a completion token to train on (aligned to ``tokens``)."""
+    logprobs: list[float]
+    """Inference logprobs aligned to ``tokens`` (values under mask 0 are ignored)."""
+    rationale: list[int]
+    """1 = a rationale token (self-certainty span), aligned to ``tokens``; may be all 0."""
+    score: float
+    group: int
+    """Index of the group within the batch (advantage normalisation unit)."""
+    index: int
+    """Position of this item in the flattened batch."""
+    policy_version: int
+    trainable: bool
+    """False when the sequence is over ``max_seq_len``: it still counts in its group's
+    statistics (its score is real) but is left out of the loss rather than truncated, since a
+    truncated context would no longer match the logprobs it was sampled with."""
+
+
+def _field(obj: Any, name: str, default: Any = None) -> Any:
+    return obj.get(name, default) if isinstance(obj, Mapping) else getattr(obj, name, default)
+
+
+def flatten_groups(groups: Sequence[Any], max_seq_len: int) -> tuple[list[SeqItem], int]:
+    """Validate and flatten groups (dicts or pydantic objects). Returns the items and the
+    number of sequences dropped as malformed (named in the log with their group id)."""
+    items: list[SeqItem] = []
+    dropped = 0
+    for g_idx, group in enumerate(groups):
+        version = int(_field(group, "policy_version", 0) or 0)
+        for seq in _field(group, "sequences", []):
+            tokens = list(_field(seq, "tokens", []))
+            mask = list(_field(seq, "mask", []))
+            logprobs = list(_field(seq, "logprobs", []))
+            spans = _field(seq, "spans", None) or {}
+            rationale = list(_field(spans, "rationale", None) or [0] * len(tokens))
+            lengths = {len(tokens), len(mask), len(logprobs), len(rationale)}
+            if len(lengths) != 1 or len(tokens) < 2 or not any(mask):
+                log.warning("dropping a malformed sequence of group %s (lengths %s, %d masked)",
+                            _field(group, "group_id"), sorted(lengths), sum(mask))  # fmt: skip
+                dropped += 1
+                continue
+            items.append(
+                SeqItem(
+                    tokens,
+                    mask,
+                    [float(x) for x in logprobs],
+                    rationale,
+                    float(_field(seq, "score")),
+                    g_idx,
+                    len(items),
+                    version,
+                    trainable=len(tokens) <= max_seq_len,
+                )  # fmt: skip
+            )
+    return items, dropped
+
+
+def micro_batches(items: list[SeqItem], max_tokens: int) -> list[list[SeqItem]]:
+    """Split trainable items so each micro-batch's padded size (rows x longest) <= max_tokens.
+
+    Items are sorted by length first so padding stays small; a single sequence longer than
+    the budget still gets its own micro-batch (the budget is a target, not a hard limit).
+    """
+    batches: list[list[SeqItem]] = []
+    current: list[SeqItem] = []
+    for item in sorted((i for i in items if i.trainable), key=lambda i: len(i.tokens)):
+        longest = max([len(item.tokens)] + [len(c.tokens) for c in current])
+        if current and longest * (len(current) + 1) > max_tokens:
+            batches.append(current)
+            current = []
+        current.append(item)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def collate(items: list[SeqItem], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-padded ``[B, L]`` tensors; padding has attention 0 and mask 0."""
+    length = max(len(i.tokens) for i in items)
+
+    def pad(rows: list[list[Any]], value: Any, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.full((len(rows), length), value, dtype=dtype)
+        for r, row in enumerate(rows):
+            out[r, : len(row)] = torch.tensor(row, dtype=dtype)
+        return out.to(device)
+
+    return {
+        "tokens": pad([i.tokens for i in items], pad_id, torch.long),
+        "attention": pad([[1] * len(i.tokens) for i in items], 0, torch.long),
+        "mask": pad([i.mask for i in items], 0, torch.long),
+        "logprobs": pad([i.logprobs for i in items], 0.0, torch.float32),
+        "rationale": pad([i.rationale for i in items], 0, torch.long),
+    }

@@ -1,0 +1,183 @@
+"""Resumable checkpoints, written atomically.
+
+Layout of ``<save_path>/checkpoints/step_000042/``:
+- ``model/``: ``save_pretrained`` output (safetensors; under LoRA the adapter) + tokenizer, so
+  the directory loads in transformers and vLLM as is;
+- ``optimizer.pt``, ``scheduler.pt``, ``rng.pt``: the exact training state;
+- ``trainer_state.json``: step, policy version, data position, consumed batch/group ids.
+
+A checkpoint is built in a temporary sibling directory and renamed into place, so a
+``step_*`` directory is always complete: a kill at any moment leaves either the previous
+checkpoint or the new one, never a half-written one the resume would trust.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+PREFIX = "step_"
+
+
+@dataclass
+class TrainerState:
+    """Everything besides tensors that a resume needs to continue exactly."""
+
+    step: int = 0
+    """Optimizer steps completed."""
+    policy_version: int = 0
+    """Version of the weights last synced to inference (GRPO)."""
+    data_epoch: int = 0
+    """SFT: epoch of the next example."""
+    data_index: int = 0
+    """SFT: position of the next example within the epoch's shuffled order."""
+    recent_batches: list[dict[str, Any]] = field(default_factory=list)
+    """GRPO: the last batches trained into this lineage, ``{"batch_id", "group_ids"}``, so a
+    batch re-leased after a crash (trained and checkpointed, ack lost) is acked, not retrained."""
+
+
+def checkpoints_dir(save_path: str | Path) -> Path:
+    return Path(save_path) / "checkpoints"
+
+
+def list_checkpoints(save_path: str | Path) -> list[Path]:
+    root = checkpoints_dir(save_path)
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
+    return sorted(done, key=lambda p: int(p.name[len(PREFIX) :]))
+
+
+def latest_checkpoint(save_path: str | Path) -> Path | None:
+    found = list_checkpoints(save_path)
+    return found[-1] if found else None
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in path.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def save_checkpoint(
+    save_path: str | Path,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    state: TrainerState,
+    keep: int = 2,
+) -> Path:
+    """Write checkpoint ``step_<state.step>`` atomically and prune to the newest ``keep``."""
+    root = checkpoints_dir(save_path)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{state.step:06d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    model.save_pretrained(tmp / "model", safe_serialization=True)
+    tokenizer.save_pretrained(tmp / "model")
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    torch.save(_rng_state(), tmp / "rng.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
+    _fsync_tree(tmp)
+    if final.exists():  # same step saved again (e.g. end of run right after a periodic save)
+        old = root / f".old-{final.name}-{os.getpid()}"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+    for stale in list_checkpoints(save_path)[:-keep]:
+        shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
+    """Load checkpointed weights into ``model`` in place (full model or LoRA adapter)."""
+    adapter = model_dir / "adapter_model.safetensors"
+    if adapter.exists():
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, load_file(adapter))
+        if result.unexpected_keys:
+            raise RuntimeError(f"adapter checkpoint has unknown keys: {result.unexpected_keys}")
+        return
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no safetensors weights in {model_dir}")
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state.update(load_file(shard))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    real_missing = [k for k in missing if not (tied and k.startswith("lm_head."))]
+    if unexpected or real_missing:
+        raise RuntimeError(f"checkpoint mismatch: missing={real_missing} unexpected={unexpected}")
+
+
+def load_checkpoint(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> TrainerState:
+    """Restore weights, optimizer, scheduler and RNG from ``path``; return the trainer state."""
+    load_weights(model, path / "model")
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    _set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    return TrainerState(**json.loads((path / "trainer_state.json").read_text()))
+
+
+def save_final_model(save_path: str | Path, model: torch.nn.Module, tokenizer: Any) -> Path:
+    """The servable model at ``<save_path>`` (written to a temporary directory first, then
+    each file moved into place with ``os.replace``; checkpoints and logs are left alone).
+
+    Under LoRA the adapter is merged into a copy of the base so vLLM can serve it directly.
+    """
+    out = Path(save_path)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".tmp-final-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    to_save = model
+    if hasattr(model, "merge_and_unload"):
+        import copy
+
+        to_save = copy.deepcopy(model).merge_and_unload()
+    to_save.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    _fsync_tree(tmp)
+    for stale in out.iterdir():  # old weight shards the new save may not overwrite
+        if stale.is_file() and (
+            stale.suffix == ".safetensors" or stale.name.endswith(".safetensors.index.json")
+        ):
+            stale.unlink()
+    for f in tmp.iterdir():
+        os.replace(f, out / f.name)
+    tmp.rmdir()
+    return out

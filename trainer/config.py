@@ -1,0 +1,275 @@
+"""Trainer configs (pydantic) and their command line: a YAML recipe (``--config``) overridden by
+flags. Every field is documented once, by its docstring; ``--help`` prints those docstrings.
+
+This module imports no torch, so ``python -m trainer ... --help`` and config errors are fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from launch.paths import DATA_DIR, RUNS_DIR, SFT_MODEL_DIR, TINY_MODEL_DIR
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class CommonConfig(_Config):
+    """Options shared by SFT and GRPO: model, precision, optimizer, schedule, checkpoints, logs."""
+
+    model_name: str = str(TINY_MODEL_DIR)
+    """Hugging Face model id or local directory to start from."""
+    save_path: str = ""
+    """Output directory: the final model (save_pretrained, safetensors) goes here, resumable
+    checkpoints under ``<save_path>/checkpoints``, metrics in ``<save_path>/metrics.jsonl``."""
+    resume: bool = False
+    """Continue from the latest complete checkpoint in ``<save_path>/checkpoints`` (weights,
+    optimizer, scheduler, RNG, step, data position / consumed batches)."""
+    overwrite: bool = False
+    """Delete the checkpoints already in ``<save_path>/checkpoints`` and start over (without
+    it, and without ``--resume``, a directory holding checkpoints is refused)."""
+    seed: int = 0
+    """Seed for data order, initialisation of LoRA weights and sampling in evaluation."""
+    device: str = "auto"
+    """``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    """Compute precision. Weights and optimizer state are always fp32 (master copy); ``bf16``
+    runs the forward/backward under bf16 autocast. ``auto``: bf16 on CUDA, fp32 on CPU."""
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """Attention kernel. ``auto``: FlashAttention 2 if it is installed and we are on CUDA with
+    bf16, else PyTorch SDPA. Asking for ``flash_attention_2`` without it falls back to SDPA
+    with a warning instead of crashing."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, ~30% more compute)."""
+    lr: float = 1e-5
+    """Peak learning rate (after warm-up)."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of ``lr`` for the cosine/linear schedules."""
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warm-up, over ``training_steps`` optimizer steps."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 to ``lr`` over this many optimizer steps."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay (not applied to biases and norm weights)."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value (0 disables clipping)."""
+    training_steps: int = 100
+    """Number of optimizer steps to run."""
+    save_every: int = 50
+    """Write a resumable checkpoint every this many optimizer steps (and at the end)."""
+    keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep on disk."""
+    lora_r: int = 0
+    """LoRA rank; 0 trains all weights. With LoRA the frozen base is the KL reference."""
+    lora_alpha: int = 32
+    """LoRA scaling numerator (scale = lora_alpha / lora_r)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    lora_target_modules: str = "all-linear"
+    """Modules that get adapters: ``all-linear`` or a comma-separated list of module names."""
+    max_seq_len: int = 2048
+    """Longest sequence (prompt + completion) the trainer puts through the model."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files to ``<save_path>/tb`` (if tensorboard is installed)."""
+    wandb_project: str | None = None
+    """Weights & Biases project to log to (only when set and wandb is installed)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> CommonConfig:
+        if self.training_steps < 1 or self.save_every < 1 or self.keep_checkpoints < 1:
+            raise ValueError("training_steps, save_every and keep_checkpoints must be >= 1")
+        if self.lr <= 0 or self.max_seq_len < 8:
+            raise ValueError("lr must be > 0 and max_seq_len >= 8")
+        return self
+
+
+class SftConfig(CommonConfig):
+    """Supervised cold start on the Shop-R1 dataset: rationale + action JSON as the target."""
+
+    save_path: str = str(SFT_MODEL_DIR)
+    """Output directory of the SFT model (default: the embedded SFT checkpoint location)."""
+    data_dir: str = str(DATA_DIR)
+    """Dataset directory (train/validation/test JSONL); generated here if it does not exist."""
+    num_sessions: int = 400
+    """Sessions to simulate when the dataset has to be generated."""
+    lr: float = 2e-3
+    """Peak learning rate (the embedded tiny model trains from scratch, hence the high default)."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of ``lr`` for the cosine/linear schedules."""
+    warmup_steps: int = 10
+    """Linear warm-up from 0 to ``lr`` over this many optimizer steps."""
+    training_steps: int = 150
+    """Number of optimizer steps (the data loops over epochs as needed). The defaults reach a
+    ~60% greedy format-valid rate on the embedded model (docs/TRAINER.md)."""
+    batch_size: int = 8
+    """Examples per optimizer step."""
+    micro_batch_size: int = 8
+    """Examples per forward/backward; batch_size / micro_batch_size micro-batches accumulate."""
+    max_seq_len: int = 1024
+    """Prompt + target token budget; the prompt's oldest context is dropped first."""
+    latest_only: bool = False
+    """Show only the latest page (plus the action history) instead of every page so far."""
+    eval_every: int = 50
+    """Measure validation loss every this many steps (and at the end)."""
+    eval_examples: int = 64
+    """Validation examples for the validation loss."""
+    eval_generate: int = 32
+    """Validation prompts for the greedy format-valid rate at the end (0 skips it)."""
+    max_new_tokens: int = 160
+    """Generation budget for the format-valid measurement."""
+
+    @model_validator(mode="after")
+    def _check_batch(self) -> SftConfig:
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError("batch_size must be a multiple of micro_batch_size")
+        return self
+
+
+class GrpoConfig(CommonConfig):
+    """GRPO on scored groups leased from the batching API, weights synced into vLLM."""
+
+    model_name: str = str(SFT_MODEL_DIR)
+    """Model to start from (default: the embedded SFT cold-start checkpoint)."""
+    save_path: str = str(RUNS_DIR / "grpo")
+    """Run directory: final model, checkpoints, metrics.jsonl."""
+    lr: float = 1e-6
+    """Peak learning rate (the paper uses 1e-7 on Qwen2.5-3B; fp32 master weights keep it)."""
+    lr_schedule: Literal["cosine", "linear", "constant"] = "constant"
+    """Decay after warm-up, over ``training_steps`` optimizer steps."""
+    save_every: int = 1
+    """Checkpoint every N steps. Batches are acked only after a checkpoint holds them, so
+    ``lease_seconds`` must cover N steps."""
+    api_url: str = "http://127.0.0.1:8000"
+    """Base URL of the batching API."""
+    api_token: str | None = None
+    """Shared token for the API's mutating routes."""
+    batch_size: int = 32
+    """Most sequences per leased batch (= one optimizer step)."""
+    max_batch_tokens: int = 65536
+    """Most tokens per leased batch."""
+    micro_batch_tokens: int = 8192
+    """Padded tokens per forward/backward; micro-batches accumulate into one step."""
+    lease_seconds: float = 600.0
+    """Lease length asked of the API; an unacked batch returns to the queue after it."""
+    wait_timeout: float = 600.0
+    """Give up (exit non-zero) when the API has had no batch for this long."""
+    poll_interval: float = 1.0
+    """Seconds between lease attempts while the API has not enough data."""
+    weight_bridge_mode: Literal["shared_vllm", "lora_only", "none"] = "shared_vllm"
+    """How new weights reach vLLM after each step (see DESIGN.md, weight bridge)."""
+    single_copy: bool = False
+    """shared_vllm on the same device: share one copy of the weights (IPC / shared memory)."""
+    vllm_host: str = "127.0.0.1"
+    """Host of the patched vLLM server."""
+    vllm_port: int = 9001
+    """Port of the patched vLLM server (ignored when ``server_urls`` is given)."""
+    server_urls: list[str] = []
+    """Inference server base URLs (several for data-parallel vLLM); default from host/port."""
+    inference_device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the vLLM workers run (picks the bridge transport); auto: the trainer's device."""
+    bridge_token: str | None = None
+    """Shared token for the vLLM server's /bridge routes."""
+    vllm_restart_interval: int = 1
+    """Mode ``none``: reload weights from the saved checkpoint every N steps."""
+    temperature: float = 1.0
+    """Sampling temperature the completions were drawn with; divides the trainer's logits."""
+    clip_low: float = 0.2
+    """PPO clip: ratio lower bound is 1 - clip_low."""
+    clip_high: float = 0.2
+    """PPO clip: ratio upper bound is 1 + clip_high (0.28 = DAPO's clip-higher)."""
+    tis_cap: float | None = None
+    """Truncated importance weight cap for the inference/trainer mismatch; None = ratio taken
+    directly against the inference logprobs."""
+    kl_beta: float = 0.001
+    """Weight of the k3 KL to the reference (frozen initial model, or the base under LoRA)."""
+    self_certainty_alpha: float = 0.005
+    """Weight of the self-certainty rationale reward added to each score before normalising."""
+    adv_eps: float = 1e-6
+    """Epsilon in (score - mean) / (std + eps)."""
+    loss_aggregation: Literal["token", "sequence"] = "token"
+    """Average the loss over all tokens of the step, or per sequence then over sequences."""
+
+    @model_validator(mode="after")
+    def _check_grpo(self) -> GrpoConfig:
+        if self.temperature <= 0:
+            raise ValueError("temperature must be > 0")
+        if self.tis_cap is not None and self.tis_cap < 1.0:
+            raise ValueError("tis_cap must be >= 1 (a cap below 1 down-weights every token)")
+        return self
+
+    def inference_urls(self) -> list[str]:
+        return self.server_urls or [f"http://{self.vllm_host}:{self.vllm_port}"]
+
+
+C = TypeVar("C", bound=_Config)
+
+
+def _flag_kind(annotation: Any) -> tuple[str, bool]:
+    """('bool' | 'list' | 'scalar', optional?) for an annotation."""
+    args = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    optional = origin in (typing.Union, types.UnionType) and type(None) in args
+    if optional:
+        annotation = next(a for a in args if a is not type(None))
+        origin = typing.get_origin(annotation)
+    if annotation is bool:
+        return "bool", optional
+    if origin is list:
+        return "list", optional
+    return "scalar", optional
+
+
+def build_parser(cls: type[_Config], parser: argparse.ArgumentParser) -> None:
+    """One ``--kebab-case`` flag per field, its help = the field's docstring."""
+    parser.add_argument("--config", type=Path, help="YAML recipe; flags override its values.")
+    for name, field in cls.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        kind, _ = _flag_kind(field.annotation)
+        help_text = f"{field.description or ''} (default: {field.default!r})".replace("%", "%%")
+        if kind == "bool":
+            parser.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                help=help_text,
+            )  # fmt: skip
+        elif kind == "list":
+            parser.add_argument(
+                flag, dest=name, nargs="*", default=argparse.SUPPRESS, help=help_text
+            )
+        else:
+            parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=help_text)
+
+
+def config_from_args(cls: type[C], ns: argparse.Namespace) -> C:
+    """Merge the YAML recipe with the flags given and validate (clear errors, exit code 2)."""
+    values: dict[str, Any] = {}
+    path = getattr(ns, "config", None)
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise SystemExit(f"error: {path} must hold a mapping of option: value")
+        values.update({k.replace("-", "_"): v for k, v in loaded.items()})
+    for name, field in cls.model_fields.items():
+        if name in ns:
+            value = getattr(ns, name)
+            _, optional = _flag_kind(field.annotation)
+            if optional and isinstance(value, str) and value.lower() in ("none", "null"):
+                value = None
+            values[name] = value
+    try:
+        return cls.model_validate(values)
+    except ValidationError as e:
+        raise SystemExit(f"error: invalid {cls.__name__}:\n{e}") from None

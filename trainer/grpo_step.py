@@ -1,0 +1,127 @@
+"""One GRPO optimizer step on a leased batch: self-certainty -> advantages -> clipped loss.
+
+Two passes over the micro-batches: a no-grad pass computes what the advantages need before
+any loss can be formed (the self-certainty bonus from full-vocabulary logits) plus the
+reference logprobs for the KL; the second pass computes the loss and accumulates gradients.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from trainer.batch import SeqItem, collate, micro_batches
+from trainer.config import GrpoConfig
+from trainer.loss import group_advantages, policy_loss, self_certainty, shift_aligned, token_stats
+from trainer.model import LoadedModel, Reference, autocast, vocab_size
+from trainer.optim import clip_and_step
+
+
+@dataclass
+class StepContext:
+    loaded: LoadedModel
+    reference: Reference | None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    cfg: GrpoConfig
+
+
+def _logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(
+        input_ids=batch["tokens"], attention_mask=batch["attention"], use_cache=False
+    ).logits
+
+
+@torch.no_grad()
+def _scoring_pass(ctx: StepContext, mbs: list[list[SeqItem]], n_items: int):
+    """Per-item self-certainty, per-micro-batch reference logprobs, and batch statistics."""
+    lm, cfg = ctx.loaded, ctx.cfg
+    certainty = torch.zeros(n_items)
+    ref_lps: list[torch.Tensor | None] = []
+    ent_sum = tok_sum = mismatch_sum = 0.0
+    lm.model.eval()  # no dropout while measuring
+    for mb in mbs:
+        batch = collate(mb, lm.tokenizer.pad_token_id, lm.device)
+        with autocast(lm.device, lm.compute_dtype):
+            stats = token_stats(_logits(lm.model, batch), batch["tokens"], cfg.temperature)
+        mask = shift_aligned(batch["mask"]).float()
+        span = shift_aligned(batch["rationale"])
+        sc = self_certainty(stats.entropy, span, vocab_size(lm.model))
+        certainty[[i.index for i in mb]] = sc.cpu()
+        ent_sum += float((stats.entropy * mask).sum())
+        tok_sum += float(mask.sum())
+        inf_lp = shift_aligned(batch["logprobs"])
+        mismatch_sum += float(((stats.logprobs - inf_lp).abs() * mask).sum())
+        ref_lps.append(None)
+        if ctx.reference is not None and cfg.kl_beta > 0:
+            with ctx.reference.model() as ref, autocast(lm.device, lm.compute_dtype):
+                ref_stats = token_stats(_logits(ref, batch), batch["tokens"], cfg.temperature,
+                                        with_entropy=False)  # fmt: skip
+            ref_lps[-1] = ref_stats.logprobs
+    lm.model.train()
+    tok = max(tok_sum, 1.0)
+    return certainty, ref_lps, {"entropy": ent_sum / tok, "logprob_mismatch": mismatch_sum / tok}
+
+
+def grpo_step(ctx: StepContext, items: list[SeqItem]) -> dict[str, float]:
+    """Advantages, loss, backward over micro-batches, clip, optimizer step. Returns metrics."""
+    lm, cfg = ctx.loaded, ctx.cfg
+    t0 = time.monotonic()
+    mbs = micro_batches(items, cfg.micro_batch_tokens)
+    if not mbs:
+        raise ValueError("batch has no trainable sequence (all too long or malformed)")
+    certainty, ref_lps, scoring = _scoring_pass(ctx, mbs, len(items))
+    scores = torch.tensor([i.score for i in items])
+    total = scores + cfg.self_certainty_alpha * certainty
+    adv = group_advantages(total, torch.tensor([i.group for i in items]), eps=cfg.adv_eps)
+    trainable = [i for mb in mbs for i in mb]
+    n_tokens = sum(sum(i.mask[1:]) for i in trainable)
+    normaliser = float(n_tokens if cfg.loss_aggregation == "token" else len(trainable))
+    sums: dict[str, float] = {}
+    loss_total = 0.0
+    for mb, ref_lp in zip(mbs, ref_lps, strict=True):
+        batch = collate(mb, lm.tokenizer.pad_token_id, lm.device)
+        with autocast(lm.device, lm.compute_dtype):
+            logits = _logits(lm.model, batch)
+        stats = token_stats(logits, batch["tokens"], cfg.temperature, with_entropy=False)
+        out = policy_loss(
+            stats.logprobs,
+            shift_aligned(batch["logprobs"]),
+            adv[[i.index for i in mb]].to(lm.device),
+            shift_aligned(batch["mask"]),
+            normaliser=normaliser,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            tis_cap=cfg.tis_cap,
+            ref_logprobs=ref_lp,
+            kl_beta=cfg.kl_beta,
+            aggregation=cfg.loss_aggregation,
+        )
+        out.loss.backward()
+        loss_total += float(out.loss.detach())
+        for k, v in out.sums.items():
+            sums[k] = sums.get(k, 0.0) + v
+    grad_norm = clip_and_step(lm.model, ctx.optimizer, ctx.scheduler, cfg.max_grad_norm)
+    tok = max(sums["tokens"], 1.0)
+    return {
+        "loss": loss_total,
+        "grad_norm": grad_norm,
+        "lr": ctx.scheduler.get_last_lr()[0],
+        "score_mean": float(scores.mean()),
+        "score_std": float(scores.std(unbiased=False)),
+        "self_certainty": float(certainty.mean()),
+        "advantage_abs_mean": float(adv.abs().mean()),
+        "kl": sums["kl"] / tok,
+        "clip_fraction": sums["clipped"] / tok,
+        "ratio_mean": sums["ratio"] / tok,
+        "iw_mean": sums["iw"] / tok,
+        "iw_truncated_fraction": sums["iw_truncated"] / tok,
+        "tokens": int(sums["tokens"]),
+        "sequences": len(items),
+        "sequences_trained": len(trainable),
+        "micro_batches": len(mbs),
+        "compute_s": time.monotonic() - t0,
+        **scoring,
+    }

@@ -1,0 +1,210 @@
+"""GRPO maths: token statistics, advantages, self-certainty, the clipped policy loss, k3 KL.
+
+Everything here is a pure function of tensors, runs on CPU (fp32) and CUDA (bf16 autocast
+upstream; every reduction here is done in fp32), and has no knowledge of the data source.
+
+Alignment convention: a sequence of ``L`` tokens gives ``L - 1`` predictions; position ``t``
+of every per-token tensor below refers to the prediction of ``tokens[t + 1]`` from the logits
+at ``t``. Callers shift masks/logprobs with :func:`shift_aligned`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+Aggregation = Literal["token", "sequence"]
+
+
+def shift_aligned(x: torch.Tensor) -> torch.Tensor:
+    """Per-token data aligned to ``tokens`` (``[B, L]``) -> aligned to predictions (``[B, L-1]``)."""
+    return x[:, 1:]
+
+
+@dataclass
+class TokenStats:
+    """Per-prediction statistics of the temperature-scaled policy, all ``[B, L-1]`` fp32."""
+
+    logprobs: torch.Tensor
+    """log p(token_{t+1} | prefix) under softmax(logits / temperature)."""
+    entropy: torch.Tensor
+    """Entropy H(p_t) of the full-vocabulary distribution at position t (nats)."""
+
+
+def token_stats(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, with_entropy: bool = True
+) -> TokenStats:
+    """Logprobs of the realised next tokens (and entropies) from full-vocabulary logits.
+
+    ``logits`` is ``[B, L, V]`` (any dtype; upcast to fp32 here so bf16 logits do not lose the
+    small logprob differences the importance ratio depends on), ``tokens`` is ``[B, L]``.
+    The temperature divides the logits exactly as vLLM's sampler does, so the trainer's
+    distribution is the one the completions were sampled from (see docs/TRAINER.md for the
+    matching vLLM ``--logprobs-mode``).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (got {temperature}); greedy has no logprobs")
+    scaled = logits[:, :-1, :].float() / temperature
+    logp_all = F.log_softmax(scaled, dim=-1)
+    targets = tokens[:, 1:].long().unsqueeze(-1)
+    logprobs = logp_all.gather(-1, targets).squeeze(-1)
+    if with_entropy:
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    else:
+        entropy = torch.zeros_like(logprobs)
+    return TokenStats(logprobs=logprobs, entropy=entropy)
+
+
+def self_certainty(entropy: torch.Tensor, span_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Mean over the span's tokens of KL(p_t || Uniform(V)), per sequence (``[B]``).
+
+    KL(p || U) = sum_v p_v log(p_v V) = log V - H(p), so it follows exactly from the entropy
+    of the full-vocabulary distribution. Sequences with no span tokens get 0 (no bonus).
+    """
+    m = span_mask.float()
+    per_token = (math.log(vocab_size) - entropy) * m
+    count = m.sum(-1)
+    return torch.where(count > 0, per_token.sum(-1) / count.clamp_min(1.0), torch.zeros_like(count))
+
+
+def group_advantages(
+    scores: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """GRPO advantages: (score - group mean) / (group population std + eps).
+
+    ``scores`` is ``[N]`` (fp32), ``group_index`` ``[N]`` int labels (any values). A group whose
+    scores are all equal gets advantage 0 for every member (no learning signal), never NaN.
+    """
+    if scores.shape != group_index.shape or scores.dim() != 1:
+        raise ValueError(f"scores {tuple(scores.shape)} and group_index must both be [N]")
+    scores = scores.float()
+    _, inverse = torch.unique(group_index, return_inverse=True)
+    n_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
+    counts = torch.zeros(n_groups, dtype=scores.dtype).index_add_(
+        0, inverse, torch.ones_like(scores)
+    )
+    mean = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, inverse, scores) / counts
+    centred = scores - mean[inverse]
+    var = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, inverse, centred**2) / counts
+    return centred / (var.sqrt()[inverse] + eps)
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi || ref) per token: exp(r) - r - 1 with r = ref - pi.
+
+    Unbiased for samples drawn from pi, always >= 0, and its gradient pulls pi towards ref.
+    """
+    r = ref_logprobs - logprobs
+    return torch.exp(r) - r - 1.0
+
+
+@dataclass
+class LossOutput:
+    """The (already normalised) loss to backpropagate and its detached per-batch sums."""
+
+    loss: torch.Tensor
+    """Scalar to call ``backward()`` on; divided by the step's normaliser (see policy_loss)."""
+    sums: dict[str, float]
+    """Unnormalised sums over masked tokens: ``tokens``, ``clipped``, ``kl``, ``ratio``,
+    ``iw``, ``iw_truncated``; the caller divides by the step's token count."""
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    normaliser: float,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    tis_cap: float | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_beta: float = 0.0,
+    aggregation: Aggregation = "token",
+) -> LossOutput:
+    """PPO/GRPO clipped surrogate, correct for both signs of the advantage.
+
+    Per token: ``-w * min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
+    + kl_beta * k3(pi, ref)``. With A > 0 the objective stops growing once ratio > 1 + clip_high;
+    with A < 0 it stops once ratio < 1 - clip_low (the ``min`` picks the pessimistic term in
+    both cases, which is where Atropos's example trainer goes wrong: it clamps the ratio before
+    multiplying, so negative advantages are clipped on the wrong side).
+
+    Importance ratios:
+    - ``tis_cap is None``: ratio = pi_theta / pi_inference -- the clip is taken directly
+      against the logprobs the inference server reported, w = 1.
+    - ``tis_cap = C``: decoupled form. ratio = pi_theta / pi_old with pi_old = the trainer's
+      own (detached) logprobs, and w = min(pi_old / pi_inference, C) is the truncated
+      importance weight that corrects the inference/trainer numerical mismatch without letting
+      a few tokens with tiny inference probability blow up the gradient.
+
+    ``advantages`` is per sequence (``[B]``); ``logprobs``/``inference_logprobs``/``mask``/
+    ``ref_logprobs`` are per prediction (``[B, T]``). ``normaliser`` makes gradient
+    accumulation exact: the total number of masked tokens in the whole optimizer step
+    (``aggregation="token"``) or the number of sequences in it (``"sequence"``: each sequence's
+    tokens are averaged first, then sequences are averaged).
+    """
+    if normaliser <= 0:
+        raise ValueError("normaliser must be > 0 (an optimizer step with no trainable tokens)")
+    m = mask.to(torch.bool)
+    mf = m.float()
+    lp = logprobs.float()
+    inf_lp = torch.where(m, inference_logprobs.float(), lp.detach())  # masked: ratio exactly 1
+    if tis_cap is None:
+        old = inf_lp
+        iw = torch.ones_like(lp)
+        raw_iw = iw
+    else:
+        old = lp.detach()
+        raw_iw = torch.exp(old - inf_lp)
+        iw = raw_iw.clamp(max=tis_cap)
+    log_ratio = torch.where(m, lp - old, torch.zeros_like(lp))
+    ratio = torch.exp(log_ratio)
+    adv = advantages.float().unsqueeze(-1)
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    per_token = -iw * torch.minimum(unclipped, clipped)
+    kl = torch.zeros_like(lp)
+    if ref_logprobs is not None:
+        kl = torch.where(m, kl_k3(lp, ref_logprobs.float()), torch.zeros_like(lp))
+        per_token = per_token + kl_beta * kl
+    per_token = per_token * mf
+    if aggregation == "token":
+        loss = per_token.sum() / normaliser
+    elif aggregation == "sequence":
+        per_seq = per_token.sum(-1) / mf.sum(-1).clamp_min(1.0)
+        loss = per_seq.sum() / normaliser
+    else:
+        raise ValueError(f"unknown aggregation {aggregation!r}")
+    # A token is "clipped" when the clipped branch is the one the min chose and it is flat.
+    is_clipped = ((adv > 0) & (ratio > 1.0 + clip_high)) | ((adv < 0) & (ratio < 1.0 - clip_low))
+    with torch.no_grad():
+        sums = {
+            "tokens": float(mf.sum()),
+            "clipped": float((is_clipped & m).float().sum()),
+            "kl": float((kl * mf).sum()),
+            "ratio": float((ratio * mf).sum()),
+            "iw": float((raw_iw * mf).sum()),
+            "iw_truncated": float(((raw_iw > tis_cap) & m).float().sum()) if tis_cap else 0.0,
+        }
+    return LossOutput(loss=loss, sums=sums)
+
+
+def sft_loss(
+    logits: torch.Tensor, tokens: torch.Tensor, loss_mask: torch.Tensor, normaliser: float
+) -> tuple[torch.Tensor, float]:
+    """Next-token cross-entropy over the target tokens only (prompt tokens masked out).
+
+    ``loss_mask`` is aligned to ``tokens`` (1 = a target token to predict). Returns the loss
+    divided by ``normaliser`` (the number of target tokens in the whole optimizer step, so
+    gradient accumulation is exact) and the unnormalised sum for logging.
+    """
+    stats = token_stats(logits, tokens, temperature=1.0, with_entropy=False)
+    m = shift_aligned(loss_mask).float()
+    nll_sum = -(stats.logprobs * m).sum()
+    return nll_sum / normaliser, float(nll_sum.detach())

@@ -1,0 +1,151 @@
+"""Model loading: fp32 master weights, bf16 autocast compute, attention kernel choice, LoRA,
+and the KL reference (a frozen copy, or the LoRA base weights at no extra memory)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from trainer.config import CommonConfig
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"error: device {name!r} asked for but CUDA is not available")
+    return device
+
+
+def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
+    """The compute dtype: bf16 (autocast) or fp32. Weights stay fp32 either way."""
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def resolve_attention(requested: str, device: torch.device, compute_dtype: torch.dtype) -> str:
+    """SDPA by default; FlashAttention 2 only when it is installed and usable (CUDA + bf16)."""
+    has_fa2 = importlib.util.find_spec("flash_attn") is not None
+    fa2_usable = has_fa2 and device.type == "cuda" and compute_dtype == torch.bfloat16
+    if requested == "auto":
+        return "flash_attention_2" if fa2_usable else "sdpa"
+    if requested == "flash_attention_2" and not fa2_usable:
+        log.warning("flash_attention_2 asked for but not usable here (installed=%s); using sdpa",
+                    has_fa2)  # fmt: skip
+        return "sdpa"
+    return requested
+
+
+def autocast(device: torch.device, compute_dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """bf16 autocast around forward passes (a no-op for fp32): fp32 master weights stay fp32,
+    matmuls run in bf16, and our loss upcasts the logits to fp32 before any softmax."""
+    if compute_dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=compute_dtype)
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    """The trainable model (a peft model under LoRA), fp32 parameters."""
+    tokenizer: PreTrainedTokenizerBase
+    device: torch.device
+    compute_dtype: torch.dtype
+    is_lora: bool
+
+
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    tok = AutoTokenizer.from_pretrained(name)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(cfg: CommonConfig, source: str | None = None) -> LoadedModel:
+    """Load ``source`` (default ``cfg.model_name``) in fp32 on the configured device."""
+    device = resolve_device(cfg.device)
+    compute_dtype = resolve_precision(cfg.precision, device)
+    attn = resolve_attention(cfg.attn_implementation, device, compute_dtype)
+    name = source or cfg.model_name
+    model = AutoModelForCausalLM.from_pretrained(
+        name, dtype=torch.float32, attn_implementation=attn
+    )
+    model.to(device)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    is_lora = cfg.lora_r > 0
+    if is_lora:
+        model = _add_lora(model, cfg)
+    log.info("loaded %s on %s (compute %s, attention %s, lora=%s)", name, device, compute_dtype,
+             attn, is_lora)  # fmt: skip
+    return LoadedModel(model, load_tokenizer(name), device, compute_dtype, is_lora)
+
+
+def _add_lora(model: torch.nn.Module, cfg: CommonConfig) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    targets = cfg.lora_target_modules
+    target_modules: str | list[str] = (
+        targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
+    )
+    torch.manual_seed(cfg.seed)  # LoRA A matrices are random: make them reproducible
+    lora = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=target_modules,
+        task_type="CAUSAL_LM",
+    )
+    if cfg.gradient_checkpointing:
+        model.enable_input_require_grads()
+    return get_peft_model(model, lora)
+
+
+class Reference:
+    """The KL reference policy.
+
+    Under LoRA the reference is the base model itself, reached by disabling the adapter for
+    one forward pass: no second copy of the weights. Otherwise a frozen copy of the initial
+    weights, kept in the compute dtype (bf16 on GPU halves its memory; it never trains).
+    Build it before a resume loads checkpointed weights: the reference is always the start
+    model, so it never needs checkpointing.
+    """
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self._loaded = loaded
+        self._frozen: torch.nn.Module | None = None
+        if not loaded.is_lora:
+            frozen = copy.deepcopy(loaded.model).to(loaded.compute_dtype).eval()
+            for p in frozen.parameters():
+                p.requires_grad_(False)
+            self._frozen = frozen
+
+    @contextlib.contextmanager
+    def model(self) -> Iterator[torch.nn.Module]:
+        if self._frozen is not None:
+            yield self._frozen
+            return
+        peft_model = self._loaded.model
+        with peft_model.disable_adapter():  # type: ignore[operator]
+            yield peft_model
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    """Size of the logits' last dimension (the padded embedding size, not len(tokenizer))."""
+    return int(model.get_output_embeddings().weight.shape[0])

@@ -1,0 +1,114 @@
+"""SFT cold start: next-token loss on the rationale + action JSON, prompt masked out."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from trainer.checkpoint import save_final_model
+from trainer.config import SftConfig
+from trainer.evaluate import format_valid_rate
+from trainer.loss import sft_loss
+from trainer.model import LoadedModel, autocast
+from trainer.optim import clip_and_step
+from trainer.run import Run, start_run
+from trainer.sft_data import (
+    SftExample,
+    collate_sft,
+    encode_split,
+    epoch_order,
+    load_or_build_dataset,
+)
+
+log = logging.getLogger(__name__)
+
+
+def train(cfg: SftConfig) -> Run:
+    run = start_run(cfg)
+    lm, state = run.loaded, run.state
+    data = load_or_build_dataset(cfg.data_dir, cfg.num_sessions, cfg.seed)
+    train_set = encode_split(data["train"], lm.tokenizer, cfg.max_seq_len, cfg.latest_only)
+    val_set = encode_split(data["validation"], lm.tokenizer, cfg.max_seq_len, cfg.latest_only)
+    log.info("SFT: %d train / %d validation examples", len(train_set), len(val_set))
+    bar = tqdm(total=cfg.training_steps, initial=state.step, desc="sft", dynamic_ncols=True)
+    try:
+        while state.step < cfg.training_steps:
+            t0 = time.monotonic()
+            batch = _next_batch(train_set, cfg, state)
+            loss, grad_norm = _step(run, batch)
+            state.step += 1
+            row = {"loss": loss, "grad_norm": grad_norm, "lr": run.scheduler.get_last_lr()[0],
+                   "epoch": state.data_epoch, "step_s": time.monotonic() - t0}  # fmt: skip
+            last = state.step == cfg.training_steps
+            if state.step % cfg.eval_every == 0 or last:
+                row["val_loss"] = validation_loss(lm, val_set[: cfg.eval_examples], cfg)
+            if state.step % cfg.save_every == 0 or last:
+                run.checkpoint()
+            run.metrics.log(state.step, row)
+            bar.set_postfix(loss=f"{loss:.3f}")
+            bar.update(1)
+        bar.close()
+        save_final_model(cfg.save_path, lm.model, lm.tokenizer)
+        if cfg.eval_generate > 0:
+            rows = list(data["validation"])[: cfg.eval_generate]
+            result = format_valid_rate(lm, rows, cfg.max_seq_len, cfg.max_new_tokens,
+                                       cfg.latest_only)  # fmt: skip
+            run.metrics.log(state.step, {f"eval/{k}": v for k, v in result.items()})
+            log.info("greedy generations on %d validation prompts: %s", len(rows), result)
+    finally:
+        run.metrics.close()
+    log.info("SFT model saved to %s", Path(cfg.save_path))
+    return run
+
+
+def _next_batch(examples: list[SftExample], cfg: SftConfig, state) -> list[SftExample]:
+    """The next ``batch_size`` examples; the cursor (epoch, index) lives in the checkpoint."""
+    batch: list[SftExample] = []
+    order = epoch_order(len(examples), cfg.seed, state.data_epoch)
+    while len(batch) < cfg.batch_size:
+        if state.data_index >= len(order):
+            state.data_epoch, state.data_index = state.data_epoch + 1, 0
+            order = epoch_order(len(examples), cfg.seed, state.data_epoch)
+        batch.append(examples[order[state.data_index]])
+        state.data_index += 1
+    return batch
+
+
+def _step(run: Run, batch: list[SftExample]) -> tuple[float, float]:
+    """Accumulate micro-batches into one optimizer step, normalised by the step's token count."""
+    lm, cfg = run.loaded, run.cfg
+    n_target = float(sum(sum(e.loss_mask[1:]) for e in batch))
+    total = 0.0
+    for i in range(0, len(batch), cfg.micro_batch_size):
+        mb = collate_sft(batch[i : i + cfg.micro_batch_size], lm.tokenizer.pad_token_id, lm.device)
+        with autocast(lm.device, lm.compute_dtype):
+            logits = lm.model(input_ids=mb["tokens"], attention_mask=mb["attention"],
+                              use_cache=False).logits  # fmt: skip
+        loss, _ = sft_loss(logits, mb["tokens"], mb["loss_mask"], normaliser=n_target)
+        loss.backward()
+        total += float(loss.detach())
+    grad_norm = clip_and_step(lm.model, run.optimizer, run.scheduler, cfg.max_grad_norm)
+    return total, grad_norm
+
+
+@torch.no_grad()
+def validation_loss(lm: LoadedModel, examples: list[SftExample], cfg: SftConfig) -> float:
+    """Mean next-token loss per target token on held-out examples."""
+    lm.model.eval()
+    nll = count = 0.0
+    for i in range(0, len(examples), cfg.micro_batch_size):
+        chunk = examples[i : i + cfg.micro_batch_size]
+        mb = collate_sft(chunk, lm.tokenizer.pad_token_id, lm.device)
+        with autocast(lm.device, lm.compute_dtype):
+            logits = lm.model(input_ids=mb["tokens"], attention_mask=mb["attention"],
+                              use_cache=False).logits  # fmt: skip
+        _, s = sft_loss(logits, mb["tokens"], mb["loss_mask"], normaliser=1.0)
+        nll += s
+        count += float(mb["loss_mask"][:, 1:].sum())
+    lm.model.train()
+    return nll / count if count else math.nan

@@ -1,0 +1,116 @@
+"""Shop-R1 rows -> SFT examples: chat-templated prompt (masked) + rationale/action JSON target.
+
+The prompt is the session so far; when it does not fit ``max_seq_len`` next to the target,
+``env_server.prompts.build_messages`` drops whole pages from the oldest end (the context is
+left-truncated page by page, so no page is cut in half and the latest page always stays).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+TEMPLATE_MARGIN = 16  # tokens of the chat template's role markers around two messages
+
+
+@dataclass
+class SftExample:
+    tokens: list[int]
+    loss_mask: list[int]
+    """1 on target tokens (rationale/action JSON and the closing end-of-turn token)."""
+    prompt_len: int
+
+
+def load_or_build_dataset(data_dir: str | Path, num_sessions: int, seed: int) -> Any:
+    """The dataset at ``data_dir``; generated (deterministically) and saved first if missing."""
+    from env_server.data.dataset import load_or_build
+
+    return load_or_build(data_dir, num_sessions=num_sessions, seed=seed)
+
+
+def end_of_turn_id(tokenizer: Any) -> int:
+    """The token that closes the assistant turn (``<|im_end|>`` for ChatML), i.e. the EOS."""
+    tok_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(tok_id, int) and tok_id != tokenizer.unk_token_id:
+        return tok_id
+    return int(tokenizer.eos_token_id)
+
+
+def prompt_ids(row: dict[str, Any], tokenizer: Any, budget: int, latest_only: bool) -> list[int]:
+    from env_server.prompts import build_messages
+
+    # build_messages budgets the message contents; the chat markers come on top of them.
+    content_budget = max(budget - TEMPLATE_MARGIN, 1)
+    messages = build_messages(row, tokenizer, max_context_tokens=content_budget,
+                              latest_only=latest_only)  # fmt: skip
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def encode_example(
+    row: dict[str, Any], tokenizer: Any, max_seq_len: int, latest_only: bool = False
+) -> SftExample | None:
+    """One training example, or None when even the shortest context does not fit."""
+    from env_server.prompts import format_target
+
+    target = format_target(row["rationale"], json.loads(row["action"]))
+    target_ids = tokenizer(target, add_special_tokens=False)["input_ids"]
+    target_ids = [*target_ids, end_of_turn_id(tokenizer)]
+    budget = max_seq_len - len(target_ids)
+    if budget <= 0:
+        return None
+    try:
+        p_ids = prompt_ids(row, tokenizer, budget, latest_only)
+    except ValueError:  # build_messages: the budget cannot hold even the current page's frame
+        return None
+    if len(p_ids) > budget:
+        return None
+    return SftExample(p_ids + target_ids, [0] * len(p_ids) + [1] * len(target_ids), len(p_ids))
+
+
+def encode_split(
+    rows: Any, tokenizer: Any, max_seq_len: int, latest_only: bool
+) -> list[SftExample]:
+    examples = []
+    for row in rows:
+        ex = encode_example(row, tokenizer, max_seq_len, latest_only)
+        if ex is not None:
+            examples.append(ex)
+    skipped = len(rows) - len(examples)
+    if skipped:
+        log.warning("%d of %d rows do not fit max_seq_len=%d even with the shortest context; "
+                    "left out", skipped, len(rows), max_seq_len)  # fmt: skip
+    if not examples:
+        raise ValueError(f"no example fits max_seq_len={max_seq_len}")
+    return examples
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The shuffled example order of an epoch: a pure function of (seed, epoch), so a resumed
+    run sees exactly the order the uninterrupted run would have."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(n, generator=g).tolist()
+
+
+def collate_sft(
+    examples: list[SftExample], pad_id: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    length = max(len(e.tokens) for e in examples)
+    tokens = torch.full((len(examples), length), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(examples), length), dtype=torch.long)
+    loss_mask = torch.zeros((len(examples), length), dtype=torch.long)
+    for r, e in enumerate(examples):
+        n = len(e.tokens)
+        tokens[r, :n] = torch.tensor(e.tokens)
+        attention[r, :n] = 1
+        loss_mask[r, :n] = torch.tensor(e.loss_mask)
+    return {"tokens": tokens.to(device), "attention": attention.to(device),
+            "loss_mask": loss_mask.to(device)}  # fmt: skip
