@@ -14,6 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 GROUP_ID_MAX = 200
 """Longest accepted ``group_id`` (an idempotency key, usually a UUID)."""
+# SQLite stores 64-bit signed integers and JSON numbers are exact to 2**53: larger versions or
+# budgets are client bugs, answered with 422 rather than an overflow (500) in the store.
+VERSION_MAX = 2**53
+"""Largest accepted policy/weight version."""
+BUDGET_MAX = 2**40
+"""Largest accepted token or sequence budget of a lease."""
 ENV_NAME_PATTERN = r"^[A-Za-z0-9_.:\-]{1,100}$"
 """Environment names: short, printable, safe in logs and URLs."""
 
@@ -68,7 +74,9 @@ class ScoredGroup(BaseModel):
 
     group_id: str = Field(min_length=1, max_length=GROUP_ID_MAX, description="Unique id.")
     env: str = Field(pattern=ENV_NAME_PATTERN, description="Name of the producing environment.")
-    policy_version: int = Field(ge=0, description="Weight version that sampled the group.")
+    policy_version: int = Field(
+        ge=0, le=VERSION_MAX, description="Weight version that sampled the group."
+    )
     sequences: list[ScoredSequence] = Field(min_length=1, description="The completions.")
     metrics: dict[str, float | int | bool | str | None] = Field(
         default_factory=dict, description="Free-form per-group metrics (e.g. reward parts)."
@@ -130,8 +138,12 @@ class Backpressure(BaseModel):
 class LeaseRequest(BaseModel):
     """Body of ``POST /batches/lease``. At least one of the two budgets must be given."""
 
-    max_tokens: int | None = Field(None, ge=1, description="Budget: sum of sequence lengths.")
-    max_sequences: int | None = Field(None, ge=1, description="Budget: number of sequences.")
+    max_tokens: int | None = Field(
+        None, ge=1, le=BUDGET_MAX, description="Budget: sum of sequence lengths."
+    )
+    max_sequences: int | None = Field(
+        None, ge=1, le=BUDGET_MAX, description="Budget: number of sequences."
+    )
     lease_seconds: float = Field(300.0, gt=0, le=7 * 86400, description="Lease duration.")
     allow_partial: bool = Field(
         False, description="Serve what is queued even if it does not fill the budget."
@@ -162,7 +174,9 @@ class AckResponse(BaseModel):
 
 
 class PolicyVersionRequest(BaseModel):
-    version: int = Field(ge=0, description="Weight version now live on the inference servers.")
+    version: int = Field(
+        ge=0, le=VERSION_MAX, description="Weight version now live on the inference servers."
+    )
 
 
 class PolicyVersionResponse(BaseModel):
@@ -217,11 +231,13 @@ class AtroposRegistration(BaseModel):
 
     wandb_group: str = ""
     wandb_project: str = ""
-    batch_size: int = Field(ge=1, description="Sequences per batch served by GET /batch.")
+    batch_size: int = Field(
+        ge=1, le=BUDGET_MAX, description="Sequences per batch served by GET /batch."
+    )
     max_token_len: int = -1
     checkpoint_dir: str = ""
     save_checkpoint_interval: int = -1
-    starting_step: int = Field(0, ge=0)
+    starting_step: int = Field(0, ge=0, le=VERSION_MAX)
     num_steps: int = -1
 
 
@@ -231,14 +247,14 @@ class AtroposRegisterEnv(BaseModel):
     max_token_length: int = -1
     desired_name: str = Field(min_length=1, max_length=80)
     weight: float = Field(1.0, ge=0)
-    group_size: int = Field(1, ge=1)
+    group_size: int = Field(1, ge=1, le=65536)
     min_batch_allocation: float | None = Field(
         None, description="Accepted for compatibility; fair share uses `weight` only."
     )
 
 
 class AtroposEnvIdentifier(BaseModel):
-    env_id: int
+    env_id: int = Field(ge=0, le=VERSION_MAX)
 
 
 class AtroposScoredData(BaseModel):

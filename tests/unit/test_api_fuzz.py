@@ -22,7 +22,8 @@ schema = schemathesis.openapi.from_asgi("/openapi.json", APP)
 
 
 @schema.parametrize()
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+# derandomize: CI must be reproducible; run with a random seed by hand to explore further.
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_no_server_errors(case) -> None:
     response = case.call()
     assert response.status_code < 500, f"{case.method} {case.path}: {response.text[:500]}"
