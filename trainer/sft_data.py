@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
+# Rollouts and SFT must tokenize prompts identically: one function serves both.
+from env_server.rollout import prompt_ids
+
 log = logging.getLogger(__name__)
-TEMPLATE_MARGIN = 16  # tokens of the chat template's role markers around two messages
 
 
 @dataclass
@@ -40,19 +42,6 @@ def end_of_turn_id(tokenizer: Any) -> int:
     if isinstance(tok_id, int) and tok_id != tokenizer.unk_token_id:
         return tok_id
     return int(tokenizer.eos_token_id)
-
-
-def prompt_ids(row: dict[str, Any], tokenizer: Any, budget: int, latest_only: bool) -> list[int]:
-    from env_server.prompts import build_messages
-
-    # build_messages budgets the message contents; the chat markers come on top of them.
-    content_budget = max(budget - TEMPLATE_MARGIN, 1)
-    messages = build_messages(row, tokenizer, max_context_tokens=content_budget,
-                              latest_only=latest_only)  # fmt: skip
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 may return a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
 
 
 def encode_example(
