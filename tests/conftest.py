@@ -5,7 +5,6 @@ Servers are started as child processes in their own process group and stopped by
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ import pytest
 
 from launch.paths import TINY_MODEL_DIR
 from launch.procs import ManagedProcess, free_port
+from vllm_patching.launcher import cpu_env
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -51,17 +51,6 @@ class VllmServer:
     port: int
 
 
-def vllm_cpu_env() -> dict[str, str]:
-    """Environment for vLLM on CPU: a small KV cache, no usage stats, offline."""
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    env["VLLM_NO_USAGE_STATS"] = "1"
-    env["HF_HUB_OFFLINE"] = "1"
-    env["TRANSFORMERS_OFFLINE"] = "1"
-    return env
-
-
 def start_plain_vllm(model_dir: Path, log_path: Path, extra: list[str] | None = None) -> VllmServer:
     port = free_port()
     argv = [
@@ -83,7 +72,7 @@ def start_plain_vllm(model_dir: Path, log_path: Path, extra: list[str] | None = 
         "tiny",
         *(extra or []),
     ]
-    proc = ManagedProcess("vllm", argv, log_path, env=vllm_cpu_env()).start()
+    proc = ManagedProcess("vllm", argv, log_path, env=cpu_env(None)).start()
     try:
         proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=600)
     except BaseException:
