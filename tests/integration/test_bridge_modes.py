@@ -7,6 +7,7 @@ weight version advanced, and a request in flight during the sync completed.
 
 from __future__ import annotations
 
+import json
 import secrets
 import threading
 import time
@@ -96,12 +97,18 @@ def assert_serves(
 
 
 class InFlight:
-    """A long completion running in a thread while the sync happens."""
+    """A long streamed completion that is decoding when the sync starts.
 
-    def __init__(self, url: str, model: str, ids: list[int], n: int = 250) -> None:
+    The sync starts only once the first token has streamed back (not after a fixed sleep:
+    on an idle machine a short request could finish before the sync, on a loaded one it
+    might not have started), and the request is long enough to outlast the sync.
+    """
+
+    def __init__(self, url: str, model: str, ids: list[int], n: int = 1500) -> None:
         self.result: dict = {}
         self.n = n
         self.done_at = 0.0
+        self.decoding = threading.Event()
 
         def run() -> None:
             body = {
@@ -110,27 +117,38 @@ class InFlight:
                 "max_tokens": n,
                 "temperature": 0.0,
                 "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
             }
-            r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
-            self.done_at = time.monotonic()
-            self.result = {
-                "status": r.status_code,
-                "json": r.json(),
-                "version": r.headers.get(VERSION_HEADER),
-            }
+            try:
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+                    self.result["status"] = r.status_code
+                    self.result["version"] = r.headers.get(VERSION_HEADER)
+                    for line in r.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[len("data: ") :])
+                        if chunk.get("choices"):
+                            self.decoding.set()
+                            if chunk["choices"][0].get("finish_reason"):
+                                self.result["finish_reason"] = chunk["choices"][0]["finish_reason"]
+                        if chunk.get("usage"):
+                            self.result["usage"] = chunk["usage"]
+            finally:
+                self.done_at = time.monotonic()
+                self.decoding.set()  # never leave the constructor waiting on a failed request
 
         self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
-        time.sleep(0.5)  # let it get scheduled and decode a while
+        assert self.decoding.wait(180), "the in-flight request never started decoding"
         self.sync_started_at = time.monotonic()
 
     def check(self, version_at_start: int) -> None:
         self.thread.join(300)
         assert self.done_at > self.sync_started_at, "the request did not overlap the sync"
         assert self.result["status"] == 200
-        choice = self.result["json"]["choices"][0]
-        assert choice["finish_reason"] == "length"
-        assert self.result["json"]["usage"]["completion_tokens"] == self.n
+        assert self.result["finish_reason"] == "length"
+        assert self.result["usage"]["completion_tokens"] == self.n
         assert self.result["version"] == str(version_at_start)
 
 
@@ -251,7 +269,7 @@ def test_lora_adapter_per_version(tiny_model_dir, tmp_path_factory, tmp_path) ->
             for version in (1, 2, 3):
                 optimizer_step(model, ids, lr=5e-2)
                 if version == 1:
-                    inflight = InFlight(url, server.served_model_name, ids, n=200)
+                    inflight = InFlight(url, server.served_model_name, ids)
                 bridge.sync(model, version)
                 if version == 1:
                     inflight.check(version_at_start=0)
