@@ -1,143 +1,282 @@
-"""Batching-API benchmark: ingest and serve throughput and latency on a real uvicorn server.
+"""Batching-API benchmark: ingest and serve throughput and latency, ours vs Atropos's own API.
 
-    python bench/api_throughput.py [--groups 2000] [--group-size 8] [--seq-len 512]
+    flock /tmp/heavy.lock .venv/bin/python bench/api_throughput.py [--target both]
+        [--group-sizes 8] [--batch-sizes 64] [--sequences 6144] [--seq-len 512]
 
-For each SQLite ``synchronous`` mode (FULL, NORMAL) start ``python -m api`` on a fresh
-database, then: ingest -- ``--pushers`` threads each push groups one request at a time
-(``--per-push`` groups per request, like an env service); serve -- one trainer leases batches
-of ``--batch-sequences`` and acks each. Records groups/s, sequences/s and p50/p99 request
-latency. Results: docs/results/api_bench.json (+ a table printed for docs/results/api_bench.md).
+Targets (each a real uvicorn server on a free port, fresh state per point):
+
+- ``atropos``: atroposlib's ``run-api`` (PyPI ``atroposlib==0.4.0``, in-memory queue), run
+  from its own virtualenv (``--atropos-python``; created with pip on first use under
+  ``artifacts/venvs/atropos`` so the project's pinned venv is untouched). Driven through its
+  routes: ``POST /scored_data_list`` to ingest, ``GET /batch`` to serve.
+- ``ours-atropos``: our API (``python -m api``, SQLite WAL, ``--synchronous FULL``) driven with
+  the *same request bodies* on its Atropos-compatible routes (``/scored_data_list``, ``/batch``).
+- ``ours-native``: our API on its native routes with the same content in the native contract
+  (``POST /groups``; ``POST /batches/lease`` + ``POST /batches/{id}/ack``).
+
+Payload: groups of ``group size`` sequences of ``--seq-len`` tokens (half prompt, half
+completion: Atropos ``masks`` = labels with -100 on the prompt, ``inference_logprobs``), every
+group distinct. Bodies are built and gzip-compressed before the clock starts (atroposlib's env
+client gzips too) and posted by ``--pushers`` threads, ``--per-push`` groups per request.
+Serve: one trainer asks for batches of ``batch size`` sequences until the queue is empty.
+``--target both`` runs all three. Results are merged into docs/results/api_compare.json under
+``<target>/gs<G>/b<B>``; the machine and load are recorded with each point.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
-import platform
-import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from api.client import ApiClient  # noqa: E402
+from bench.common import (  # noqa: E402
+    RESULTS,
+    machine,
+    parse_list,
+    pct,
+    stop_on_sigterm,
+    write_result,
+)
 from launch.procs import ManagedProcess, free_port  # noqa: E402
 
+ATROPOS_VERSION = "0.4.0"
+ATROPOS_VENV = REPO / "artifacts" / "venvs" / "atropos"
+TARGETS = ("atropos", "ours-atropos", "ours-native")
 
-def make_group(group_size: int, seq_len: int) -> dict:
+
+def atropos_group(g: int, group_size: int, seq_len: int) -> dict[str, Any]:
+    """One group in Atropos's ``ScoredData`` shape; ``g`` makes its content unique."""
     half = seq_len // 2
-    seq = {"tokens": list(range(1000, 1000 + seq_len)), "mask": [0] * half + [1] * (seq_len - half),
-           "logprobs": [-0.1234567] * seq_len, "score": 0.5,
-           "spans": {"rationale": [0] * seq_len}}  # fmt: skip
-    return {"group_id": uuid.uuid4().hex, "env": "bench", "policy_version": 0,
-            "sequences": [seq] * group_size, "metrics": {"format": 0.5}}  # fmt: skip
+    tokens, masks = [], []
+    for s in range(group_size):
+        toks = [g % 4096, s] + [1000 + (j % 3000) for j in range(seq_len - 2)]
+        tokens.append(toks)
+        masks.append([-100] * half + toks[half:])
+    return {"tokens": tokens, "masks": masks, "scores": [0.5] * group_size,
+            "inference_logprobs": [[-0.1234567] * seq_len for _ in range(group_size)]}  # fmt: skip
 
 
-def pct(xs: list[float], q: float) -> float:
-    return statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else xs[0]
+def native_group(g: int, group_size: int, seq_len: int) -> dict[str, Any]:
+    """The same content as ``atropos_group`` in the native data contract."""
+    a = atropos_group(g, group_size, seq_len)
+    seqs = [{"tokens": t, "mask": [0 if m == -100 else 1 for m in mk], "logprobs": lp,
+             "score": sc} for t, mk, lp, sc in zip(a["tokens"], a["masks"],
+                                                   a["inference_logprobs"], a["scores"],
+                                                   strict=True)]  # fmt: skip
+    return {"group_id": f"bench-{g}", "env": "bench", "policy_version": 0, "sequences": seqs}
 
 
-def run_mode(sync: str, args: argparse.Namespace, workdir: Path) -> dict:
+def encode_bodies(target: str, n_groups: int, group_size: int, seq_len: int,
+                  per_push: int) -> list[bytes]:  # fmt: skip
+    """Gzip-compressed request bodies, ``per_push`` groups each."""
+    make = native_group if target == "ours-native" else atropos_group
+    bodies = []
+    for start in range(0, n_groups, per_push):
+        groups = [
+            make(g, group_size, seq_len) for g in range(start, min(n_groups, start + per_push))
+        ]
+        payload = {"groups": groups} if target == "ours-native" else groups
+        bodies.append(gzip.compress(json.dumps(payload).encode(), compresslevel=1))
+    return bodies
+
+
+def ensure_atropos(python: Path | None) -> Path:
+    """The Python of a virtualenv with atroposlib (created with pip if missing)."""
+    if python is not None:
+        return python
+    py = ATROPOS_VENV / "bin" / "python"
+    check = [str(py), "-c", "import atroposlib.api"]
+    if py.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+        return py
+    base = Path(getattr(sys, "_base_executable", sys.executable))
+    subprocess.run([str(base), "-m", "venv", str(ATROPOS_VENV)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", f"atroposlib=={ATROPOS_VERSION}"],
+                   check=True)  # fmt: skip
+    return py
+
+
+def start_server(target: str, work: Path, args: argparse.Namespace) -> tuple[ManagedProcess, str]:
     port = free_port()
-    argv = [sys.executable, "-m", "api", "--port", str(port), "--synchronous", sync,
-            "--db-path", str(workdir / f"{sync}.sqlite"), "--log-level", "warning"]  # fmt: skip
-    proc = ManagedProcess("api", argv, workdir / f"{sync}.log").start()
+    if target == "atropos":
+        argv = [str(args.atropos_python), "-m", "uvicorn", "atroposlib.api:app", "--host",
+                "127.0.0.1", "--port", str(port), "--log-level", "warning"]  # fmt: skip
+    else:
+        argv = [sys.executable, "-m", "api", "--port", str(port), "--synchronous",
+                args.synchronous, "--db-path", str(work / f"{target}-{port}.sqlite"),
+                "--log-level", "warning", "--max-body-bytes", str(1 << 30)]  # fmt: skip
+    proc = ManagedProcess(target, argv, work / f"{target}-{port}.log").start()
     url = f"http://127.0.0.1:{port}"
     try:
-        proc.wait_http(url + "/health", timeout=60)
-        pushes = args.groups // args.per_push
-        bodies = [[make_group(args.group_size, args.seq_len) for _ in range(args.per_push)]
-                  for _ in range(pushes)]  # fmt: skip
-        lat: list[float] = []
-        lock = threading.Lock()
+        proc.wait_http(url + ("/" if target == "atropos" else "/health"), timeout=60)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, url
 
-        def pusher(k: int) -> None:
-            api = ApiClient(url, timeout=60)
-            for body in bodies[k :: args.pushers]:
+
+def ingest(url: str, target: str, bodies: list[bytes], pushers: int) -> tuple[float, list[float]]:
+    """Post every body (``pushers`` threads). Returns wall seconds and per-request latencies."""
+    import httpx
+
+    path = "/groups" if target == "ours-native" else "/scored_data_list"
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    lat: list[float] = []
+    lock = threading.Lock()
+    errors: list[str] = []
+
+    def pusher(k: int) -> None:
+        with httpx.Client(base_url=url, timeout=120) as client:
+            for body in bodies[k::pushers]:
                 t = time.perf_counter()
-                api.push_groups(body)
+                r = client.post(path, content=body, headers=headers)
+                dt = time.perf_counter() - t
+                if r.status_code != 200:
+                    errors.append(f"{r.status_code} {r.text[:200]}")
+                    return
                 with lock:
-                    lat.append(time.perf_counter() - t)
+                    lat.append(dt)
 
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=pusher, args=(k,)) for k in range(args.pushers)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        ingest_s = time.perf_counter() - t0
-        n_groups = pushes * args.per_push
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=pusher, args=(k,)) for k in range(pushers)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise RuntimeError(f"{target} ingest failed: {errors[0]}")
+    return time.perf_counter() - t0, lat
 
-        api = ApiClient(url, timeout=60)
-        lease_lat: list[float] = []
-        served = 0
+
+def serve(url: str, target: str, batch: int) -> tuple[float, list[float], int]:
+    """Ask for batches until none is left. Returns wall seconds, latencies, sequences served."""
+    import httpx
+
+    lat: list[float] = []
+    served = 0
+    with httpx.Client(base_url=url, timeout=300) as client:
         t0 = time.perf_counter()
         while True:
             t = time.perf_counter()
-            lease = api.lease(
-                max_sequences=args.batch_sequences, lease_seconds=60, allow_partial=True
-            )
-            if lease is None:
-                break
-            api.ack(lease.batch_id)
-            lease_lat.append(time.perf_counter() - t)
-            served += len(lease.groups)
-        serve_s = time.perf_counter() - t0
-        assert served == n_groups, (served, n_groups)
-        seqs = n_groups * args.group_size
-        return {
-            "synchronous": sync,
-            "ingest": {
-                "groups_per_s": n_groups / ingest_s,
-                "sequences_per_s": seqs / ingest_s,
-                "request_p50_ms": 1e3 * pct(lat, 50),
-                "request_p99_ms": 1e3 * pct(lat, 99),
-                "requests": len(lat),
-            },  # fmt: skip
-            "serve": {
-                "groups_per_s": served / serve_s,
-                "sequences_per_s": seqs / serve_s,
-                "lease_ack_p50_ms": 1e3 * pct(lease_lat, 50),
-                "lease_ack_p99_ms": 1e3 * pct(lease_lat, 99),
-                "batches": len(lease_lat),
-            },  # fmt: skip
-        }
+            if target == "ours-native":
+                r = client.post("/batches/lease", json={"max_sequences": batch,
+                                                        "lease_seconds": 600})  # fmt: skip
+                if r.status_code == 204:
+                    break
+                r.raise_for_status()
+                lease = r.json()
+                client.post(f"/batches/{lease['batch_id']}/ack").raise_for_status()
+                n = sum(len(g["sequences"]) for g in lease["groups"])
+            else:
+                r = client.get("/batch")
+                r.raise_for_status()
+                groups = r.json().get("batch")
+                if not groups:
+                    break
+                n = sum(len(g["tokens"]) for g in groups)
+            lat.append(time.perf_counter() - t)
+            served += n
+        wall = time.perf_counter() - t0
+    return wall, lat, served
+
+
+def register(url: str, target: str, batch: int) -> None:
+    import httpx
+
+    if target != "ours-native":
+        body = {"wandb_group": "bench", "wandb_project": "bench", "batch_size": batch,
+                "max_token_len": 4096, "checkpoint_dir": "", "save_checkpoint_interval": -1,
+                "starting_step": 0, "num_steps": 1000}  # fmt: skip
+        httpx.post(url + "/register", json=body, timeout=30).raise_for_status()
+
+
+def run_point(target: str, gs: int, batch: int, args: argparse.Namespace, work: Path) -> dict:
+    n_groups = args.sequences // gs
+    bodies = encode_bodies(target, n_groups, gs, args.seq_len, args.per_push)
+    proc, url = start_server(target, work, args)
+    try:
+        register(url, target, batch)
+        ingest_s, push_lat = ingest(url, target, bodies, args.pushers)
+        serve_s, serve_lat, served = serve(url, target, batch)
     finally:
         proc.stop()
+    seqs = n_groups * gs
+    if served != seqs:
+        raise RuntimeError(f"{target}: served {served} of {seqs} sequences")
+    return {
+        "target": target, "group_size": gs, "batch_sequences": batch, "groups": n_groups,
+        "sequences": seqs, "seq_len": args.seq_len, "per_push": args.per_push,
+        "pushers": args.pushers,
+        "body_kib_gzip": sum(map(len, bodies)) / len(bodies) / 1024,
+        "synchronous": None if target == "atropos" else args.synchronous,
+        "ingest": {"groups_per_s": n_groups / ingest_s, "sequences_per_s": seqs / ingest_s,
+                   "p50_ms": 1e3 * pct(push_lat, 50), "p99_ms": 1e3 * pct(push_lat, 99),
+                   "requests": len(push_lat)},
+        "serve": {"groups_per_s": n_groups / serve_s, "sequences_per_s": seqs / serve_s,
+                  "p50_ms": 1e3 * pct(serve_lat, 50), "p99_ms": 1e3 * pct(serve_lat, 99),
+                  "max_ms": 1e3 * max(serve_lat), "batches": len(serve_lat)},
+        "machine": machine(),
+    }  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--groups", type=int, default=2000)
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument(
+        "--target",
+        choices=[*TARGETS, "ours", "both"],
+        default="both",
+        help="ours = ours-atropos + ours-native; both = all three",
+    )
+    ap.add_argument("--group-sizes", default="8", help="comma list, e.g. 4,8,16")
+    ap.add_argument("--batch-sizes", default="64", help="sequences per served batch, comma list")
+    ap.add_argument("--sequences", type=int, default=6144, help="sequences ingested per point")
+    ap.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
     ap.add_argument("--per-push", type=int, default=4, help="groups per push request")
     ap.add_argument("--pushers", type=int, default=4, help="concurrent pushing threads")
-    ap.add_argument("--batch-sequences", type=int, default=64)
-    ap.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "api_bench.json")
+    ap.add_argument(
+        "--synchronous",
+        choices=["FULL", "NORMAL"],
+        default="FULL",
+        help="our API's SQLite synchronous mode (FULL = fsync per commit, default)",
+    )
+    ap.add_argument(
+        "--atropos-python",
+        type=Path,
+        default=None,
+        help=f"python of a venv with atroposlib (default: {ATROPOS_VENV}, created)",
+    )
+    ap.add_argument("--out", type=Path, default=RESULTS / "api_compare.json")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        results = [run_mode(s, args, Path(tmp)) for s in ("FULL", "NORMAL")]
-    report = {"machine": f"{platform.machine()}, {platform.processor() or '?'}",
-              "params": {k: v for k, v in vars(args).items() if k != "out"},
-              "results": results}  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    stop_on_sigterm()
+    targets = {"both": TARGETS, "ours": TARGETS[1:]}.get(args.target, (args.target,))
+    if "atropos" in targets:
+        args.atropos_python = ensure_atropos(args.atropos_python)
     print(
-        "| synchronous | ingest groups/s | ingest seq/s | push p50 / p99 ms | serve groups/s "
-        "| serve seq/s | lease+ack p50 / p99 ms |"
+        "| target | gs | batch | ingest seq/s | push p50/p99 ms | serve seq/s | batch p50/p99 ms |"
     )
     print("|---|---|---|---|---|---|---|")
-    for r in results:
-        i, s = r["ingest"], r["serve"]
-        print(f"| {r['synchronous']} | {i['groups_per_s']:.0f} | {i['sequences_per_s']:.0f} | "
-              f"{i['request_p50_ms']:.1f} / {i['request_p99_ms']:.1f} | {s['groups_per_s']:.0f} | "
-              f"{s['sequences_per_s']:.0f} | {s['lease_ack_p50_ms']:.1f} / {s['lease_ack_p99_ms']:.1f} |")  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        for gs in parse_list(args.group_sizes):
+            for batch in parse_list(args.batch_sizes):
+                for target in targets:
+                    r = run_point(target, gs, batch, args, Path(tmp))
+                    key = f"{target}/gs{gs}/b{batch}"
+                    if args.synchronous != "FULL" and target != "atropos":
+                        key += f"/{args.synchronous}"
+                    write_result(args.out, key, r)
+                    i, s = r["ingest"], r["serve"]
+                    print(f"| {target} | {gs} | {batch} | {i['sequences_per_s']:.0f} | "
+                          f"{i['p50_ms']:.1f} / {i['p99_ms']:.1f} | {s['sequences_per_s']:.0f} | "
+                          f"{s['p50_ms']:.1f} / {s['p99_ms']:.1f} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

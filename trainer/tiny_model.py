@@ -178,11 +178,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=TINY_MODEL_DIR, help="output folder")
     ap.add_argument("--seed", type=int, default=0, help="seed for corpus and weights")
     ap.add_argument("--force", action="store_true", help="rebuild even if already built")
+    # Bigger shapes for the benchmarks' model-size sweeps (bench/common.py MODEL_SIZES).
+    shape = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads")  # fmt: skip
+    for name in shape:
+        ap.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                        help=TinyModelSpec.model_fields[name].description)  # fmt: skip
     args = ap.parse_args(argv)
     if is_built(args.out) and not args.force:
         print(f"tiny model already built at {args.out} (use --force to rebuild)")
         return
-    path = build_tiny_model(args.out, TinyModelSpec(seed=args.seed))
+    sizes = {k: getattr(args, k) for k in shape if getattr(args, k) is not None}
+    path = build_tiny_model(args.out, TinyModelSpec(seed=args.seed, **sizes))
     for name, sha in digest(path).items():
         print(f"{sha[:16]}  {name}")
     print(f"built {path}")

@@ -1,0 +1,154 @@
+"""Helpers the benchmarks share: model sizes, machine description, result files, statistics.
+
+Pure helpers (no server, no torch at import time) so ``--help`` stays instant and the unit
+tests can import them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "docs" / "results"
+
+# Random-weight Qwen2 models sharing the embedded tokenizer (vocab 4096, head_dim 64 because
+# vLLM's CPU attention rejects smaller heads). "tiny" is the embedded default model itself.
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2),
+    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=10,
+                  num_attention_heads=8, num_key_value_heads=2),
+    "base": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=20,
+                 num_attention_heads=12, num_key_value_heads=2),
+}  # fmt: skip
+
+
+def count_params(model_path: Path) -> int:
+    """Parameters stored in a model folder's safetensors files (tied embeddings once)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), "np") as st:
+            for k in st.keys():
+                total += _prod(st.get_slice(k).get_shape())
+    return total
+
+
+def _prod(shape: Sequence[int]) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
+
+
+def model_dir(name: str) -> Path:
+    """Build (once) and return the folder of model ``name`` (see ``MODEL_SIZES``)."""
+    from launch.paths import ARTIFACTS, TINY_MODEL_DIR
+    from trainer.tiny_model import TinyModelSpec, build_tiny_model, is_built
+
+    out = TINY_MODEL_DIR if name == "tiny" else ARTIFACTS / "models" / f"bench-{name}"
+    if not is_built(out):
+        build_tiny_model(out, TinyModelSpec(**MODEL_SIZES[name]))
+    return out
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on (load average included: the box is shared)."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        mem = Path("/proc/meminfo").read_text().splitlines()[0].split()[1]
+        info["mem_gib"] = round(int(mem) / 2**20, 1)
+    except OSError:
+        pass
+    return info
+
+
+def pct(xs: Sequence[float], q: int) -> float:
+    """The q-th percentile (1..99) of ``xs``, exclusive method; the value itself if alone."""
+    if not xs:
+        raise ValueError("percentile of no values")
+    if len(xs) == 1:
+        return float(xs[0])
+    return float(statistics.quantiles(xs, n=100)[q - 1])
+
+
+def overhead(direct: Sequence[float], through: Sequence[float]) -> dict[str, float]:
+    """Throughput lost going through the stack, from paired interleaved repetitions.
+
+    ``direct[i]`` and ``through[i]`` are rates (higher is better) measured back to back; the
+    overhead is ``1 - through / direct`` on the medians, and the spread is the min..max of
+    the per-pair overheads (pairs cancel slow drifts of a shared machine's load).
+    """
+    if len(direct) != len(through) or not direct:
+        raise ValueError("need the same number (>0) of direct and through repetitions")
+    pairs = [1.0 - t / d for d, t in zip(direct, through, strict=True)]
+    return {
+        "direct_median": statistics.median(direct),
+        "through_median": statistics.median(through),
+        "overhead": 1.0 - statistics.median(through) / statistics.median(direct),
+        "overhead_pair_min": min(pairs),
+        "overhead_pair_max": max(pairs),
+    }
+
+
+def write_result(path: Path, key: str, value: Any) -> dict[str, Any]:
+    """Merge ``{key: value}`` into the JSON file at ``path`` (so sweeps run piecewise under the
+    shared lock accumulate in one file) and return the whole content."""
+    data: dict[str, Any] = {}
+    if path.exists():
+        data = json.loads(path.read_text())
+    data[key] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+    return data
+
+
+def parse_list(text: str, cast: type = int) -> list[Any]:
+    """``"4,8,16"`` -> ``[4, 8, 16]`` (for sweep flags)."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"empty list: {text!r}")
+    return [cast(t) for t in items]
+
+
+def parse_points(text: str) -> list[tuple[int, int]]:
+    """``"8:4,16:4"`` -> ``[(8, 4), (16, 4)]`` (pairs of integers for sweep flags)."""
+    out = []
+    for item in parse_list(text, str):
+        a, sep, b = item.partition(":")
+        if not sep:
+            raise ValueError(f"expected A:B, got {item!r}")
+        out.append((int(a), int(b)))
+    return out
+
+
+def stop_on_sigterm() -> None:
+    """Turn SIGTERM (``timeout``, Ctrl-C of a parent) into KeyboardInterrupt, so the
+    ``finally`` blocks stop the servers this benchmark started instead of orphaning them."""
+
+    def _raise(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _raise)

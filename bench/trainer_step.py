@@ -1,0 +1,150 @@
+"""Trainer step time vs model size, batch size and group size (no servers).
+
+    flock /tmp/heavy.lock .venv/bin/python bench/trainer_step.py [--models tiny,small,base]
+        [--batch-sizes 8] [--group-sizes 4] [--seq-len 512] [--steps 3]
+
+Runs the real GRPO optimizer step (``trainer.grpo_step.grpo_step``: scoring pass with
+self-certainty and the KL reference, loss + backward over micro-batches, clip, AdamW) and the
+real checkpoint (``Run.checkpoint``: model, optimizer, scheduler, RNG, atomically) on
+synthetic scored groups: ``batch size / group size`` groups of ``--seq-len`` tokens (3/4
+prompt, 1/4 completion, random ids, random scores), fp32 on CPU, the trainer's defaults
+otherwise (micro-batches of 8192 padded tokens, kl_beta 0.001). The points of one model run
+interleaved (round r = one step of each point in turn) on one model instance; round 0 is the
+warm-up, the median of the other rounds is reported. Results are merged into docs/results/trainer_step.json
+under ``<model>/b<B>/gs<G>/L<len>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.common import (  # noqa: E402
+    MODEL_SIZES,
+    RESULTS,
+    count_params,
+    machine,
+    model_dir,
+    parse_list,
+    write_result,
+)
+
+
+def synthetic_groups(n_groups: int, gs: int, seq_len: int, vocab: int, seed: int) -> list[dict]:
+    """Scored groups in the data contract with random content (scores differ within a group)."""
+    rng = random.Random(seed)
+    prompt = seq_len * 3 // 4
+    groups = []
+    for g in range(n_groups):
+        ids = [rng.randrange(10, vocab) for _ in range(prompt)]
+        seqs = []
+        for _ in range(gs):
+            comp = [rng.randrange(10, vocab) for _ in range(seq_len - prompt)]
+            seqs.append({"tokens": ids + comp, "mask": [0] * prompt + [1] * len(comp),
+                         "logprobs": [0.0] * prompt + [-rng.uniform(0.5, 8) for _ in comp],
+                         "score": rng.random(),
+                         "spans": {"rationale": [0] * prompt + [1] * (len(comp) // 2)
+                                   + [0] * (len(comp) - len(comp) // 2)}})  # fmt: skip
+        groups.append({"group_id": f"g{g}", "env": "bench", "policy_version": 0,
+                       "sequences": seqs})  # fmt: skip
+    return groups
+
+
+def measure(model: str, points: list[tuple[int, int]], args: argparse.Namespace) -> list[dict]:
+    """Every (batch, group size) point on one model, interleaved: round r runs one step of
+    each point in turn, so a load change on the shared box hits every point alike."""
+    from trainer.batch import flatten_groups
+    from trainer.config import GrpoConfig
+    from trainer.grpo_step import StepContext, grpo_step
+    from trainer.model import Reference
+    from trainer.run import start_run
+
+    for batch, gs in points:
+        if batch % gs:
+            raise ValueError(f"batch size {batch} is not a multiple of group size {gs}")
+    mdir = model_dir(model)
+    steps: dict[tuple[int, int], list[float]] = {p: [] for p in points}
+    ckpts: dict[tuple[int, int], list[float]] = {p: [] for p in points}
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = GrpoConfig(model_name=str(mdir), save_path=tmp, device="cpu", lr=5e-5,
+                         batch_size=max(b for b, _ in points), tensorboard=False,
+                         overwrite=True, training_steps=args.steps * len(points))  # fmt: skip
+        ref: list[Reference] = []
+        run = start_run(cfg, before_resume=lambda lm: ref.append(Reference(lm)))
+        ctx = StepContext(run.loaded, ref[0], run.optimizer, run.scheduler, cfg)
+        vocab = run.loaded.model.config.vocab_size
+        for rnd in range(args.steps):
+            for batch, gs in points:
+                groups = synthetic_groups(batch // gs, gs, args.seq_len, vocab, seed=rnd)
+                items, _ = flatten_groups(groups, cfg.max_seq_len)
+                t0 = time.perf_counter()
+                stats = grpo_step(ctx, items)
+                t1 = time.perf_counter()
+                run.state.step += 1
+                run.checkpoint()
+                t2 = time.perf_counter()
+                steps[(batch, gs)].append(t1 - t0)
+                ckpts[(batch, gs)].append(t2 - t1)
+                print(f"  {model} b={batch} gs={gs} L={args.seq_len} round {rnd}: compute "
+                      f"{t1 - t0:.2f}s checkpoint {t2 - t1:.2f}s "
+                      f"({stats['micro_batches']} micro-batches)", flush=True)  # fmt: skip
+        run.metrics.close()
+    out = []
+    for batch, gs in points:
+        s, c = steps[(batch, gs)], ckpts[(batch, gs)]
+        steady_s, steady_c = s[1:] or s, c[1:] or c
+        out.append({"model": model, "params": count_params(mdir), "batch_sequences": batch,
+                    "group_size": gs, "seq_len": args.seq_len, "tokens": batch * args.seq_len,
+                    "compute_s": s, "checkpoint_s": c,
+                    "compute_median_s": statistics.median(steady_s),
+                    "checkpoint_median_s": statistics.median(steady_c),
+                    "tokens_per_s": batch * args.seq_len / statistics.median(steady_s),
+                    "interleaved_with": [list(p) for p in points], "machine": machine()})  # fmt: skip
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--models", default="tiny", help=f"comma list of {sorted(MODEL_SIZES)}")
+    ap.add_argument("--batch-sizes", default="8", help="sequences per step, comma list")
+    ap.add_argument(
+        "--group-sizes",
+        default="4",
+        help="comma list; pairs where it does not divide the batch are skipped",
+    )
+    ap.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
+    ap.add_argument(
+        "--steps", type=int, default=3, help="rounds (steps per point; the first is a warm-up)"
+    )
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "trainer_step.json")
+    args = ap.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    # Every (batch, group size) pair where the group size divides the batch.
+    pairs = [(b, g) for b in parse_list(args.batch_sizes) for g in parse_list(args.group_sizes)]
+    points = [(b, g) for b, g in pairs if g <= b and b % g == 0]
+    if not points:
+        raise SystemExit("error: no group size divides a batch size")
+    for model in parse_list(args.models, str):
+        for r in measure(model, points, args):
+            key = f"{model}/b{r['batch_sequences']}/gs{r['group_size']}/L{args.seq_len}"
+            write_result(args.out, key, r)
+            print(f"{model} ({r['params'] / 1e6:.1f}M) b={r['batch_sequences']} "
+                  f"gs={r['group_size']} L={args.seq_len}: compute {r['compute_median_s']:.2f}s "
+                  f"({r['tokens_per_s']:.0f} tok/s), checkpoint {r['checkpoint_median_s']:.2f}s",
+                  flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""The benchmarks' pure helpers: overhead arithmetic, sweep parsing, result merging, the
+trainer breakdown, the report's table filling, and that the API benchmark sends the same
+content to the Atropos routes and to the native routes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.api_throughput import atropos_group, encode_bodies, native_group
+from bench.common import overhead, parse_list, parse_points, pct, write_result
+from bench.report import fill
+from bench.trainer_breakdown import breakdown
+
+pytestmark = pytest.mark.unit
+
+
+def test_overhead_uses_medians_and_pairs() -> None:
+    r = overhead([100.0, 110.0, 90.0], [95.0, 99.0, 90.0])
+    assert r["direct_median"] == 100.0 and r["through_median"] == 95.0
+    assert r["overhead"] == pytest.approx(0.05)
+    assert r["overhead_pair_min"] == pytest.approx(0.0)
+    assert r["overhead_pair_max"] == pytest.approx(0.1)
+
+
+def test_overhead_rejects_unpaired_input() -> None:
+    with pytest.raises(ValueError):
+        overhead([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError):
+        overhead([], [])
+
+
+def test_parse_sweeps() -> None:
+    assert parse_list("4, 8,16") == [4, 8, 16]
+    assert parse_list("tiny,base", str) == ["tiny", "base"]
+    assert parse_points("8:4,16:1") == [(8, 4), (16, 1)]
+    with pytest.raises(ValueError):
+        parse_points("8")
+    with pytest.raises(ValueError):
+        parse_list(" , ")
+
+
+def test_pct() -> None:
+    assert pct([3.0], 99) == 3.0
+    assert pct(list(range(1, 102)), 50) == pytest.approx(51.0)
+    with pytest.raises(ValueError):
+        pct([], 50)
+
+
+def test_write_result_merges_keys(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    write_result(out, "a", {"x": 1})
+    write_result(out, "b", {"x": 2})
+    write_result(out, "a", {"x": 3})
+    assert json.loads(out.read_text()) == {"a": {"x": 3}, "b": {"x": 2}}
+
+
+def test_breakdown_fractions_sum_to_one() -> None:
+    rows = [
+        {"wait_s": 1.0, "step_s": 6.0, "checkpoint_s": 1.0, "sync_s": 2.0, "staleness_mean": 1},
+        {"wait_s": 0.0, "step_s": 4.0, "checkpoint_s": 1.0, "sync_s": 1.0, "staleness_mean": 0},
+    ]
+    b = breakdown(rows)
+    assert b["wall_s"] == 16.0 and b["steps"] == 2
+    assert b["wait_frac"] == pytest.approx(1 / 16)
+    fracs = (b["wait_frac"], b["step_frac"], b["checkpoint_frac"], b["sync_frac"])
+    assert sum(fracs) == pytest.approx(1.0)
+    assert b["step_time_median_s"] == pytest.approx(8.0)
+    assert b["staleness_mean"] == pytest.approx(0.5)
+
+
+def test_fill_replaces_only_the_marked_table() -> None:
+    doc = "intro\n<!-- table:a -->\nold\n<!-- /table:a -->\nmiddle\n<!-- table:b -->\nkeep\n<!-- /table:b -->\n"
+    out = fill(doc, "a", "| new |\n")
+    assert "| new |" in out and "old" not in out
+    assert "keep" in out and out.startswith("intro\n") and "middle" in out
+    assert fill(out, "a", "| newer |").count("<!-- table:a -->") == 1
+
+
+def test_atropos_and_native_payloads_carry_the_same_content() -> None:
+    """What the API benchmark sends to the Atropos routes is, once our API converts it, what
+    it sends to the native route: the two measure the same work."""
+    from api.atropos import _labels
+    from api.protocol import AtroposScoredData, ScoredGroup
+
+    a = AtroposScoredData.model_validate(atropos_group(5, 4, 32))
+    n = ScoredGroup.model_validate(native_group(5, 4, 32))
+    for t, m, lp, s, seq in zip(a.tokens, a.masks, a.inference_logprobs, a.scores, n.sequences,
+                                strict=True):  # fmt: skip
+        assert seq.tokens == t and seq.logprobs == lp and seq.score == s
+        assert _labels(seq.tokens, seq.mask) == m
+        assert sum(seq.mask) == 16  # half the sequence is the completion
+    # every group is distinct, so content-hash group ids never collapse two of them
+    assert atropos_group(1, 2, 8) != atropos_group(2, 2, 8)
+    assert len(encode_bodies("atropos", 10, 2, 8, per_push=4)) == 3
