@@ -1,14 +1,27 @@
-"""Weight-bridge benchmark: sync latency and generation stall per mode, vs a memcpy floor.
+"""Weight-bridge benchmark: sync latency and generation stall per mode, vs the floors.
 
-    python bench/bridge_sync.py [--big] [--rounds 5]
+    flock /tmp/heavy.lock python bench/bridge_sync.py --only tiny            # ~6 min
+    flock /tmp/heavy.lock python bench/bridge_sync.py --big --only qwen2-130m  # ~12 min
 
-For each model (the embedded tiny model; with ``--big`` also a ~130M-parameter Qwen2 with
-the same tokenizer) and each mode, start a real patched vLLM server on CPU, then per round:
-a real optimizer step on the trainer's model, ``sync`` while a streaming completion runs,
-and record the sync time, the server-side pause, and the largest gap between streamed tokens
-during the sync (the stall a client actually sees). The floor is an in-memory copy of the
-same number of bytes on this machine. Results: docs/results/bridge_bench.json and
-docs/bridge_sync.png.
+For each model (the embedded tiny model; with ``--big`` a ~124M-parameter Qwen2 with the same
+tokenizer) and each mode, start a real patched vLLM server on CPU, then per round: a real
+optimizer step on the trainer's model, ``sync`` while a streaming completion runs, and record
+the sync latency, its breakdown (trainer: pack / control calls / send; server: pause, apply
+rpc, resume; worker: receive, load_weights, finalize, lm_head), the server-side pause and the
+largest gap between streamed tokens during the sync (the stall a client actually sees).
+
+Floors, measured in the same run on the same machine:
+- ``memcpy``: one single-threaded in-memory copy of the same number of bytes;
+- ``apply``: ``load_weights`` + oneDNN repack + tied lm_head refresh from a state dict
+  already in the worker's memory (``bridge_bench_apply``) -- what vLLM-CPU pays for any
+  weight change, a restart included.
+Definitions: *transfer* = bytes from the trainer's tensors into memory the worker reads
+(pack copy + network send + the worker's remaining receive wait); *sync* = ``bridge.sync``
+end to end. Ratios: transfer / memcpy and sync / (memcpy + apply floor).
+
+``server restart`` is Atropos' legacy mode (``none`` + ``restart=True``): the server is
+stopped by PID and started from the saved checkpoint; its stall is the whole restart.
+Results: docs/results/bridge_bench.json, docs/results/bridge_bench.md, docs/bridge_sync.png.
 """
 
 from __future__ import annotations
@@ -16,21 +29,32 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import statistics
 import sys
+import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-MODES = [
-    ("shared_vllm", False, "broadcast (gloo)"),
-    ("shared_vllm", True, "single-copy (shm)"),
-    ("lora_only", False, "LoRA hot-swap"),
-    ("none", False, "checkpoint reload"),
-]
+MODES: list[tuple[str, str, dict, dict]] = [
+    # key, label, make_bridge kwargs, start_bridge_server kwargs
+    ("broadcast", "broadcast (gloo + same-host shm)", {"mode": "shared_vllm"}, {}),
+    ("broadcast_tcp", "broadcast (gloo, loopback TCP)",
+     {"mode": "shared_vllm", "shm_fast_path": False}, {}),
+    ("single_copy", "single-copy (shm)", {"mode": "shared_vllm", "single_copy": True},
+     {"single_copy": True}),
+    ("lora", "LoRA hot-swap", {"mode": "lora_only"}, {}),
+    ("reload", "checkpoint reload", {"mode": "none"}, {}),
+    ("restart", "server restart (Atropos legacy)", {"mode": "none", "restart": True}, {}),
+]  # fmt: skip
+RESTART_ROUNDS = 2
+"""Default restart rounds (``--restart-rounds``): ~30 s each on this box; no warm-up round
+(nothing persists across a restart)."""
 
 
 def build_big_model(tiny_dir: Path, out: Path) -> Path:
@@ -55,12 +79,13 @@ def build_big_model(tiny_dir: Path, out: Path) -> Path:
     return out
 
 
-def memcpy_floor(nbytes: int, repeats: int = 5) -> float:
+def memcpy_floor(nbytes: int, repeats: int = 7) -> float:
+    """Median time of one single-threaded copy of ``nbytes`` between two resident buffers."""
     import numpy as np
 
     src = np.ones(nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
-    np.copyto(dst, src)
+    np.copyto(dst, src)  # fault the pages in first: the floor is the copy, not the mmap
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -73,7 +98,8 @@ class StreamWatch:
     """A streaming completion; records token arrival times to measure the stall.
 
     It stops reading (closing the stream, so vLLM aborts the request) half a second after
-    the sync ended, so a slow model does not keep the benchmark waiting.
+    the sync ended, so a slow model does not keep the benchmark waiting. A stream cut by a
+    server restart just ends (no measurement).
     """
 
     def __init__(self, url: str, model: str, ids: list[int], n: int) -> None:
@@ -85,12 +111,15 @@ class StreamWatch:
 
             body = {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0.0,
                     "ignore_eos": True, "stream": True}  # fmt: skip
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        self.times.append(time.perf_counter())
-                        if self.times[-1] > self.stop_at:
-                            break
+            try:
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            self.times.append(time.perf_counter())
+                            if self.times[-1] > self.stop_at:
+                                break
+            except httpx.HTTPError:
+                pass  # the server went away (restart mode)
 
         self.thread = threading.Thread(target=run, daemon=True)
         self.thread.start()
@@ -109,68 +138,251 @@ class StreamWatch:
         return max(during), median
 
 
-def bench_mode(model_dir: Path, mode: str, single: bool, rounds: int, work: Path) -> dict:
+def apply_floor(url: str, token: str, model_dir: Path, repeats: int = 3) -> dict:
+    """The worker's apply from an in-memory state dict (the served weights), median."""
+    import httpx
+
+    from vllm_patching.protocol import TOKEN_HEADER
+
+    r = httpx.post(
+        f"{url}/collective_rpc",
+        json={"method": "bridge_bench_apply",
+              "kwargs": {"path": str(model_dir.resolve()), "repeats": str(repeats)}},
+        headers={TOKEN_HEADER: token}, timeout=600,
+    )  # fmt: skip
+    r.raise_for_status()
+    runs = r.json()["results"][0]
+    return {k: statistics.median(run[k] for run in runs) for k in runs[0]} | {"runs": runs}
+
+
+def _breakdown(stats, mode: str) -> dict:
+    """Flatten one sync's timings (trainer phases, server route, worker) into one row."""
+    detail = stats.detail
+    row: dict = {"sync_s": stats.total_s, "bytes": stats.bytes}
+    servers = detail.get("servers") or [{}]
+    row["server_pause_s"] = max(float(a.get("stall_s", 0.0)) for a in servers)
+    if mode != "shared_vllm":
+        row.update(pack_s=stats.pack_s, transfer_s=stats.transfer_s)
+        return row
+    phases = detail.get("phases", {})
+    answer = servers[0].get("detail", {})
+    worker = (answer.get("workers") or [{}])[0]
+    row.update({k: phases.get(k) for k in ("check_s", "pack_s", "stage_call_s", "send_s",
+                                           "apply_call_s")})  # fmt: skip
+    # pause_s there is entering the pause (incl. the KV/prefix-cache reset); the whole pause
+    # (the stall) is server_pause_s above
+    row["server_pause_enter_s"] = answer.get("pause_s")
+    row.update({f"server_{k}": answer.get(k) for k in ("apply_rpc_s", "version_s",
+                                                        "resume_s")})  # fmt: skip
+    row.update({f"worker_{k}": worker.get(k) for k in ("stage_s", "wait_s", "apply_s", "load_s",
+                                                        "finalize_s", "lm_head_s")})  # fmt: skip
+    row["path"] = worker.get("path")
+    # bytes in the worker's memory: the pack copy + the send + what the apply still waited for
+    row["transfer_s"] = (
+        (phases.get("pack_s") or 0) + (phases.get("send_s") or 0) + (worker.get("wait_s") or 0)
+    )
+    return row
+
+
+TOKEN = "bench"
+
+
+def server_groups(keys: list[str]) -> list[list[str]]:
+    """Modes that can share one server run, in order (a vLLM start is ~30 s on this box):
+    both broadcast variants (each bridge sets up a fresh transfer group), and reload then
+    restart (the restart replaces the server anyway)."""
+    groups: list[list[str]] = []
+    for key in keys:
+        kw = next(m for m in MODES if m[0] == key)[3]
+        mode = next(m for m in MODES if m[0] == key)[2]["mode"]
+        last = groups[-1][-1] if groups else None
+        if last is not None:
+            lm = next(m for m in MODES if m[0] == last)
+            if lm[2]["mode"] == mode and lm[3] == kw and last != "restart":
+                groups[-1].append(key)
+                continue
+        groups.append([key])
+    return groups
+
+
+def bench_group(
+    model_dir: Path,
+    keys: list[str],
+    rounds: int,
+    work: Path,
+    floor: bool,
+    restart_rounds: int = RESTART_ROUNDS,
+    on_result: Callable[[dict], None] | None = None,
+) -> list:
+    """Start one server for ``keys`` (see ``server_groups``), bench each mode (handing each
+    result to ``on_result`` as soon as it is there), stop it."""
+    from vllm_patching.launcher import start_bridge_server
+
+    _, _, bridge_kw, server_kw = next(m for m in MODES if m[0] == keys[0])
+    log = work / f"{model_dir.name}-{'+'.join(keys)}.log"
+    # a one-element holder: the restart mode replaces the server process (stopped below)
+    holder = [start_bridge_server(model_dir, bridge_kw["mode"], log, token=TOKEN, **server_kw)]
+    out = []
+    try:
+        for i, key in enumerate(keys):
+            label = next(m[1] for m in MODES if m[0] == key)
+            print(f"[bench] {model_dir.name} {label} ...", flush=True)
+            r = bench_mode(model_dir, key, rounds, work, floor and i == 0, holder, restart_rounds)
+            r.update(key=key, label=label)
+            print(f"[bench] {model_dir.name} {label}: {json.dumps(r['median'])}", flush=True)
+            out.append(r)
+            if on_result is not None:
+                on_result(r)
+    finally:
+        holder[0].stop()
+    return out
+
+
+def bench_mode(
+    model_dir: Path,
+    key: str,
+    rounds: int,
+    work: Path,
+    floor: bool,
+    holder: list,
+    restart_rounds: int = RESTART_ROUNDS,
+) -> dict:
+    """Rounds of one mode on the running server ``holder[0]`` (which the restart mode
+    replaces with the new process, also when a round fails)."""
     import httpx
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trainer.bridge import make_bridge
-    from vllm_patching.launcher import start_bridge_server
 
-    token = "bench"
-    log = work / f"{model_dir.name}-{mode}-{int(single)}.log"
-    server = start_bridge_server(model_dir, mode, log, token=token, single_copy=single)
+    _, _, bridge_kw, _ = next(m for m in MODES if m[0] == key)
+    bridge_kw = dict(bridge_kw)
+    mode = bridge_kw.pop("mode")
+    token = TOKEN
+    result: dict = {}
+    server = holder[0]
+    if floor:
+        result["apply_floor"] = apply_floor(server.base_url, token, model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = AutoTokenizer.from_pretrained(model_dir)("Click the search button")["input_ids"]
+    if mode == "lora_only":
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+    if mode in ("lora_only", "none"):
+        bridge_kw["save_dir"] = work / f"{model_dir.name}-{key}"
+    if key == "restart":
+        bridge_kw["server"] = server
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    x = torch.tensor([ids])
+    rows = []
+    n_rounds = restart_rounds if key == "restart" else rounds + 1  # + warm-up round
+    bridge = make_bridge(mode, [server.base_url], token=token, **bridge_kw)
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        ids = AutoTokenizer.from_pretrained(model_dir)("Click the search button")["input_ids"]
-        kwargs: dict = {}
-        if mode == "lora_only":
-            from peft import LoraConfig, get_peft_model
-
-            targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-            model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
-        if mode in ("lora_only", "none"):
-            kwargs["save_dir"] = work / f"{model_dir.name}-{mode}"
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-        x = torch.tensor([ids])
-        rows = []
-        with make_bridge(
-            mode, [server.base_url], single_copy=single, token=token, **kwargs
-        ) as bridge:
-            for version in range(1, rounds + 2):  # round 1 is the warm-up (init, allocation)
-                model(input_ids=x, labels=x).loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                served = getattr(bridge, "served_model", None) or server.served_model_name
-                # Long enough to still be decoding when the sync starts, even when an idle
-                # box decodes the tiny model at ~1 ms/token.
-                watch = StreamWatch(server.base_url, served, ids, n=2000)
-                time.sleep(0.2)
-                t0 = time.perf_counter()
-                stats = bridge.sync(model, version)
-                t1 = time.perf_counter()
-                gap, median_gap = watch.gap_during(t0, t1)
-                server_stall = max(
-                    float(a.get("stall_s", 0.0)) for a in stats.detail.get("servers", [{}])
-                )
-                rows.append(
-                    {"version": version, "sync_s": stats.total_s, "pack_s": stats.pack_s,
-                     "transfer_s": stats.transfer_s, "server_pause_s": server_stall,
-                     "client_gap_s": gap, "median_token_gap_s": median_gap, "bytes": stats.bytes}
-                )  # fmt: skip
-        assert httpx.get(f"{server.base_url}/bridge/health").json()["weight_version"] == str(
-            rounds + 1
-        )
+        for version in range(1, n_rounds + 1):
+            model(input_ids=x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            served = getattr(bridge, "served_model", None) or server.served_model_name
+            # Long enough to still be decoding when the sync starts, even when an idle
+            # box decodes the tiny model at ~1 ms/token.
+            watch = StreamWatch(server.base_url, served, ids, n=2000)
+            time.sleep(0.3)
+            t0 = time.perf_counter()
+            stats = bridge.sync(model, version)
+            t1 = time.perf_counter()
+            if key == "restart":
+                server = holder[0] = bridge.server  # the new process
+            gap, median_gap = watch.gap_during(t0, t1)
+            row = {"version": version, **_breakdown(stats, mode), "client_gap_s": gap,
+                   "median_token_gap_s": median_gap}  # fmt: skip
+            if key == "restart":
+                # no tokens at all while the server is down: the stall is the restart
+                row["client_gap_s"] = row["server_pause_s"]
+            rows.append(row)
     finally:
-        server.stop()
-    steady = rows[1:]
-    med = {
-        k: statistics.median(vals) if (vals := [r[k] for r in steady if r[k] is not None]) else None
-        for k in steady[0]
-        if k != "version"
-    }
-    nparams = sum(p.numel() for p in model.parameters())
-    return {"rounds": rows, "median": med, "params": nparams}
+        if key == "restart":
+            holder[0] = bridge.server
+        bridge.close()
+    served_now = httpx.get(f"{server.base_url}/bridge/health").json()["weight_version"]
+    assert served_now == str(n_rounds), (served_now, n_rounds)
+    steady = rows if key == "restart" else rows[1:]
+    keys = [k for k in steady[0] if k not in ("version", "path")]
+    result["median"] = {k: _median([r[k] for r in steady]) for k in keys}
+    result["best"] = {k: _min([r[k] for r in steady]) for k in keys}
+    result["rounds"] = rows
+    result["params"] = sum(p.numel() for p in model.parameters())
+    result["path"] = steady[-1].get("path")
+    return result
+
+
+def _median(vals: list) -> float | None:
+    vals = [v for v in vals if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def _min(vals: list) -> float | None:
+    vals = [v for v in vals if v is not None]
+    return min(vals) if vals else None
+
+
+def _ms(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v * 1e3:.1f}" if v < 0.1 else f"{v * 1e3:.0f}"
+
+
+def table(results: dict) -> str:
+    """The markdown table of docs/results/bridge_bench.md."""
+    lines = [
+        "| model | mode | sync, ms: best / median | transfer, ms (median) | server pause = stall, "
+        "ms: best / median | largest token gap during sync, ms: median (typical step) | MiB "
+        "| transfer / memcpy | sync / (memcpy + apply) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, res in results.items():
+        floor = res["memcpy_s"] + res["apply_floor_s"]
+        for m in res["modes"]:
+            med, best = m["median"], m["best"]
+            full = m["key"] in ("broadcast", "broadcast_tcp", "single_copy")
+            ratio_t = f"{med['transfer_s'] / res['memcpy_s']:.1f}x" if full else "-"
+            ratio_s = f"{med['sync_s'] / floor:.2f}x" if m["key"] != "lora" else "-"
+            pause = (
+                "no pause"
+                if m["key"] == "lora"
+                else (f"{_ms(best['server_pause_s'])} / {_ms(med['server_pause_s'])}")
+            )
+            lines.append(
+                f"| {name} ({res['params'] / 1e6:.0f}M) | {m['label']} "
+                f"| {_ms(best['sync_s'])} / {_ms(med['sync_s'])} "
+                f"| {_ms(med['transfer_s']) if full else '-'} | {pause} "
+                f"| {_ms(med['client_gap_s'])} ({_ms(med['median_token_gap_s'])}) "
+                f"| {med['bytes'] / 2**20:.1f} | {ratio_t} | {ratio_s} |"
+            )
+    lines.append("")
+    lines.append("| model | memcpy floor, ms | apply floor (load_weights + repack + lm_head), ms |")
+    lines.append("|---|---|---|")
+    for name, res in results.items():
+        lines.append(f"| {name} | {_ms(res['memcpy_s'])} | {_ms(res['apply_floor_s'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def breakdown_table(results: dict) -> str:
+    """Median breakdown of the full-weight shared_vllm syncs."""
+    cols = ["pack_s", "stage_call_s", "send_s", "worker_wait_s", "server_pause_enter_s",
+            "server_apply_rpc_s", "worker_load_s", "worker_finalize_s", "worker_lm_head_s",
+            "server_version_s", "server_resume_s", "server_pause_s", "apply_call_s",
+            "sync_s"]  # fmt: skip
+    lines = ["| model | mode | path | " + " | ".join(c.removesuffix("_s") for c in cols) + " |",
+             "|---" * (len(cols) + 3) + "|"]  # fmt: skip
+    for name, res in results.items():
+        for m in res["modes"]:
+            if m["key"] not in ("broadcast", "broadcast_tcp", "single_copy"):
+                continue
+            vals = " | ".join(_ms(m["median"].get(c)) for c in cols)
+            lines.append(f"| {name} | {m['label']} | {m.get('path')} | {vals} |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(results: dict, path: Path) -> None:
@@ -180,23 +392,32 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     models = list(results)
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(7.5 * len(models), 5.6), squeeze=False)
     for ax, name in zip(axes[0], models, strict=True):
         res = results[name]
-        labels = [m["label"] for m in res["modes"]]
-        best = [min(r["sync_s"] for r in m["rounds"][1:]) * 1e3 for m in res["modes"]]
+        labels = [textwrap.fill(m["label"], 17) for m in res["modes"]]
+        best = [(m["best"]["sync_s"] or m["median"]["sync_s"]) * 1e3 for m in res["modes"]]
         sync = [m["median"]["sync_s"] * 1e3 for m in res["modes"]]
-        pause = [m["median"]["server_pause_s"] * 1e3 for m in res["modes"]]
+        # no pause (LoRA) draws no bar: a log axis has no zero
+        pause = [(m["median"]["server_pause_s"] or float("nan")) * 1e3 for m in res["modes"]]
+        full = ("broadcast", "broadcast_tcp", "single_copy")
+        transfer = [
+            m["median"]["transfer_s"] * 1e3 if m["key"] in full else 0 for m in res["modes"]
+        ]
         xs = range(len(labels))
-        ax.bar([x - 0.27 for x in xs], best, 0.27, label="sync latency (best)")
-        ax.bar(list(xs), sync, 0.27, label="sync latency (median, shared box)")
-        ax.bar([x + 0.27 for x in xs], pause, 0.27, label="server pause = stall (median)")
+        w = 0.2
+        ax.bar([x - 1.5 * w for x in xs], best, w, label="sync latency (best)")
+        ax.bar([x - 0.5 * w for x in xs], sync, w, label="sync latency (median)")
+        ax.bar([x + 0.5 * w for x in xs], pause, w, label="stall: server pause (median)")
+        ax.bar([x + 1.5 * w for x in xs], transfer, w, label="transfer (median)")
         ax.axhline(res["memcpy_s"] * 1e3, color="k", ls="--", label="memcpy of the weights")
-        ax.set_xticks(list(xs), labels, rotation=15)
+        ax.axhline((res["memcpy_s"] + res["apply_floor_s"]) * 1e3, color="r", ls=":",
+                   label="memcpy + apply floor")  # fmt: skip
+        ax.set_xticks(list(xs), labels, fontsize=7)
         ax.set_ylabel("ms (log)")
         ax.set_yscale("log")
         ax.set_title(f"{name} ({res['params'] / 1e6:.0f}M params, {res['bytes'] / 2**20:.0f} MiB)")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -206,8 +427,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--big", action="store_true", help="also the ~130M-parameter model")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5, help="measured rounds per mode")
+    ap.add_argument("--restart-rounds", type=int, default=RESTART_ROUNDS)
     ap.add_argument("--only", choices=["tiny", "qwen2-130m"], help="re-measure one model, merge")
+    ap.add_argument("--modes", nargs="*", choices=[m[0] for m in MODES], help="subset of modes")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "bridge_bench.json")
     ap.add_argument("--plot", type=Path, default=REPO / "docs" / "bridge_sync.png")
     args = ap.parse_args()
@@ -228,24 +451,67 @@ def main() -> None:
             ap.error("--only qwen2-130m needs --big")
     work = ARTIFACTS / "bench" / "bridge"
     work.mkdir(parents=True, exist_ok=True)
-    results: dict = json.loads(args.out.read_text()) if args.only and args.out.exists() else {}
+    results: dict = json.loads(args.out.read_text()) if args.out.exists() else {}
+    results = {k: v for k, v in results.items() if "apply_floor_s" in v}  # drop old format
+    keys = args.modes or [m[0] for m in MODES]
+    # A timeout's SIGTERM unwinds like Ctrl-C: the servers are stopped in their finally.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     for name, model_dir in models.items():
-        entry: dict = {"modes": []}
-        for mode, single, label in MODES:
-            print(f"[bench] {name} {label} ...", flush=True)
-            r = bench_mode(model_dir, mode, single, args.rounds, work)
-            r.update(mode=mode, single_copy=single, label=label)
-            entry["modes"].append(r)
-            print(f"[bench] {name} {label}: {json.dumps(r['median'])}", flush=True)
-        full = next(m for m in entry["modes"] if m["mode"] == "shared_vllm")
-        entry["params"] = full["params"]
-        entry["bytes"] = full["median"]["bytes"]
-        entry["memcpy_s"] = memcpy_floor(int(entry["bytes"]))
-        results[name] = entry
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
-    plot(results, args.plot)
-    print(f"[bench] wrote {args.out} and {args.plot}")
+        old = results.get(name, {})
+        entry: dict = {
+            "modes": [m for m in old.get("modes", []) if m["key"] not in keys],
+            "box": _box(),
+        }
+        for k in ("apply_floor", "apply_floor_s", "memcpy_s", "params", "bytes"):
+            if k in old:
+                entry[k] = old[k]
+
+        def add(r: dict, entry: dict = entry, name: str = name) -> None:
+            """Store one mode's result and rewrite every output (a cut run keeps its modes)."""
+            if "apply_floor" in r:
+                entry["apply_floor"] = r.pop("apply_floor")
+                entry["apply_floor_s"] = entry["apply_floor"]["apply_s"]
+            entry["modes"] = sorted(
+                [m for m in entry["modes"] if m["key"] != r["key"]] + [r],
+                key=lambda m: keys_order(m["key"]),
+            )
+            if r["key"] in ("broadcast", "broadcast_tcp", "single_copy", "reload"):
+                entry["params"] = r["params"]
+                if entry.get("bytes") != r["median"]["bytes"] or "memcpy_s" not in entry:
+                    entry["bytes"] = r["median"]["bytes"]
+                    entry["memcpy_s"] = memcpy_floor(int(entry["bytes"]))
+            results[name] = entry
+            if "apply_floor_s" in entry and "memcpy_s" in entry:
+                save(results, args.out, args.plot)
+
+        for i, group in enumerate(server_groups(keys)):
+            bench_group(model_dir, group, args.rounds, work, i == 0, args.restart_rounds, add)
+    print(table(results))
+    print(breakdown_table(results))
+    print(f"[bench] wrote {args.out}, {args.out.with_suffix('.md')} and {args.plot}")
+
+
+def save(results: dict, out: Path, plot_path: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    out.with_suffix(".md").write_text(
+        "# Weight-bridge benchmark (generated by bench/bridge_sync.py)\n\n"
+        + table(results)
+        + "\n## Breakdown of the full-weight syncs (medians, ms)\n\n"
+        + breakdown_table(results)
+    )
+    plot(results, plot_path)
+
+
+def keys_order(key: str) -> int:
+    return [m[0] for m in MODES].index(key)
+
+
+def _box() -> dict:
+    """What the machine was doing: load average at the start of the model's run."""
+    import os
+
+    return {"loadavg": os.getloadavg(), "cpus": os.cpu_count(), "time": time.ctime()}
 
 
 if __name__ == "__main__":

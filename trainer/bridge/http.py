@@ -11,7 +11,11 @@ from vllm_patching.protocol import TOKEN_HEADER
 
 
 class BridgeHTTPError(RuntimeError):
-    """A bridge/dev route answered with an error status."""
+    """A bridge/dev route answered with an error status (``status``: the HTTP code)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class ServerClient:
@@ -40,7 +44,8 @@ class ServerClient:
                 continue
             if r.status_code >= 400:
                 raise BridgeHTTPError(
-                    f"{method} {self.base_url}{path} -> {r.status_code}: {r.text[:500]}"
+                    f"{method} {self.base_url}{path} -> {r.status_code}: {r.text[:500]}",
+                    r.status_code,
                 )
             return r
         raise AssertionError("unreachable")

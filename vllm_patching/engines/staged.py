@@ -58,7 +58,9 @@ class StagedWeightTransferEngine(WeightTransferEngine[WeightTransferInitInfo, St
         self._thread: threading.Thread | None = None
         self._staged: list[tuple[str, torch.Tensor]] | None = None
         self._error: BaseException | None = None
-        self.last_timings: dict[str, float] = {}
+        self.last_timings: dict[str, Any] = {}
+        self.last_path = ""
+        """How the last update reached this worker (``shm``, ``gloo``), for the timings."""
 
     # -- subclass hooks ------------------------------------------------------------------
     def stage(self, info: StagedUpdateInfo) -> list[tuple[str, torch.Tensor]]:
@@ -81,6 +83,15 @@ class StagedWeightTransferEngine(WeightTransferEngine[WeightTransferInitInfo, St
         )
         self._thread.start()
 
+    def discard(self) -> None:
+        """Drop a staged update that will never be applied (a sync that failed half way).
+
+        Refuses while the weight-updater thread still receives: its buffers are in use.
+        """
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("a previous weight update is still being received")
+        self._thread, self._staged, self._error = None, None, None
+
     def receive_weights(self, update_info: StagedUpdateInfo) -> None:  # pragma: no cover
         raise RuntimeError("staged engines receive in their weight-updater thread")
 
@@ -91,7 +102,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[WeightTransferInitInfo, St
         except BaseException as e:  # surfaced by finish_weight_update
             logger.exception("weight-updater thread failed")
             self._error = e
-        self.last_timings = {"stage_s": time.perf_counter() - t0}
+        self.last_timings = {"stage_s": time.perf_counter() - t0, "path": self.last_path}
 
     def finish_weight_update(self) -> None:
         """Wait for staging, then load + finalize + tied lm_head refresh (scheduler paused)."""
@@ -111,7 +122,7 @@ class StagedWeightTransferEngine(WeightTransferEngine[WeightTransferInitInfo, St
         staged, self._staged = self._staged or [], None
         t1 = time.perf_counter()
         try:
-            n = apply_weights(self.model, self.model_config, staged)
+            n = apply_weights(self.model, self.model_config, staged, self.last_timings)
         finally:
             staged.clear()  # drop the staging buffers (gloo) / segment views (shm)
         self.last_timings.update(wait_s=t1 - t0, apply_s=time.perf_counter() - t1, tensors=n)
