@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import types
-import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
+from launch import cli
+from launch.cli import add_config_flags, from_env
 from launch.paths import RUNS_DIR
 
 TOKEN_ENV = "SHOP_R1_API_TOKEN"
@@ -31,7 +31,10 @@ class ApiConfig(BaseModel):
     """SQLite `synchronous` pragma. FULL fsyncs the WAL on every commit, so an acknowledged
     group survives power loss too; NORMAL survives a process crash (`kill -9`) but may lose
     the last commits on an OS crash, in exchange for less fsync latency per request."""
-    token: str | None = Field(default_factory=lambda: os.environ.get(TOKEN_ENV) or None)
+    token: str | None = Field(
+        default_factory=lambda: os.environ.get(TOKEN_ENV) or None,
+        json_schema_extra=from_env(TOKEN_ENV),
+    )
     """Shared token required on every route when set (header `Authorization: Bearer <token>`
     or `X-API-Token`); default: $SHOP_R1_API_TOKEN."""
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
@@ -55,30 +58,19 @@ class ApiConfig(BaseModel):
     """Log level of the service and of uvicorn."""
 
 
-def _is_bool(annotation: Any) -> bool:
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
-    return annotation is bool
-
-
 def build_parser() -> argparse.ArgumentParser:
+    """``--recipe``/``--config``/``--print-config`` and one flag per :class:`ApiConfig` field."""
     ap = argparse.ArgumentParser(prog="python -m api", description=ApiConfig.__doc__)
-    for name, field in ApiConfig.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        help_text = " ".join((field.description or "").split()).replace("%", "%%")
-        if _is_bool(field.annotation):
-            ap.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                            default=argparse.SUPPRESS, help=help_text)  # fmt: skip
-        else:
-            ap.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=help_text)
+    add_config_flags(ap, ApiConfig)
     return ap
 
 
+def resolve_config(argv: list[str] | None = None) -> cli.Resolved:
+    """Recipe (``api:`` + shared keys) < --config < $SHOP_R1_API_TOKEN < flags, validated (a bad
+    value exits with a clear message; ``--print-config`` prints the result and exits)."""
+    return cli.parse(ApiConfig, argv, prog="python -m api", section="api")
+
+
 def parse_config(argv: list[str] | None = None) -> ApiConfig:
-    """Flags -> validated config (a bad value exits with a clear message)."""
-    ns = build_parser().parse_args(argv)
-    values = {name: getattr(ns, name) for name in ApiConfig.model_fields if name in ns}
-    try:
-        return ApiConfig.model_validate(values)
-    except ValidationError as e:
-        raise SystemExit(f"error: invalid ApiConfig:\n{e}") from None
+    """:func:`resolve_config`, config only."""
+    return resolve_config(argv).config

@@ -7,12 +7,15 @@ import logging
 
 
 def main(argv: list[str] | None = None) -> None:
-    from env_server.config import parse_config
+    from env_server.config import resolve_config
+    from launch.cli import report
 
-    cfg = parse_config(argv)  # config errors surface before anything heavy is imported
+    resolved = resolve_config(argv)  # config errors surface before anything heavy is imported
+    cfg = resolved.config
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("env_server").info("config:\n%s", report(resolved))
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
     from env_server.service import serve, write_summary
 

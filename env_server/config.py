@@ -1,23 +1,26 @@
-"""Config of the environment service and its command line.
+"""Config of the environment service and its command line (``launch.cli``).
 
-A YAML recipe (``--config``) overridden by flags; one ``--kebab-case`` flag per field, whose
-help is the field's docstring. No torch here: ``--help`` and config errors are instant.
+A YAML recipe (``--recipe``: shared keys + the ``env:`` section, docs/RECIPES.md), a flat
+``--config``, environment variables, then flags; one ``--kebab-case`` flag per field, whose help
+is the field's docstring. No torch here: ``--help`` and config errors are instant.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import types
-import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from env_server.reward import RewardConfig
+from env_server.reward import RewardConfig, RewardSpec
+from launch import cli
+from launch.cli import add_config_flags, from_env, recipe_only
 from launch.paths import DATA_DIR
+
+TOKEN_ENV = "SHOP_R1_API_TOKEN"
+ALIASES = {"eval_samples": ["--max-eval-samples"]}
 
 
 class EnvConfig(BaseModel):
@@ -27,10 +30,13 @@ class EnvConfig(BaseModel):
 
     api_url: str = "http://127.0.0.1:8000"
     """Batching API the scored groups go to."""
-    api_token: str | None = Field(default_factory=lambda: os.environ.get("SHOP_R1_API_TOKEN"))
+    api_token: str | None = Field(
+        default_factory=lambda: os.environ.get(TOKEN_ENV), json_schema_extra=from_env(TOKEN_ENV)
+    )
     """Shared token for the API's mutating routes (default: $SHOP_R1_API_TOKEN)."""
     inference_url: str = "http://127.0.0.1:8001"
-    """OpenAI-compatible inference server (vLLM) the completions come from."""
+    """OpenAI-compatible inference server (vLLM) the completions come from; several servers:
+    comma-separated URLs (each rollout goes to the least-loaded one)."""
     model: str | None = None
     """Served model name to request; default: ask the server (follows LoRA renames)."""
     tokenizer: str | None = None
@@ -58,9 +64,13 @@ class EnvConfig(BaseModel):
     latest_only: bool = False
     """Show only the current page (paper Table 5 ablation) instead of the whole session."""
     reward_variant: Literal["full", "binary", "no_dars", "no_format"] = "full"
-    """Reward preset: the paper's reward or one of its ablations."""
-    reward: RewardConfig | None = None
-    """Every reward constant (YAML only); overrides ``reward_variant`` when given."""
+    """Reward preset: the paper's reward or one of its ablations (the same ablations ship as
+    recipes; a recipe's ``rewards:`` section is the general form)."""
+    reward: RewardConfig | None = Field(None, json_schema_extra=recipe_only())
+    """Flat form of every Table-1 constant (recipe/config only); overrides ``reward_variant``."""
+    rewards: RewardSpec | None = None
+    """The reward as registry entries with weights (a recipe's ``rewards:`` section;
+    env_server/reward.py lists the entries). Excludes ``reward`` and ``reward_variant``."""
     concurrency: int = Field(4, ge=1)
     """Prompts in flight at once (each asks for ``group_size`` completions)."""
     drop_constant_groups: bool = True
@@ -69,6 +79,9 @@ class EnvConfig(BaseModel):
     """Wait between backpressure checks while the API wants nothing."""
     request_timeout_s: float = Field(300.0, gt=0.0)
     """Timeout of one completions request (CPU generation is slow)."""
+    reconnect_timeout_s: float = Field(600.0, gt=0.0)
+    """Keep retrying the API or the inference server this long while it cannot be reached (a
+    restart), logging every retry, before the call fails."""
     max_groups: int | None = None
     """Stop after pushing this many groups (default: run until stopped)."""
     max_consecutive_failures: int = Field(50, ge=1)
@@ -76,53 +89,42 @@ class EnvConfig(BaseModel):
     eval_every_groups: int = Field(0, ge=0)
     """Evaluate greedily on the validation split every N pushed groups (0: never)."""
     eval_samples: int = Field(64, ge=1)
-    """Validation steps per periodic evaluation."""
+    """Validation steps per periodic evaluation (also ``--max-eval-samples``)."""
     metrics_path: Path | None = None
     """JSONL file for group statistics and evaluation results (default: log only)."""
     log_every_s: float = Field(30.0, gt=0.0)
     """Seconds between progress lines in the log."""
 
-    def reward_config(self) -> RewardConfig:
-        return self.reward or RewardConfig.variant(self.reward_variant)
+    @model_validator(mode="after")
+    def _one_reward(self) -> EnvConfig:
+        if self.rewards is not None and (self.reward is not None or self.reward_variant != "full"):
+            raise ValueError(
+                "give the reward once: 'rewards' (registry entries) or 'reward'/'reward_variant'"
+            )
+        return self
 
+    def reward_config(self) -> RewardConfig | RewardSpec:
+        """What ``env_server.reward.score`` gets: ``rewards``, else ``reward``, else the preset."""
+        return self.rewards or self.reward or RewardConfig.variant(self.reward_variant)
 
-def _flag_kind(annotation: Any) -> str:
-    args = typing.get_args(annotation)
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        annotation = next(a for a in args if a is not type(None))
-    return "bool" if annotation is bool else "value"
+    def inference_urls(self) -> list[str]:
+        """The inference servers of ``inference_url`` (comma-separated)."""
+        return [u.strip() for u in self.inference_url.split(",") if u.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """``--recipe``/``--config``/``--print-config`` and one flag per :class:`EnvConfig` field."""
     ap = argparse.ArgumentParser(prog="python -m env_server", description=EnvConfig.__doc__)
-    ap.add_argument("--config", type=Path, help="YAML recipe; flags override its values.")
-    for name, field in EnvConfig.model_fields.items():
-        if name == "reward":
-            continue
-        flag = "--" + name.replace("_", "-")
-        help_text = (field.description or "").replace("%", "%%")
-        if _flag_kind(field.annotation) == "bool":
-            ap.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                            default=argparse.SUPPRESS, help=help_text)  # fmt: skip
-        else:
-            ap.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=help_text)
+    add_config_flags(ap, EnvConfig, aliases=ALIASES)
     return ap
 
 
+def resolve_config(argv: list[str] | None = None) -> cli.Resolved:
+    """Recipe (shared keys + ``env:``) < --config < env vars < flags, validated (a bad value
+    exits with a clear message; ``--print-config`` prints the result and exits)."""
+    return cli.parse(EnvConfig, argv, prog="python -m env_server", section="env", aliases=ALIASES)
+
+
 def parse_config(argv: list[str] | None = None) -> EnvConfig:
-    """YAML recipe + flags -> validated config (a bad value exits with a clear message)."""
-    ns = build_parser().parse_args(argv)
-    values: dict[str, Any] = {}
-    if ns.config is not None:
-        loaded = yaml.safe_load(Path(ns.config).read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise SystemExit(f"error: {ns.config} must hold a mapping of option: value")
-        values.update({k.replace("-", "_"): v for k, v in loaded.items()})
-    for name in EnvConfig.model_fields:
-        if name in ns:
-            value = getattr(ns, name)
-            values[name] = None if isinstance(value, str) and value.lower() == "none" else value
-    try:
-        return EnvConfig.model_validate(values)
-    except ValidationError as e:
-        raise SystemExit(f"error: invalid EnvConfig:\n{e}") from None
+    """:func:`resolve_config`, config only."""
+    return resolve_config(argv).config

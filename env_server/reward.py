@@ -7,20 +7,27 @@ the type does not use may appear only as ``""``). Anything else -- prose around 
 code fences, two objects, duplicate keys, wrong types -- is a format failure, reported as a
 value, never raised.
 
-Reward (every constant in :class:`RewardConfig`):
+Reward: named terms in a registry (:data:`REGISTRY`), chosen and weighted by a recipe's
+``rewards:`` section (:class:`RewardSpec`; docs/RECIPES.md). The paper's reward (Table 1):
 
-    format      0.5   valid format; everything below needs it
-    type        0.3   predicted type == gold type
-    click:            +0.2 name present, + DARS x ROUGE-L(name)
-    type_and_submit:  +0.1 name present, +0.1 text present,
-                      +0.1 x ROUGE-L(name) + DARS x ROUGE-L(text)
-    terminate:        nothing beyond format + type
+    format            0.5   valid format; every term needs it (a failure scores 0)
+    type              0.3   predicted type == gold type
+    click_name        0.2   click: a name is given
+    click_name_rouge  1.0   click: ROUGE-L(name), x dars
+    tas_name          0.1   type_and_submit: a name is given
+    tas_text          0.1   type_and_submit: a text is given
+    tas_name_rouge    0.1   type_and_submit: ROUGE-L(name) (not DARS-scaled)
+    tas_text_rouge    1.0   type_and_submit: ROUGE-L(text), x dars
+    dars           1000     scale entry: difficulty-aware reward scaling
+    exact_match       1.0   exact action match (the binary ablation's only term)
 
-Attribute credit needs the type to match (``attributes_require_type_match``); a ROUGE-L
+Attribute terms need the type to match (``attributes_require_type_match``); a ROUGE-L
 similarity (``rouge-score``, F-measure) is credited only when it reaches ``rouge_threshold``.
-DARS (difficulty-aware reward scaling) is ``dars_factor``. The paper's ablations are presets
-(:meth:`RewardConfig.variant`): ``binary`` (1 for an exact action match, else 0),
-``no_dars`` (DARS factor 1) and ``no_format`` (no format credit; validity still gates).
+Weights are normalized (:class:`RewardSpec`): rescaled to sum to the paper's weights of the
+listed entries, so the paper's list is unchanged and dropping an entry leaves the others as
+they are. The paper's ablations are recipes (``binary``: only ``exact_match``; ``no_dars``: no
+``dars``; ``no_format``: no ``format``); the flat :class:`RewardConfig` and its
+:meth:`RewardConfig.variant` presets are kept and map onto the same registry.
 
 The rationale reward (self-certainty, alpha 0.005) needs the policy's full-vocabulary
 distribution over the rationale tokens, which only the trainer has. The environment marks
@@ -31,11 +38,14 @@ trainer adds ``alpha x mean_t KL(p_t || uniform)`` from its own logits.
 from __future__ import annotations
 
 import json
+import math
+import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from env_server.actions import ACTION_TYPES, REQUIRED_KEYS, actions_equal, canonical_action
 
@@ -112,6 +122,22 @@ def _check_unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
+_BAD_CHARS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+"""Control characters (tab/newline/CR allowed) and lone surrogates (a ``\\ud800`` escape)."""
+
+
+def _text_problem(v: Any) -> str | None:
+    """Why ``v`` is not usable text (a non-empty string with something visible), or None."""
+    if not isinstance(v, str):
+        return f"got {type(v).__name__}"
+    if not any(c.isprintable() and not c.isspace() for c in v):
+        return "empty or only invisible characters"
+    bad = _BAD_CHARS.search(v)
+    if bad:
+        return f"contains control/invalid character U+{ord(bad.group()):04X}"
+    return None
+
+
 def _check_action(value: Any) -> dict[str, str]:
     if not isinstance(value, dict):
         raise _Malformed("'action' is not an object")
@@ -124,8 +150,8 @@ def _check_action(value: Any) -> dict[str, str]:
     for key in ("name", "text"):
         v = value.get(key)
         if key in REQUIRED_KEYS[kind]:
-            if not isinstance(v, str) or not v.strip():
-                raise _Malformed(f"a {kind} action needs a non-empty string '{key}'")
+            if problem := _text_problem(v):
+                raise _Malformed(f"a {kind} action needs a non-empty string '{key}' ({problem})")
         elif v not in (None, "") or (key in value and not isinstance(v, str)):
             raise _Malformed(f"a {kind} action takes no '{key}'")
     return canonical_action(value)
@@ -144,8 +170,8 @@ def parse_output(text: Any) -> ParsedOutput | FormatFailure:
         if set(obj) != {"rationale", "action"}:
             raise _Malformed(f"keys must be exactly rationale and action, got {sorted(obj)}")
         rationale = obj["rationale"]
-        if not isinstance(rationale, str) or not rationale.strip():
-            raise _Malformed("'rationale' must be a non-empty string")
+        if problem := _text_problem(rationale):
+            raise _Malformed(f"'rationale' must be a non-empty string ({problem})")
         action_pairs = _action_pairs(text, items)
         action = _check_action(_check_unique(action_pairs))
         r_start, r_end = next((s, e) for k, _, s, e in items if k == "rationale")
@@ -172,11 +198,186 @@ def rationale_char_span(text: str) -> tuple[int, int] | None:
     return parsed.rationale_span if isinstance(parsed, ParsedOutput) else None
 
 
+# ----------------------------------------------------------------------------- registry
+
+
+@dataclass
+class ScoreContext:
+    """What a reward term sees: the parsed prediction, the gold action and shared lookups."""
+
+    pred: dict[str, str]
+    gold: dict[str, str]
+    type_match: bool
+    exact_match: bool
+    rouge_threshold: float
+    rationale: str = ""
+    _rouge: dict[str, float] = field(default_factory=dict)
+
+    def rouge(self, key: str) -> float:
+        """Raw ROUGE-L F of attribute ``key`` (``name``/``text``), computed once."""
+        if key not in self._rouge:
+            self._rouge[key] = rouge_l(self.pred.get(key, ""), self.gold.get(key, ""))
+        return self._rouge[key]
+
+    def similarity(self, key: str) -> float:
+        """ROUGE-L F of ``key`` if it reaches the threshold, else 0 (no partial credit)."""
+        sim = self.rouge(key)
+        return sim if sim >= self.rouge_threshold else 0.0
+
+
+@dataclass(frozen=True)
+class RewardTerm:
+    """A named entry of the reward registry.
+
+    ``credit`` terms return a value in [0, 1] that is multiplied by their (normalized) weight
+    and by the factor of the ``scale`` term named in ``scaled_by`` (if listed); ``scale`` terms
+    (DARS) only provide that factor. Every term needs a well-formed completion: a format
+    failure scores 0 whatever the recipe lists.
+    """
+
+    name: str
+    kind: Literal["credit", "scale"]
+    default: float
+    """The paper's weight (credit) or factor (scale), Table 1."""
+    description: str
+    fn: Callable[[ScoreContext], float] | None = None
+    slot: str | None = None
+    """RewardBreakdown field the credit adds to (None: only in ``components``)."""
+    scaled_by: str | None = None
+    attribute: bool = False
+    """Needs the predicted type to match (``attributes_require_type_match``)."""
+    gold_type: str | None = None
+    """Applies only when the gold action has this type."""
+
+
+REGISTRY: dict[str, RewardTerm] = {}
+"""Every reward term a recipe's ``rewards.components`` can name."""
+
+
+def register(term: RewardTerm) -> RewardTerm:
+    """Add a term (a project or a user module can add its own before the config is parsed)."""
+    if term.name in REGISTRY:
+        raise ValueError(f"reward term {term.name!r} is already registered")
+    if term.kind == "credit" and term.fn is None:
+        raise ValueError(f"credit term {term.name!r} needs a function")
+    REGISTRY[term.name] = term
+    return term
+
+
+def _present(key: str) -> Callable[[ScoreContext], float]:
+    return lambda c: 1.0 if c.pred.get(key) else 0.0
+
+
+for _term in (
+    RewardTerm("format", "credit", 0.5, "Well-formed completion (one JSON object, both keys).",
+               lambda c: 1.0, slot="format"),
+    RewardTerm("type", "credit", 0.3, "Predicted action type == gold type.",
+               lambda c: 1.0 if c.type_match else 0.0, slot="type"),
+    RewardTerm("click_name", "credit", 0.2, "click: a name is given.", _present("name"),
+               slot="name", attribute=True, gold_type="click"),
+    RewardTerm("click_name_rouge", "credit", 1.0,
+               "click: ROUGE-L(name) above the threshold (DARS-scaled).",
+               lambda c: c.similarity("name"), slot="name_similarity", scaled_by="dars",
+               attribute=True, gold_type="click"),
+    RewardTerm("tas_name", "credit", 0.1, "type_and_submit: a name is given.", _present("name"),
+               slot="name", attribute=True, gold_type="type_and_submit"),
+    RewardTerm("tas_text", "credit", 0.1, "type_and_submit: a text is given.", _present("text"),
+               slot="text", attribute=True, gold_type="type_and_submit"),
+    RewardTerm("tas_name_rouge", "credit", 0.1,
+               "type_and_submit: ROUGE-L(name) above the threshold (not DARS-scaled).",
+               lambda c: c.similarity("name"), slot="name_similarity", attribute=True,
+               gold_type="type_and_submit"),
+    RewardTerm("tas_text_rouge", "credit", 1.0,
+               "type_and_submit: ROUGE-L(text) above the threshold (DARS-scaled).",
+               lambda c: c.similarity("text"), slot="text_similarity", scaled_by="dars",
+               attribute=True, gold_type="type_and_submit"),
+    RewardTerm("exact_match", "credit", 1.0,
+               "Exact action match (type + attributes, normalized): the binary reward.",
+               lambda c: 1.0 if c.exact_match else 0.0, slot="exact"),
+    RewardTerm("dars", "scale", 1000.0,
+               "Difficulty-aware reward scaling: factor on the hard attribute's ROUGE-L credit."),
+):  # fmt: skip
+    register(_term)
+
+PAPER_COMPONENTS: dict[str, float] = {
+    name: REGISTRY[name].default
+    for name in ("format", "type", "click_name", "click_name_rouge", "tas_name", "tas_text",
+                 "tas_name_rouge", "tas_text_rouge", "dars")
+}  # fmt: skip
+"""The paper's full reward (Table 1) as registry entries."""
+
+
+class RewardSpec(BaseModel):
+    """A reward as registry entries with weights (a recipe's ``rewards:`` section).
+
+    Normalization (``normalize: true``): the credit weights are rescaled by one factor so they
+    sum to the sum of the *registry defaults (the paper's weights) of the same entries*. Listing
+    the paper's entries with the paper's weights therefore changes nothing; dropping an entry
+    (an ablation) leaves the others at the paper's values; giving relative weights (e.g. all 1)
+    spreads the same budget over the listed entries. Scale entries (``dars``) are factors, never
+    normalized; leaving ``dars`` out means no DARS (factor 1).
+    """
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    components: dict[str, float] = Field(default_factory=lambda: dict(PAPER_COMPONENTS))
+    """Registry entry -> weight (credit entries) or factor (scale entries such as ``dars``)."""
+    normalize: bool = True
+    """Rescale the credit weights to the paper's budget of the listed entries (see above)."""
+    rouge_threshold: float = Field(0.75, ge=0.0, le=1.0)
+    """ROUGE-L F below this earns no similarity credit."""
+    attributes_require_type_match: bool = True
+    """Give attribute credit only when the predicted type is right."""
+
+    _weights: dict[str, float] = PrivateAttr(default_factory=dict)
+    _scales: dict[str, float] = PrivateAttr(default_factory=dict)
+
+    @field_validator("components")
+    @classmethod
+    def _known(cls, v: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(v) - set(REGISTRY))
+        if unknown:
+            raise ValueError(
+                f"unknown reward component(s) {unknown}; registered: {sorted(REGISTRY)}"
+            )
+        bad = [k for k, w in v.items() if not math.isfinite(w) or w < 0]
+        if bad:
+            raise ValueError(f"reward weights must be finite and >= 0: {bad}")
+        if not any(REGISTRY[k].kind == "credit" for k in v):
+            raise ValueError("a reward needs at least one credit component")
+        return v
+
+    def model_post_init(self, _context: Any) -> None:
+        credits = {k: w for k, w in self.components.items() if REGISTRY[k].kind == "credit"}
+        self._scales = {k: w for k, w in self.components.items() if REGISTRY[k].kind == "scale"}
+        factor = 1.0
+        if self.normalize:
+            given = sum(credits.values())
+            budget = sum(REGISTRY[k].default for k in credits)
+            if given <= 0:
+                raise ValueError("reward weights sum to 0; nothing to normalize")
+            factor = budget / given  # exactly 1.0 for the paper's weights: same sums, same order
+        self._weights = {k: w * factor if factor != 1.0 else w for k, w in credits.items()}
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Effective credit weights after normalization."""
+        return dict(self._weights)
+
+    @property
+    def scales(self) -> dict[str, float]:
+        return dict(self._scales)
+
+
 # ----------------------------------------------------------------------------- reward
 
 
 class RewardConfig(BaseModel):
-    """Constants of the hierarchical reward; defaults are the paper's (Table 1)."""
+    """Constants of the hierarchical reward; defaults are the paper's (Table 1).
+
+    The original flat form, kept for code and recipes that use it: it is turned into a
+    :class:`RewardSpec` with these constants as absolute weights (:meth:`to_spec`).
+    """
 
     mode: Literal["hierarchical", "binary"] = Field(
         "hierarchical", description="'binary': 1 for an exact action match, else 0 (ablation)."
@@ -201,7 +402,11 @@ class RewardConfig(BaseModel):
 
     @classmethod
     def variant(cls, name: str) -> RewardConfig:
-        """Presets: 'full' (paper), 'binary', 'no_dars', 'no_format' (paper ablations)."""
+        """Presets: 'full' (paper), 'binary', 'no_dars', 'no_format' (paper ablations).
+
+        The same ablations ship as recipes (``recipes/tiny-qwen2/shop-r1/grpo_<name>.yaml``,
+        registry entries, no code path); tests check both score alike.
+        """
         presets: dict[str, dict[str, Any]] = {
             "full": {},
             "binary": {"mode": "binary"},
@@ -211,6 +416,23 @@ class RewardConfig(BaseModel):
         if name not in presets:
             raise ValueError(f"unknown reward variant {name!r}; expected one of {list(presets)}")
         return cls(**presets[name])
+
+    def to_spec(self) -> RewardSpec:
+        """The same reward as registry entries (absolute weights: no normalization)."""
+        if self.mode == "binary":
+            components = {"exact_match": 1.0}
+        else:
+            components = {
+                "format": self.format_reward, "type": self.type_reward,
+                "click_name": self.click_name_presence, "click_name_rouge": 1.0,
+                "tas_name": self.tas_name_presence, "tas_text": self.tas_text_presence,
+                "tas_name_rouge": self.tas_name_similarity, "tas_text_rouge": 1.0,
+                "dars": self.dars_factor,
+            }  # fmt: skip
+        return RewardSpec(
+            components=components, normalize=False, rouge_threshold=self.rouge_threshold,
+            attributes_require_type_match=self.attributes_require_type_match,
+        )  # fmt: skip
 
 
 @dataclass
@@ -226,6 +448,8 @@ class RewardBreakdown:
     """Text presence credit."""
     name_similarity: float = 0.0
     text_similarity: float = 0.0
+    exact: float = 0.0
+    """Exact-match credit (the binary reward's only term)."""
     rouge_name: float = 0.0
     """Raw ROUGE-L F of the name (before threshold and weights)."""
     rouge_text: float = 0.0
@@ -235,6 +459,8 @@ class RewardBreakdown:
     pred_type: str | None = None
     failure: str | None = None
     extras: dict[str, float] = field(default_factory=dict)
+    components: dict[str, float] = field(default_factory=dict)
+    """Credit of every listed registry entry, by name (0.0 when not earned); sums to total."""
 
     def metrics(self) -> dict[str, float]:
         """Numeric components, for the scored group's ``metrics``."""
@@ -257,46 +483,55 @@ def rouge_l(pred: str, gold: str) -> float:
     return float(_scorer().score(gold, pred)["rougeL"].fmeasure)
 
 
-def _credit(sim: float, weight: float, cfg: RewardConfig) -> float:
-    return weight * sim if sim >= cfg.rouge_threshold else 0.0
+_DEFAULT_SPEC = RewardSpec()
+_SLOTS = ("format", "type", "name", "text", "name_similarity", "text_similarity", "exact")
+
+
+def as_spec(config: RewardConfig | RewardSpec | None) -> RewardSpec:
+    """Any accepted reward description as a :class:`RewardSpec` (None: the paper's)."""
+    if config is None:
+        return _DEFAULT_SPEC
+    return config if isinstance(config, RewardSpec) else config.to_spec()
 
 
 def score(
-    text: str, gold_action: dict[str, Any], config: RewardConfig | None = None
+    text: str, gold_action: dict[str, Any], config: RewardConfig | RewardSpec | None = None
 ) -> RewardBreakdown:
     """Score one completion against the gold action. Pure; never raises on bad model output."""
-    cfg = config or RewardConfig()
+    spec = as_spec(config)
+    weights, scales = spec.weights, spec.scales
     gold = canonical_action(gold_action)
     parsed = parse_output(text)
     if isinstance(parsed, FormatFailure):
-        return RewardBreakdown(failure=parsed.reason)
+        return RewardBreakdown(failure=parsed.reason, components=dict.fromkeys(weights, 0.0))
     pred = parsed.action
-    r = RewardBreakdown(valid=True, pred_type=pred["type"], format=cfg.format_reward)
+    r = RewardBreakdown(valid=True, pred_type=pred["type"])
     r.type_match = pred["type"] == gold["type"]
     r.exact_match = actions_equal(pred, gold)
-    if cfg.mode == "binary":
-        r.total = 1.0 if r.exact_match else 0.0
-        return r
-    if r.type_match:
-        r.type = cfg.type_reward
-    if r.type_match or not cfg.attributes_require_type_match:
-        _attribute_credit(r, pred, gold, cfg)
+    ctx = ScoreContext(
+        pred, gold, r.type_match, r.exact_match, spec.rouge_threshold, parsed.rationale
+    )
+    attributes_open = r.type_match or not spec.attributes_require_type_match
+    custom = 0.0
+    for name, weight in weights.items():
+        term = REGISTRY[name]
+        applies = (not term.attribute or attributes_open) and (
+            term.gold_type is None or term.gold_type == gold["type"]
+        )
+        scale = scales.get(term.scaled_by, 1.0) if term.scaled_by else 1.0
+        # weight x scale first: 1.0 x 1000 is exact, so DARS credit equals 1000 x sim exactly
+        credit = (weight * scale) * term.fn(ctx) if applies else 0.0  # type: ignore[misc]
+        r.components[name] = credit
+        if term.slot in _SLOTS:
+            setattr(r, term.slot, getattr(r, term.slot) + credit)
+        else:
+            custom += credit
+    if attributes_open and any(REGISTRY[n].attribute for n in weights):
+        if gold["type"] in ("click", "type_and_submit"):
+            r.rouge_name = ctx.rouge("name")
+        if gold["type"] == "type_and_submit":
+            r.rouge_text = ctx.rouge("text")
+    # Summed in the order of the original Table-1 code, so the paper's reward is bit-identical.
     r.total = r.format + r.type + r.name + r.text + r.name_similarity + r.text_similarity
+    r.total += r.exact + custom
     return r
-
-
-def _attribute_credit(
-    r: RewardBreakdown, pred: dict[str, str], gold: dict[str, str], cfg: RewardConfig
-) -> None:
-    name, text = pred.get("name", ""), pred.get("text", "")
-    if gold["type"] == "click":
-        r.name = cfg.click_name_presence if name else 0.0
-        r.rouge_name = rouge_l(name, gold["name"])
-        r.name_similarity = _credit(r.rouge_name, cfg.dars_factor, cfg)
-    elif gold["type"] == "type_and_submit":
-        r.name = cfg.tas_name_presence if name else 0.0
-        r.text = cfg.tas_text_presence if text else 0.0
-        r.rouge_name = rouge_l(name, gold["name"])
-        r.rouge_text = rouge_l(text, gold["text"])
-        r.name_similarity = _credit(r.rouge_name, cfg.tas_name_similarity, cfg)
-        r.text_similarity = _credit(r.rouge_text, cfg.dars_factor, cfg)

@@ -1,15 +1,17 @@
-"""``python -m trainer sft|grpo [--config recipe.yaml] [--flag value ...]``.
+"""``python -m trainer sft|grpo [--recipe recipe.yaml] [--config flat.yaml] [--flag value ...]``.
 
 Thin entry point: parse and validate the config first (no torch import, so ``--help`` and
-config errors are instant), then import the trainer and run it.
+config errors are instant), log the resolved config, then import the trainer and run it.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
-from trainer.config import GrpoConfig, SftConfig, build_parser, config_from_args
+from launch.cli import report, resolve_args
+from trainer.config import SECTIONS, GrpoConfig, SftConfig, build_parser
 
 COMMANDS = {
     "sft": (SftConfig, "Supervised cold start on the Shop-R1 dataset."),
@@ -23,11 +25,17 @@ def main(argv: list[str] | None = None) -> int:
     for name, (cls, help_text) in COMMANDS.items():
         build_parser(cls, sub.add_parser(name, help=help_text, description=cls.__doc__))
     ns = parser.parse_args(argv)
-    cfg = config_from_args(COMMANDS[ns.command][0], ns)
+    cls = COMMANDS[ns.command][0]
+    resolved = resolve_args(cls, ns, SECTIONS[cls])
+    if ns.print_config:
+        print(report(resolved))
+        return 0
+    cfg = resolved.config
 
     from trainer.run import setup_logging  # imports torch
 
     setup_logging()
+    logging.getLogger("trainer").info("%s config:\n%s", ns.command, report(resolved))
     if ns.command == "sft":
         from trainer.sft import train as train_sft
 

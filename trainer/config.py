@@ -1,5 +1,6 @@
-"""Trainer configs (pydantic) and their command line: a YAML recipe (``--config``) overridden by
-flags. Every field is documented once, by its docstring; ``--help`` prints those docstrings.
+"""Trainer configs (pydantic) and their command line (``launch.cli``): a recipe (``--recipe``:
+shared keys, ``trainer:``, then ``trainer.sft:``/``trainer.grpo:``) < a flat ``--config`` < env
+vars < flags. Every field is documented once, by its docstring; ``--help`` prints those.
 
 This module imports no torch, so ``python -m trainer ... --help`` and config errors are fast.
 """
@@ -7,15 +8,15 @@ This module imports no torch, so ``python -m trainer ... --help`` and config err
 from __future__ import annotations
 
 import argparse
-import types
-import typing
-from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypeVar
 
-import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from launch.cli import add_config_flags, from_env, resolve_args
 from launch.paths import DATA_DIR, RUNS_DIR, SFT_MODEL_DIR, TINY_MODEL_DIR
+from trainer.gail import GailConfig
+
+ALIASES = {"max_eval_samples": ["--max-eval-examples"]}
 
 
 class _Config(BaseModel):
@@ -32,7 +33,12 @@ class CommonConfig(_Config):
     checkpoints under ``<save_path>/checkpoints``, metrics in ``<save_path>/metrics.jsonl``."""
     resume: bool = False
     """Continue from the latest complete checkpoint in ``<save_path>/checkpoints`` (weights,
-    optimizer, scheduler, RNG, step, data position / consumed batches)."""
+    optimizer, scheduler, RNG, step, data position / consumed batches); the same as
+    ``--resume-from-checkpoint latest``."""
+    resume_from_checkpoint: str | None = None
+    """``latest`` (the newest checkpoint under ``<save_path>/checkpoints``; nothing there yet:
+    start fresh) or the path of one checkpoint directory (``.../checkpoints/step_000042``,
+    possibly of another run: training continues from it into ``save_path``)."""
     overwrite: bool = False
     """Delete the checkpoints already in ``<save_path>/checkpoints`` and start over (without
     it, and without ``--resume``, a directory holding checkpoints is refused)."""
@@ -87,6 +93,14 @@ class CommonConfig(_Config):
     """Also write TensorBoard event files to ``<save_path>/tb`` (if tensorboard is installed)."""
     wandb_project: str | None = None
     """Weights & Biases project to log to (only when set and wandb is installed)."""
+    hub_repo_id: str | None = None
+    """Hugging Face Hub repo (``owner/name``) to push every checkpoint's model and trainer
+    state to (under ``checkpoints/step_NNNNNN``); unset: nothing leaves the machine."""
+    hub_token: str | None = Field(None, exclude=True, json_schema_extra=from_env("HF_TOKEN"))
+    """Hub access token for ``hub_repo_id`` (default: $HF_TOKEN, else huggingface_hub's own
+    login); never written to ``trainer_config.json``."""
+    hub_private: bool = True
+    """Create the hub repo as private if it does not exist."""
 
     @model_validator(mode="after")
     def _check(self) -> CommonConfig:
@@ -94,6 +108,14 @@ class CommonConfig(_Config):
             raise ValueError("training_steps, save_every and keep_checkpoints must be >= 1")
         if self.lr <= 0 or self.max_seq_len < 8:
             raise ValueError("lr must be > 0 and max_seq_len >= 8")
+        if self.resume_from_checkpoint is not None and not self.resume_from_checkpoint.strip():
+            raise ValueError("resume_from_checkpoint must be 'latest' or a checkpoint path")
+        # --resume is the old spelling of --resume-from-checkpoint latest: keep both in step.
+        if self.resume and self.resume_from_checkpoint is None:
+            self.resume_from_checkpoint = "latest"
+        self.resume = self.resume_from_checkpoint is not None
+        if self.hub_repo_id is not None and "/" not in self.hub_repo_id:
+            raise ValueError(f"hub_repo_id must look like 'owner/name', got {self.hub_repo_id!r}")
         return self
 
 
@@ -129,6 +151,9 @@ class SftConfig(CommonConfig):
     """Validation examples for the validation loss."""
     eval_generate: int = 32
     """Validation prompts for the greedy format-valid rate at the end (0 skips it)."""
+    max_eval_samples: int | None = Field(None, ge=1)
+    """Cap on the validation examples of every evaluation (``eval_examples`` and
+    ``eval_generate`` are lowered to it); None: no cap."""
     max_new_tokens: int = 160
     """Generation budget for the format-valid measurement."""
 
@@ -136,6 +161,9 @@ class SftConfig(CommonConfig):
     def _check_batch(self) -> SftConfig:
         if self.batch_size % self.micro_batch_size:
             raise ValueError("batch_size must be a multiple of micro_batch_size")
+        if self.max_eval_samples is not None:
+            self.eval_examples = min(self.eval_examples, self.max_eval_samples)
+            self.eval_generate = min(self.eval_generate, self.max_eval_samples)
         return self
 
 
@@ -155,8 +183,10 @@ class GrpoConfig(CommonConfig):
     ``lease_seconds`` must cover N steps."""
     api_url: str = "http://127.0.0.1:8000"
     """Base URL of the batching API."""
-    api_token: str | None = None
-    """Shared token for the API's mutating routes."""
+    api_token: str | None = Field(
+        None, exclude=True, json_schema_extra=from_env("SHOP_R1_API_TOKEN")
+    )
+    """Shared token for the API's mutating routes (default: $SHOP_R1_API_TOKEN)."""
     batch_size: int = 32
     """Most sequences per leased batch (= one optimizer step)."""
     max_batch_tokens: int = 65536
@@ -167,6 +197,9 @@ class GrpoConfig(CommonConfig):
     """Lease length asked of the API; an unacked batch returns to the queue after it."""
     wait_timeout: float = 600.0
     """Give up (exit non-zero) when the API has had no batch for this long."""
+    reconnect_timeout: float = 600.0
+    """Keep retrying the API and the inference servers this long (seconds) while they cannot
+    be reached (a restart), logging every retry, before giving up (exit non-zero)."""
     poll_interval: float = 1.0
     """Seconds between lease attempts while the API has not enough data."""
     weight_bridge_mode: Literal["shared_vllm", "lora_only", "none"] = "shared_vllm"
@@ -181,8 +214,10 @@ class GrpoConfig(CommonConfig):
     """Inference server base URLs (several for data-parallel vLLM); default from host/port."""
     inference_device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the vLLM workers run (picks the bridge transport); auto: the trainer's device."""
-    bridge_token: str | None = None
-    """Shared token for the vLLM server's /bridge routes."""
+    bridge_token: str | None = Field(
+        None, exclude=True, json_schema_extra=from_env("SHOP_R1_BRIDGE_TOKEN")
+    )
+    """Shared token for the vLLM server's /bridge routes (default: $SHOP_R1_BRIDGE_TOKEN)."""
     vllm_restart_interval: int = 1
     """Mode ``none``: reload weights from the saved checkpoint every N steps."""
     temperature: float = 1.0
@@ -202,6 +237,9 @@ class GrpoConfig(CommonConfig):
     """Epsilon in (score - mean) / (std + eps)."""
     loss_aggregation: Literal["token", "sequence"] = "token"
     """Average the loss over all tokens of the step, or per sequence then over sequences."""
+    gail: GailConfig = Field(default_factory=GailConfig.from_env)
+    """Optional discriminator reward (GRAIL; trainer/gail.py, docs/GAIL.md): off unless
+    ``GAIL_USE=1``, ``gail: {use: true}`` in the recipe, or ``--gail.use``."""
 
     @model_validator(mode="after")
     def _check_grpo(self) -> GrpoConfig:
@@ -217,59 +255,16 @@ class GrpoConfig(CommonConfig):
 
 C = TypeVar("C", bound=_Config)
 
-
-def _flag_kind(annotation: Any) -> tuple[str, bool]:
-    """('bool' | 'list' | 'scalar', optional?) for an annotation."""
-    args = typing.get_args(annotation)
-    origin = typing.get_origin(annotation)
-    optional = origin in (typing.Union, types.UnionType) and type(None) in args
-    if optional:
-        annotation = next(a for a in args if a is not type(None))
-        origin = typing.get_origin(annotation)
-    if annotation is bool:
-        return "bool", optional
-    if origin is list:
-        return "list", optional
-    return "scalar", optional
+SECTIONS: dict[type[_Config], str] = {SftConfig: "trainer.sft", GrpoConfig: "trainer.grpo"}
+"""Recipe section each command reads (plus the shared keys and ``trainer:``)."""
 
 
 def build_parser(cls: type[_Config], parser: argparse.ArgumentParser) -> None:
-    """One ``--kebab-case`` flag per field, its help = the field's docstring."""
-    parser.add_argument("--config", type=Path, help="YAML recipe; flags override its values.")
-    for name, field in cls.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        kind, _ = _flag_kind(field.annotation)
-        help_text = f"{field.description or ''} (default: {field.default!r})".replace("%", "%%")
-        if kind == "bool":
-            parser.add_argument(
-                flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                help=help_text,
-            )  # fmt: skip
-        elif kind == "list":
-            parser.add_argument(
-                flag, dest=name, nargs="*", default=argparse.SUPPRESS, help=help_text
-            )
-        else:
-            parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=help_text)
+    """``--recipe``/``--config``/``--print-config`` and one ``--kebab-case`` flag per field, its
+    help = the field's docstring (``launch.cli.add_config_flags``)."""
+    add_config_flags(parser, cls, aliases=ALIASES)
 
 
 def config_from_args(cls: type[C], ns: argparse.Namespace) -> C:
-    """Merge the YAML recipe with the flags given and validate (clear errors, exit code 2)."""
-    values: dict[str, Any] = {}
-    path = getattr(ns, "config", None)
-    if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise SystemExit(f"error: {path} must hold a mapping of option: value")
-        values.update({k.replace("-", "_"): v for k, v in loaded.items()})
-    for name, field in cls.model_fields.items():
-        if name in ns:
-            value = getattr(ns, name)
-            _, optional = _flag_kind(field.annotation)
-            if optional and isinstance(value, str) and value.lower() in ("none", "null"):
-                value = None
-            values[name] = value
-    try:
-        return cls.model_validate(values)
-    except ValidationError as e:
-        raise SystemExit(f"error: invalid {cls.__name__}:\n{e}") from None
+    """Merge recipe, config file, env vars and the flags given, and validate (clear errors)."""
+    return resolve_args(cls, ns, SECTIONS.get(cls, "trainer.grpo")).config

@@ -11,11 +11,16 @@ import json
 import pytest
 
 from env_server.reward import (
+    PAPER_COMPONENTS,
+    REGISTRY,
     FormatFailure,
     ParsedOutput,
     RewardConfig,
+    RewardSpec,
+    RewardTerm,
     parse_output,
     rationale_char_span,
+    register,
     rouge_l,
     score,
 )
@@ -212,3 +217,87 @@ def test_threshold_and_dars_are_configurable() -> None:
     gold = {"type": "click", "name": "product_a_b_c_d"}
     cfg = RewardConfig(rouge_threshold=0.5, dars_factor=10.0)
     assert score(out(pred), gold, cfg).total == pytest.approx(1.0 + 10 * 0.6)
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+def test_default_spec_is_table1_bit_for_bit() -> None:
+    """RewardSpec() (the default recipe) == the flat Table-1 RewardConfig, exactly."""
+    spec = RewardSpec()
+    assert spec.weights == {k: v for k, v in PAPER_COMPONENTS.items() if k != "dars"}
+    golds = [CLICK, SEARCH, {"type": "terminate"}, {"type": "click", "name": KURO}]
+    preds = [*golds, {"type": "click", "name": KURO.replace("l370", "l371")},
+             {**SEARCH, "text": "wireless noise cancelling headphones"},
+             {**SEARCH, "name": "search_box"}]  # fmt: skip
+    for gold in golds:
+        for pred in preds:
+            a, b = score(out(pred), gold, spec), score(out(pred), gold, RewardConfig())
+            assert a.total == b.total and a.components == b.components
+            assert sum(a.components.values()) == pytest.approx(a.total)
+
+
+def test_components_name_every_entry() -> None:
+    r = score(out(SEARCH), SEARCH)
+    assert r.components == {
+        "format": 0.5, "type": 0.3, "click_name": 0.0, "click_name_rouge": 0.0,
+        "tas_name": 0.1, "tas_text": 0.1, "tas_name_rouge": 0.1, "tas_text_rouge": 1000.0,
+    }  # fmt: skip
+    bad = score("nope", SEARCH)
+    assert bad.total == 0.0 and set(bad.components) == set(r.components)
+    assert not any(bad.components.values())
+
+
+def test_weights_are_normalized_to_the_papers_budget_of_the_listed_entries() -> None:
+    # relative weights 1:1 share the paper's 0.5 + 0.3 budget of these two entries
+    spec = RewardSpec(components={"format": 1.0, "type": 1.0})
+    assert spec.weights == pytest.approx({"format": 0.4, "type": 0.4})
+    assert score(out(CLICK), CLICK, spec).total == pytest.approx(0.8)
+    # paper weights x 10: normalized back to the paper's
+    tenfold = {k: 10 * v for k, v in PAPER_COMPONENTS.items() if k != "dars"}
+    scaled = RewardSpec(components=tenfold | {"dars": 1000.0})
+    assert scaled.weights == pytest.approx(RewardSpec().weights)
+    # dropping an entry (an ablation) leaves the others at the paper's values
+    assert RewardSpec(components={"type": 0.3, "exact_match": 1.0}).weights == {
+        "type": 0.3, "exact_match": 1.0,
+    }  # fmt: skip
+    raw = RewardSpec(components={"format": 1.0, "type": 1.0}, normalize=False)
+    assert raw.weights == {"format": 1.0, "type": 1.0}
+
+
+def test_dars_is_a_scale_entry() -> None:
+    no_dars = RewardSpec(components={k: v for k, v in PAPER_COMPONENTS.items() if k != "dars"})
+    assert score(out(CLICK), CLICK, no_dars).total == pytest.approx(0.5 + 0.3 + 0.2 + 1.0)
+    ten = RewardSpec(components=PAPER_COMPONENTS | {"dars": 10.0})
+    assert score(out(CLICK), CLICK, ten).total == pytest.approx(1.0 + 10.0)
+
+
+@pytest.mark.parametrize(
+    ("components", "why"),
+    [
+        ({"formatt": 0.5}, "unknown reward component"),
+        ({"format": -1.0}, ">= 0"),
+        ({"dars": 1000.0}, "at least one credit"),
+        ({"format": 0.0}, "sum to 0"),
+    ],
+)
+def test_bad_specs_are_clear_errors(components: dict, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        RewardSpec(components=components)
+
+
+def test_a_new_term_is_a_registration_not_an_edit() -> None:
+    term = RewardTerm("short_rationale", "credit", 0.1, "Rationale under 40 characters.",
+                      lambda c: 1.0 if len(c.rationale) < 40 else 0.0)  # fmt: skip
+    register(term)
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register(term)
+        spec = RewardSpec(components={"format": 0.5, "short_rationale": 0.1})
+        r = score(out(CLICK), CLICK, spec)
+        assert r.components == {"format": 0.5, "short_rationale": 0.1}
+        assert r.total == pytest.approx(0.6)
+        long = score(out(CLICK, rationale="x" * 50), CLICK, spec)
+        assert long.components["short_rationale"] == 0.0
+    finally:
+        del REGISTRY["short_rationale"]

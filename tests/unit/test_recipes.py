@@ -1,0 +1,128 @@
+"""Every shipped recipe parses into every service's config; the tiny recipes match the cpu-tiny
+preset and the trainer defaults; the ablation recipes score exactly like the paper's variants."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from api.config import ApiConfig
+from api.config import parse_config as parse_api
+from env_server.config import EnvConfig
+from env_server.config import parse_config as parse_env
+from env_server.reward import RewardConfig, score
+from launch.cli import resolve
+from launch.paths import REPO_ROOT
+from launch.presets import PRESETS
+from trainer.config import GrpoConfig, SftConfig, build_parser, config_from_args
+from vllm_patching.serve import build
+
+pytestmark = pytest.mark.unit
+
+RECIPES = sorted((REPO_ROOT / "recipes").rglob("*.yaml"))
+TINY = REPO_ROOT / "recipes" / "tiny-qwen2" / "shop-r1"
+
+
+def _all(recipe: Path) -> dict[str, object]:
+    return {
+        "api": resolve(ApiConfig, section="api", recipe=recipe).config,
+        "env": resolve(EnvConfig, section="env", recipe=recipe).config,
+        "sft": resolve(SftConfig, section="trainer.sft", recipe=recipe).config,
+        "grpo": resolve(GrpoConfig, section="trainer.grpo", recipe=recipe).config,
+    }
+
+
+def test_recipes_are_shipped() -> None:
+    names = {str(p.relative_to(REPO_ROOT / "recipes")) for p in RECIPES}
+    assert {"tiny-qwen2/shop-r1/sft.yaml", "tiny-qwen2/shop-r1/grpo.yaml",
+            "tiny-qwen2/shop-r1/grpo_binary.yaml", "tiny-qwen2/shop-r1/grpo_no_dars.yaml",
+            "tiny-qwen2/shop-r1/grpo_no_format.yaml",
+            "qwen2.5-0.5b-instruct/shop-r1/grpo.yaml",
+            "qwen2.5-3b-instruct/shop-r1/grpo.yaml"} <= names  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_every_recipe_parses_into_every_service(recipe: Path) -> None:
+    cfgs = _all(recipe)
+    model = cfgs["sft"].model_name if "sft" in recipe.name else cfgs["grpo"].model_name
+    assert cfgs["env"].tokenizer == model  # the shared 'model' key reaches every service
+    assert cfgs["sft"].seed == cfgs["grpo"].seed == cfgs["env"].seed
+    settings, vllm_args, _ = build(["--recipe", str(recipe), "--bridge-device", "cpu"])
+    assert vllm_args[vllm_args.index("--model") + 1] == model
+    if "grpo" in recipe.name:
+        assert cfgs["env"].rewards is not None  # ablations are recipe entries
+        assert settings.mode == cfgs["grpo"].weight_bridge_mode
+        assert Path(cfgs["api"].db_path).parent == Path(cfgs["grpo"].save_path)
+    # the command lines take the same recipe (flags on top)
+    assert parse_api(["--recipe", str(recipe), "--port", "1234"]).port == 1234
+    assert parse_env(["--recipe", str(recipe)]) == cfgs["env"]
+
+
+def test_tiny_grpo_recipe_matches_the_cpu_tiny_preset() -> None:
+    preset = PRESETS["cpu-tiny"]
+    cfgs = _all(TINY / "grpo.yaml")
+    env, grpo = cfgs["env"], cfgs["grpo"]
+    assert grpo.model_name == preset.model and env.tokenizer == preset.model
+    assert env.group_size == preset.group_size and env.max_tokens == preset.max_tokens
+    assert grpo.batch_size == preset.group_size * preset.batch_groups
+    assert grpo.lr == preset.lr and grpo.device == preset.trainer_device
+    # the preset's extra flags, applied over the recipe, change nothing
+    r = str(TINY / "grpo.yaml")
+    assert parse_env(["--recipe", r, *preset.env_extra]) == env, "preset env_extra != recipe"
+    parser = argparse.ArgumentParser()
+    build_parser(GrpoConfig, parser)
+    with_extra = config_from_args(GrpoConfig, parser.parse_args(["--recipe", r,
+                                                                 *preset.trainer_extra]))  # fmt: skip
+    assert with_extra == grpo, "preset trainer_extra differs from the recipe"
+
+
+def test_tiny_sft_recipe_is_the_trainer_default() -> None:
+    sft = _all(TINY / "sft.yaml")["sft"]
+    # what the recipe sets on purpose: no TensorBoard (as launch/run_all.sh) and the dataset
+    # size launch/run_all.sh builds; everything else is SftConfig's default.
+    assert sft == SftConfig(tensorboard=False, num_sessions=3000)
+
+
+def _cases() -> list[tuple[str, dict]]:
+    """Completions x golds covering every reward branch (exact, near, wrong, invalid)."""
+    golds = [
+        {"type": "click", "name": "product_kuro_l370_stainless_steel_paring_knife"},
+        {"type": "type_and_submit", "name": "search_input", "text": "noise cancelling headphones"},
+        {"type": "terminate"},
+    ]
+    preds = [
+        *golds,
+        {"type": "click", "name": "product_kuro_l371_stainless_steel_paring_knife"},
+        {"type": "click", "name": "buy_now"},
+        {"type": "type_and_submit", "name": "search_box", "text": "noise cancelling headphones"},
+        {"type": "type_and_submit", "name": "search_input", "text": "wireless headphones"},
+    ]
+    texts = [json.dumps({"rationale": "I look.", "action": p}) for p in preds] + ["not json"]
+    return [(t, g) for t in texts for g in golds]
+
+
+@pytest.mark.parametrize(
+    ("recipe", "variant"),
+    [("grpo.yaml", "full"), ("grpo_binary.yaml", "binary"), ("grpo_no_dars.yaml", "no_dars"),
+     ("grpo_no_format.yaml", "no_format")],
+)  # fmt: skip
+def test_ablation_recipes_score_exactly_like_the_paper_variants(recipe: str, variant: str) -> None:
+    spec = _all(TINY / recipe)["env"].reward_config()
+    legacy = RewardConfig.variant(variant)
+    for text, gold in _cases():
+        assert score(text, gold, spec).total == score(text, gold, legacy).total, (text, gold)
+
+
+def test_run_all_passes_the_recipe_to_the_services(tmp_path: Path) -> None:
+    from launch.run_all import parse_args, recipe_args, trainer_argv
+
+    recipe = TINY / "grpo.yaml"
+    cfg = parse_args(["--recipe", str(recipe)])
+    assert recipe_args(cfg) == ["--recipe", str(recipe)]
+    argv = trainer_argv(cfg, PRESETS["cpu-tiny"], "m", "http://api", ["http://v"], "t",
+                        tmp_path)  # fmt: skip
+    assert argv[argv.index("--recipe") + 1] == str(recipe)
+    assert recipe_args(parse_args([])) == []
