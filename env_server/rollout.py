@@ -5,6 +5,7 @@ mask     = 0 on the prompt, 1 on every completion token (EOS included: stopping 
 logprobs = 0.0 on the prompt, the inference server's sampled-token logprobs after it
 spans.rationale = 1 on completion tokens that carry the rationale string's characters
 score    = the Shop-R1 reward of the completion against the row's gold action
+extras.gold = {"rationale", "action"} of the row (the human target; used by trainer/gail.py)
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ def group_metrics(
     breakdowns: list[RewardBreakdown], completions: list[Completion]
 ) -> dict[str, float]:
     """Means over the group of every reward component, plus lengths and exact match."""
-    keys = breakdowns[0].metrics().keys()
-    out = {k: sum(b.metrics()[k] for b in breakdowns) / len(breakdowns) for k in keys}
+    per_completion = [b.metrics() for b in breakdowns]  # asdict is costly: once per completion
+    out = {k: sum(m[k] for m in per_completion) / len(per_completion) for k in per_completion[0]}
     out["completion_tokens"] = sum(len(c.token_ids) for c in completions) / len(completions)
     out["truncated"] = sum(c.finish_reason == "length" for c in completions) / len(completions)
     return out
@@ -113,4 +114,7 @@ def build_group(
         "policy_version": policy_version,
         "sequences": [s for s, _ in pairs],
         "metrics": metrics,
+        # The human target of this prompt: the trainer's optional discriminator reward
+        # (trainer/gail.py, docs/GAIL.md) learns to tell it from the policy's completions.
+        "extras": {"gold": {"rationale": row["rationale"], "action": row["action"]}},
     }

@@ -4,7 +4,9 @@ Layout of ``<save_path>/checkpoints/step_000042/``:
 - ``model/``: ``save_pretrained`` output (safetensors; under LoRA the adapter) + tokenizer, so
   the directory loads in transformers and vLLM as is;
 - ``optimizer.pt``, ``scheduler.pt``, ``rng.pt``: the exact training state;
-- ``trainer_state.json``: step, policy version, data position, consumed batch/group ids.
+- ``trainer_state.json``: step, policy version, data position, consumed batch/group ids;
+- ``<name>.pt``: the ``state_dict()`` of each extra stateful part (e.g. ``gail.pt``, the GAIL
+  discriminator of trainer/gail.py), see ``save_checkpoint(extra_state=...)``.
 
 A checkpoint is built in a temporary sibling directory and renamed into place, so a
 ``step_*`` directory is always complete: a kill at any moment leaves either the previous
@@ -90,8 +92,11 @@ def save_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     state: TrainerState,
     keep: int = 2,
+    extra_state: dict[str, Any] | None = None,
 ) -> Path:
-    """Write checkpoint ``step_<state.step>`` atomically and prune to the newest ``keep``."""
+    """Write checkpoint ``step_<state.step>`` atomically and prune to the newest ``keep``.
+
+    ``extra_state``: name -> object with ``state_dict()``, saved as ``<name>.pt``."""
     root = checkpoints_dir(save_path)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{state.step:06d}"
@@ -104,6 +109,8 @@ def save_checkpoint(
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(_rng_state(), tmp / "rng.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
+    for name, obj in (extra_state or {}).items():
+        torch.save(obj.state_dict(), tmp / f"{name}.pt")
     _fsync_tree(tmp)
     if final.exists():  # same step saved again (e.g. end of run right after a periodic save)
         old = root / f".old-{final.name}-{os.getpid()}"
@@ -152,6 +159,12 @@ def load_checkpoint(
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     _set_rng_state(torch.load(path / "rng.pt", weights_only=False))
     return TrainerState(**json.loads((path / "trainer_state.json").read_text()))
+
+
+def load_extra_state(path: Path, name: str) -> dict[str, Any] | None:
+    """The ``<name>.pt`` state saved with checkpoint ``path``, or None if it has none."""
+    f = Path(path) / f"{name}.pt"
+    return torch.load(f, weights_only=True, map_location="cpu") if f.exists() else None
 
 
 def save_final_model(save_path: str | Path, model: torch.nn.Module, tokenizer: Any) -> Path:

@@ -65,8 +65,14 @@ def _scoring_pass(ctx: StepContext, mbs: list[list[SeqItem]], n_items: int):
     return certainty, ref_lps, {"entropy": ent_sum / tok, "logprob_mismatch": mismatch_sum / tok}
 
 
-def grpo_step(ctx: StepContext, items: list[SeqItem]) -> dict[str, float]:
-    """Advantages, loss, backward over micro-batches, clip, optimizer step. Returns metrics."""
+def grpo_step(
+    ctx: StepContext, items: list[SeqItem], extra_reward: torch.Tensor | None = None
+) -> dict[str, float]:
+    """Advantages, loss, backward over micro-batches, clip, optimizer step. Returns metrics.
+
+    ``extra_reward`` (``[len(items)]``, e.g. the GAIL bonus of trainer/gail.py) is added to
+    the scores before the group advantages; ``extra_adv_shift`` reports how much it moved them.
+    """
     lm, cfg = ctx.loaded, ctx.cfg
     t0 = time.monotonic()
     mbs = micro_batches(items, cfg.micro_batch_tokens)
@@ -75,7 +81,14 @@ def grpo_step(ctx: StepContext, items: list[SeqItem]) -> dict[str, float]:
     certainty, ref_lps, scoring = _scoring_pass(ctx, mbs, len(items))
     scores = torch.tensor([i.score for i in items])
     total = scores + cfg.self_certainty_alpha * certainty
-    adv = group_advantages(total, torch.tensor([i.group for i in items]), eps=cfg.adv_eps)
+    group_ids = torch.tensor([i.group for i in items])
+    extra: dict[str, float] = {}
+    if extra_reward is not None:
+        base_adv = group_advantages(total, group_ids, eps=cfg.adv_eps)
+        total = total + extra_reward.to(total.dtype).cpu()
+    adv = group_advantages(total, group_ids, eps=cfg.adv_eps)
+    if extra_reward is not None:
+        extra["extra_adv_shift"] = float((adv - base_adv).abs().mean())
     trainable = [i for mb in mbs for i in mb]
     n_tokens = sum(sum(i.mask[1:]) for i in trainable)
     normaliser = float(n_tokens if cfg.loss_aggregation == "token" else len(trainable))
@@ -124,4 +137,5 @@ def grpo_step(ctx: StepContext, items: list[SeqItem]) -> dict[str, float]:
         "micro_batches": len(mbs),
         "compute_s": time.monotonic() - t0,
         **scoring,
+        **extra,
     }

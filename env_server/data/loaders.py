@@ -58,8 +58,12 @@ def iter_records(path: Path | str) -> Iterator[tuple[str, dict[str, Any]]]:
     if not p.exists():
         raise FileNotFoundError(p)
     if p.suffix in (".jsonl", ".json"):
-        with p.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, start=1):
+        with p.open("rb") as f:
+            for n, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataFormatError(p, f"line {n}", "<row>", f"not UTF-8 ({e})") from None
                 if not line.strip():
                     continue
                 try:
@@ -87,6 +91,40 @@ def _str(rec: dict[str, Any], key: str, ctx: tuple[Path, str], allow_empty: bool
     if not allow_empty and not v.strip():
         raise DataFormatError(*ctx, key, "empty")
     return v
+
+
+def _step(rec: dict[str, Any], ctx: tuple[Path, str], default: int) -> int:
+    """The optional ``step`` field as a whole number (``3``, ``3.0`` or ``"3"``)."""
+    v = rec.get("step")
+    if v is None:
+        return default
+    try:
+        if isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()):
+            raise ValueError
+        return int(v)
+    except (TypeError, ValueError):
+        raise DataFormatError(*ctx, "step", f"expected a whole number, got {v!r}") from None
+
+
+def _alternatives(rec: dict[str, Any], ctx: tuple[Path, str]) -> str:
+    """The optional ``alternatives`` field: a JSON string holding a list."""
+    v = rec.get("alternatives") or "[]"
+    try:
+        if not isinstance(v, str) or not isinstance(json.loads(v), list):
+            raise ValueError
+    except ValueError:
+        raise DataFormatError(
+            *ctx, "alternatives", f"expected a JSON string holding a list, got {v!r:.80}"
+        ) from None
+    return v
+
+
+def _rationale(rec: dict[str, Any], ctx: tuple[Path, str], allow_missing: bool) -> str:
+    """The row's rationale; with ``allow_missing`` a missing/empty one is ``""`` (rows that
+    ``env_server.synthesize`` fills in), otherwise it must be a non-empty string."""
+    if allow_missing and (rec.get("rationale") is None or rec.get("rationale") == ""):
+        return ""
+    return _str(rec, "rationale", ctx)
 
 
 def parse_action(value: Any, ctx: tuple[Path, str], field: str = "action") -> str:
@@ -119,7 +157,7 @@ def _to_dataset(rows: list[dict[str, Any]], path: Path) -> datasets.Dataset:
     return datasets.Dataset.from_list(rows, features=FEATURES)
 
 
-def load_rows(path: Path | str) -> datasets.Dataset:
+def load_rows(path: Path | str, allow_missing_rationale: bool = False) -> datasets.Dataset:
     """This project's own row format, validated."""
     p = Path(path)
     rows = []
@@ -134,21 +172,21 @@ def load_rows(path: Path | str) -> datasets.Dataset:
         rows.append(
             {
                 "session_id": _str(rec, "session_id", ctx),
-                "step": int(rec.get("step", len(pages) - 1)),
+                "step": _step(rec, ctx, len(pages) - 1),
                 "pages": pages,
                 "previous_actions": [
                     parse_action(a, ctx, f"previous_actions[{i}]") for i, a in enumerate(prev)
                 ],
-                "rationale": _str(rec, "rationale", ctx),
+                "rationale": _rationale(rec, ctx, allow_missing_rationale),
                 "action": action,
                 "action_type": json.loads(action)["type"],
-                "alternatives": rec.get("alternatives") or "[]",
+                "alternatives": _alternatives(rec, ctx),
             }
         )
     return _to_dataset(rows, p)
 
 
-def load_shop_r1(path: Path | str) -> datasets.Dataset:
+def load_shop_r1(path: Path | str, allow_missing_rationale: bool = False) -> datasets.Dataset:
     """Shop-R1-style step rows (see the module docstring)."""
     p = Path(path)
     rows = []
@@ -173,10 +211,10 @@ def load_shop_r1(path: Path | str) -> datasets.Dataset:
         rows.append(
             {
                 "session_id": str(rec.get("session_id", f"{p.stem}-{n}")),
-                "step": int(rec.get("step", len(prev))),
+                "step": _step(rec, ctx, len(prev)),
                 "pages": pages,
                 "previous_actions": prev,
-                "rationale": _str(rec, "rationale", ctx),
+                "rationale": _rationale(rec, ctx, allow_missing_rationale),
                 "action": action,
                 "action_type": json.loads(action)["type"],
                 "alternatives": "[]",
@@ -194,7 +232,7 @@ def _opera_action(rec: dict[str, Any], ctx: tuple[Path, str]) -> str:
     )
 
 
-def load_opera(path: Path | str) -> datasets.Dataset:
+def load_opera(path: Path | str, allow_missing_rationale: bool = False) -> datasets.Dataset:
     """OPeRA-style action rows, grouped into sessions (see the module docstring)."""
     p = Path(path)
     sessions: dict[str, list[tuple[Any, int, str, str, str]]] = {}
@@ -206,7 +244,8 @@ def load_opera(path: Path | str) -> datasets.Dataset:
         html = _str(rec, "simplified_html", ctx)
         action = _opera_action(rec, ctx)
         order = rec.get("step", rec.get("timestamp", n))
-        sessions.setdefault(sid, []).append((order, n, html, action, _str(rec, "rationale", ctx)))
+        rationale = _rationale(rec, ctx, allow_missing_rationale)
+        sessions.setdefault(sid, []).append((order, n, html, action, rationale))
     rows = []
     for sid, steps in sessions.items():
         try:
@@ -252,9 +291,14 @@ def detect_format(path: Path | str) -> str:
     raise DataFormatError(path, "line 0", "<file>", "no rows")
 
 
-def load_user_data(path: Path | str, fmt: str = "auto") -> datasets.Dataset:
-    """Load one file of user data in ``fmt`` (``auto``, ``rows``, ``shop_r1``, ``opera``)."""
+def load_user_data(
+    path: Path | str, fmt: str = "auto", allow_missing_rationale: bool = False
+) -> datasets.Dataset:
+    """Load one file of user data in ``fmt`` (``auto``, ``rows``, ``shop_r1``, ``opera``).
+
+    ``allow_missing_rationale``: accept rows whose rationale is missing or empty (they get
+    ``""``); for inputs of ``env_server.synthesize``, never for training data."""
     fmt = detect_format(path) if fmt == "auto" else fmt
     if fmt not in LOADERS:
         raise ValueError(f"unknown format {fmt!r}; expected auto or one of {sorted(LOADERS)}")
-    return LOADERS[fmt](path)
+    return LOADERS[fmt](path, allow_missing_rationale=allow_missing_rationale)
