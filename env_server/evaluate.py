@@ -6,6 +6,13 @@
 A predictions file has one JSON object per line: ``session_id``, ``step`` and ``completion``
 (the model's raw text). With ``--inference-url`` the model is asked greedily (temperature 0).
 Prints the table, writes ``metrics.json``, ``predictions.jsonl`` and ``confusion.png``.
+
+Besides the paper's metrics, ``metrics.json`` splits the mean Shop-R1 reward into its parts
+(``reward_components``): with DARS = 1000 one ROUGE-L hit on the hard attribute outweighs
+every other credit, so the total alone hides whether format or type improved. It also gives
+the paper's ``binary`` reward (1 for an exact action match), standard errors, a 95% Wilson
+interval for exact match, and per-sample exact/reward vectors (``per_sample``) so that two
+evaluations of the same rows can be compared pairwise.
 """
 
 from __future__ import annotations
@@ -14,13 +21,20 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from env_server.actions import ACTION_TYPES, actions_equal
-from env_server.reward import ParsedOutput, RewardConfig, parse_output, score
+from env_server.reward import (
+    ParsedOutput,
+    RewardBreakdown,
+    RewardConfig,
+    parse_output,
+    score,
+)
 
 INVALID = "invalid"
 """Predicted label of a completion that fails the format check."""
@@ -42,15 +56,22 @@ def compute_metrics(
     confusion = {g: dict.fromkeys(labels, 0) for g in ACTION_TYPES}
     exact = {t: 0 for t in ACTION_TYPES}
     support = {t: 0 for t in ACTION_TYPES}
-    reward_sum = 0.0
+    cfg = RewardConfig()
+    rewards: list[float] = []
+    hits: list[int] = []
+    parts = dict.fromkeys(REWARD_COMPONENTS, 0.0)
     for gold, text in zip(golds, completions, strict=True):
         parsed = parse_output(text)
         pred = parsed.action["type"] if isinstance(parsed, ParsedOutput) else INVALID
         confusion[gold["type"]][pred] += 1
         support[gold["type"]] += 1
-        if isinstance(parsed, ParsedOutput) and actions_equal(parsed.action, gold):
-            exact[gold["type"]] += 1
-        reward_sum += score(text, dict(gold), RewardConfig()).total
+        hit = isinstance(parsed, ParsedOutput) and actions_equal(parsed.action, gold)
+        exact[gold["type"]] += hit
+        hits.append(int(hit))
+        r = score(text, dict(gold), cfg)
+        rewards.append(r.total)
+        for k, v in reward_components(r, gold["type"], cfg).items():
+            parts[k] += v
     per_type = {}
     for t in ACTION_TYPES:
         tp = confusion[t][t]
@@ -66,16 +87,78 @@ def compute_metrics(
         }
     present = [t for t in ACTION_TYPES if support[t]]
     n = len(golds)
+    em = sum(hits) / n
     return {
         "n": n,
-        "exact_match": sum(exact.values()) / n,
+        "exact_match": em,
+        "exact_match_se": math.sqrt(em * (1 - em) / n),
+        "exact_match_ci95": list(wilson_interval(sum(hits), n)),
         "type_accuracy": sum(confusion[t][t] for t in ACTION_TYPES) / n,
         "macro_f1": sum(per_type[t]["f1"] for t in present) / len(present),
         "format_rate": 1.0 - sum(confusion[g][INVALID] for g in ACTION_TYPES) / n,
-        "mean_reward": reward_sum / n,
+        "mean_reward": sum(rewards) / n,
+        "mean_reward_se": standard_error(rewards),
+        # The paper's 'binary' ablation reward (1 for an exact action match) is exact match
+        # itself; named here so the reward table shows both rewards side by side.
+        "binary_reward": em,
+        "reward_components": {k: v / n for k, v in parts.items()},
         "per_type": per_type,
         "confusion": {"labels": labels, "matrix": {g: confusion[g] for g in ACTION_TYPES}},
+        "per_sample": {"exact": hits, "reward": rewards},
     }
+
+
+REWARD_COMPONENTS = ("format", "type", "attr_presence", "attr_rouge", "dars", "no_dars")
+"""Parts of the mean reward in ``metrics["reward_components"]``: ``format`` (0.5), ``type``
+(0.3), ``attr_presence`` (name/text given), ``attr_rouge`` (the ROUGE-L credit that DARS does
+not scale: a type_and_submit's name), ``dars`` (DARS x ROUGE-L of the hard attribute: a
+click's name, a type_and_submit's text) and ``no_dars`` (the total without the DARS part)."""
+
+
+def reward_components(r: RewardBreakdown, gold_type: str, cfg: RewardConfig) -> dict[str, float]:
+    """One completion's reward split into :data:`REWARD_COMPONENTS` (they sum to ``total``,
+    ``no_dars`` aside). The hard attribute is the one ``cfg.dars_factor`` scales."""
+    dars = r.name_similarity if gold_type == "click" else r.text_similarity
+    rouge = r.name_similarity if gold_type == "type_and_submit" else 0.0
+    if cfg.mode == "binary":
+        dars = rouge = 0.0
+    return {
+        "format": r.format,
+        "type": r.type,
+        "attr_presence": r.name + r.text,
+        "attr_rouge": rouge,
+        "dars": dars,
+        "no_dars": r.total - dars,
+    }
+
+
+def standard_error(values: Sequence[float]) -> float:
+    """Standard error of the mean (sample standard deviation / sqrt(n)); 0 for n < 2."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean = sum(values) / n
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1) / n)
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a proportion (95% for z = 1.96); sound near 0 and 1 and for
+    small n, where the normal approximation gives bounds outside [0, 1]."""
+    if n <= 0 or not 0 <= successes <= n:
+        raise ValueError(f"need 0 <= successes <= n and n > 0, got {successes}/{n}")
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
+    """Mean of ``b - a`` over the same rows and its standard error (paired: the rows' own
+    difficulty cancels, so this is much tighter than comparing two independent means)."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"need two equally long non-empty samples, got {len(a)} and {len(b)}")
+    d = [y - x for x, y in zip(a, b, strict=True)]
+    return sum(d) / len(d), standard_error(d)
 
 
 def oracle_exact_match(alternatives: Sequence[str]) -> float | None:
@@ -96,8 +179,18 @@ def format_table(m: Mapping[str, Any]) -> str:
         f"steps {m['n']}  exact match {100 * m['exact_match']:.2f}%  "
         f"type accuracy {100 * m['type_accuracy']:.2f}%  macro-F1 {100 * m['macro_f1']:.2f}%  "
         f"valid format {100 * m['format_rate']:.1f}%  mean reward {m['mean_reward']:.2f}",
-        f"{'type':<16}{'support':>8}{'exact':>9}{'type acc':>10}{'precision':>11}{'F1':>8}",
     ]
+    if "exact_match_ci95" in m:
+        lo, hi = m["exact_match_ci95"]
+        parts = "  ".join(f"{k} {v:.3f}" for k, v in m["reward_components"].items())
+        lines += [
+            f"exact match 95% CI [{100 * lo:.1f}%, {100 * hi:.1f}%]  mean reward "
+            f"{m['mean_reward']:.2f} +- {m['mean_reward_se']:.2f} (SE)",
+            f"reward parts: {parts}",
+        ]
+    lines.append(
+        f"{'type':<16}{'support':>8}{'exact':>9}{'type acc':>10}{'precision':>11}{'F1':>8}"
+    )
     for t, r in m["per_type"].items():
         lines.append(
             f"{t:<16}{r['support']:>8}{100 * r['exact_match']:>8.2f}%{100 * r['recall']:>9.2f}%"
@@ -204,7 +297,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--num-sessions", type=int, default=3000, help="sessions to simulate if missing"
     )
     ap.add_argument("--split", default="test", choices=["train", "validation", "test"])
-    ap.add_argument("--limit", type=int, default=None, help="evaluate the first N steps only")
+    ap.add_argument("--limit", "--max-eval-samples", dest="limit", type=int, default=None,
+                    help="evaluate the first N steps only")  # fmt: skip
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--predictions", type=Path, help="JSONL of session_id, step, completion")
     src.add_argument("--inference-url", help="OpenAI-compatible server to ask (greedy)")
