@@ -8,6 +8,8 @@ registering/setting a version twice is the same as once); a retried ``lease`` co
 second batch while the first reply was lost, which loses nothing (the first lease expires and
 its groups go back) but delays them, so it is retried on connection errors only.
 A 4xx is the caller's bug and raises ``ApiError`` at once with the server's message.
+``give_up_s`` keeps retrying past ``retries`` for that long (each retry is logged), so a
+service rides out an API restart (kill -9, upgrade) instead of crashing.
 """
 
 from __future__ import annotations
@@ -59,11 +61,15 @@ class ApiClient:
         connect_timeout: float = 5.0,
         retries: int = 5,
         backoff: float = 0.5,
+        give_up_s: float = 0.0,
     ) -> None:
         headers = {TOKEN_HEADER: f"Bearer {token}"} if token else {}
         self.base_url = base_url.rstrip("/")
         self.retries = retries
         self.backoff = backoff
+        # Transient failures are retried at least ``retries`` times and, beyond that, until
+        # ``give_up_s`` seconds have passed: long enough to ride out an API restart.
+        self.give_up_s = give_up_s
         self._http = httpx.Client(
             base_url=self.base_url,
             headers=headers,
@@ -94,8 +100,10 @@ class ApiClient:
         transient: tuple[type[Exception], ...] = (httpx.ConnectError, httpx.ConnectTimeout)
         if idempotent:
             transient += (httpx.ReadTimeout, httpx.RemoteProtocolError, httpx.ReadError)
-        for attempt in range(self.retries + 1):
-            last = attempt == self.retries
+        deadline = time.monotonic() + self.give_up_s
+        attempt = 0
+        while True:
+            last = attempt >= self.retries and time.monotonic() >= deadline
             try:
                 r = self._http.request(
                     method, path, content=content, headers=headers, params=params
@@ -104,19 +112,20 @@ class ApiClient:
                 if last:
                     raise ApiError(f"{method} {path}: {e!r} after {attempt + 1} tries") from e
                 self._sleep(attempt, f"{method} {path}: {e!r}")
+                attempt += 1
                 continue
             if r.status_code in RETRY_STATUS and not last:
                 self._sleep(attempt, f"{method} {path}: HTTP {r.status_code}")
+                attempt += 1
                 continue
             if r.status_code >= 400:
                 raise ApiError(
                     f"{method} {path}: HTTP {r.status_code}: {r.text[:2000]}", r.status_code
                 )
             return r
-        raise AssertionError("unreachable")
 
     def _sleep(self, attempt: int, why: str) -> None:
-        delay = min(self.backoff * 2**attempt, 10.0)
+        delay = min(self.backoff * 2 ** min(attempt, 10), 10.0)
         log.warning("API transient failure (%s); retry %d in %.1fs", why, attempt + 1, delay)
         time.sleep(delay)
 

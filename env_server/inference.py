@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -62,15 +63,24 @@ async def with_retries(
     base_delay: float = 0.5,
     max_delay: float = 5.0,
     transient: Callable[[BaseException], bool] = is_transient,
+    give_up_s: float | None = None,
 ) -> T:
-    """Call ``fn`` until it succeeds, backing off on transient errors (None = forever)."""
+    """Call ``fn`` until it succeeds, backing off on transient errors: at most
+    ``max_attempts`` tries and ``give_up_s`` seconds after the first failure (None = no limit)."""
     attempt = 0
+    first_failure: float | None = None
     while True:
         try:
             return await fn()
         except Exception as e:
             attempt += 1
-            if not transient(e) or (max_attempts is not None and attempt >= max_attempts):
+            now = time.monotonic()
+            first_failure = now if first_failure is None else first_failure
+            if (
+                not transient(e)
+                or (max_attempts is not None and attempt >= max_attempts)
+                or (give_up_s is not None and now - first_failure >= give_up_s)
+            ):
                 raise
             delay = min(max_delay, base_delay * 2 ** (attempt - 1)) * random.uniform(0.8, 1.2)
             log.warning(
@@ -88,10 +98,12 @@ class InferenceClient:
         model: str | None = None,
         timeout_s: float = 300.0,
         max_attempts: int | None = None,
+        give_up_s: float | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.max_attempts = max_attempts
+        self.give_up_s = give_up_s  # retry a down/restarting server this long (None: forever)
         # Connecting should be quick; generating on a CPU can take minutes.
         timeout = httpx.Timeout(timeout_s, connect=5.0)
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout)
@@ -123,7 +135,9 @@ class InferenceClient:
                 pass  # a plain vLLM: no bridge routes
             return name, root
 
-        name, root = await with_retries(f"GET {self.base_url}/v1/models", ask, self.max_attempts)
+        name, root = await with_retries(
+            f"GET {self.base_url}/v1/models", ask, self.max_attempts, give_up_s=self.give_up_s
+        )
         self.model = name
         return name, root
 
@@ -160,7 +174,10 @@ class InferenceClient:
             r.raise_for_status()
             return r
 
-        r = await with_retries(f"POST {self.base_url}/v1/completions", post, self.max_attempts)
+        r = await with_retries(
+            f"POST {self.base_url}/v1/completions", post, self.max_attempts,
+            give_up_s=self.give_up_s,
+        )  # fmt: skip
         return parse_completion_response(r.json(), prompt_ids, r.headers.get(VERSION_HEADER))
 
 
@@ -186,3 +203,71 @@ def parse_completion_response(
         except ValueError:
             log.warning("ignoring non-numeric %s header %r", VERSION_HEADER, version_header)
     return CompletionBatch(prompt_ids=list(prompt_ids), completions=out, weight_version=version)
+
+
+class InferencePool:
+    """Several inference servers behind the ``InferenceClient`` interface.
+
+    Each request goes to the server with the fewest requests in flight from this process
+    (ties: round-robin), so a slow or busy server gets less work; every server keeps its own
+    client, so each one discovers its own served-model name (``lora_only`` renames per server).
+    """
+
+    def __init__(
+        self,
+        base_urls: list[str],
+        model: str | None = None,
+        timeout_s: float = 300.0,
+        max_attempts: int | None = None,
+        give_up_s: float | None = None,
+    ) -> None:
+        if not base_urls:
+            raise ValueError("at least one inference server URL is needed")
+        self.clients = [
+            InferenceClient(u, model, timeout_s, max_attempts, give_up_s=give_up_s)
+            for u in base_urls
+        ]
+        self.in_flight = [0] * len(self.clients)
+        self.served = [0] * len(self.clients)
+        """Completions requests sent to each server (for logs and tests)."""
+        self._next = 0
+
+    @property
+    def base_url(self) -> str:
+        return ",".join(c.base_url for c in self.clients)
+
+    @property
+    def model(self) -> str | None:
+        return self.clients[0].model
+
+    def pick(self) -> int:
+        """Index of the least-loaded server; round-robin among equally loaded ones."""
+        n = len(self.clients)
+        order = [(self._next + k) % n for k in range(n)]
+        best = min(order, key=lambda i: self.in_flight[i])
+        self._next = (best + 1) % n
+        return best
+
+    async def discover(self) -> tuple[str, str | None]:
+        """Ask every server (all must answer); returns the first server's name and path."""
+        found = await asyncio.gather(*(c.discover() for c in self.clients))
+        return found[0]
+
+    async def complete(self, prompt_ids: list[int], n: int, max_tokens: int,
+                       temperature: float = 1.0, top_p: float = 1.0,
+                       seed: int | None = None) -> CompletionBatch:  # fmt: skip
+        i = self.pick()
+        self.in_flight[i] += 1
+        self.served[i] += 1
+        try:
+            return await self.clients[i].complete(
+                prompt_ids, n, max_tokens, temperature, top_p, seed
+            )
+        finally:
+            self.in_flight[i] -= 1
+
+    async def aclose(self) -> None:
+        if len(self.clients) > 1:
+            log.info("completions requests per server: %s",
+                     {c.base_url: k for c, k in zip(self.clients, self.served, strict=True)})  # fmt: skip
+        await asyncio.gather(*(c.aclose() for c in self.clients))

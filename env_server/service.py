@@ -7,8 +7,9 @@
         each rollout: prompt ids -> group_size completions (ids + logprobs) -> reward
                       -> scored group -> push (the group_id is the idempotency key)
 
-Every call to the API or the inference server retries transient failures with backoff, without
-limit: when either goes away the service says so in its log and carries on once it is back.
+Every call to the API or the inference server retries transient failures with backoff, for up
+to ``reconnect_timeout_s``: when either goes away (kill -9, restart) the service logs every
+retry and carries on once it is back (docs/FAULT_TOLERANCE.md).
 A rollout that fails for a non-transient reason is logged and skipped; too many in a row stop
 the service (a misconfiguration, not a hiccup).
 """
@@ -27,7 +28,7 @@ from typing import Any
 
 from env_server.config import EnvConfig
 from env_server.evaluate import compute_metrics, generate_completions
-from env_server.inference import InferenceClient, is_transient, with_retries
+from env_server.inference import InferenceClient, InferencePool, is_transient, with_retries
 from env_server.rollout import build_group, prompt_ids
 
 log = logging.getLogger("env_server")
@@ -58,8 +59,9 @@ class ApiLink:
 
     async def _call(self, what: str, fn, *args: Any) -> Any:
         return await with_retries(
-            f"API {what}", lambda: asyncio.to_thread(fn, *args), transient=api_transient
-        )
+            f"API {what}", lambda: asyncio.to_thread(fn, *args), transient=api_transient,
+            give_up_s=self.cfg.reconnect_timeout_s,
+        )  # fmt: skip
 
     async def register(self) -> None:
         c = self.cfg
@@ -152,7 +154,8 @@ class EnvService:
             return
         await self.api.push(group)
         self.stats.pushed += 1
-        self._record("group", {"policy_version": version, **group["metrics"]})
+        self._record("group", {"group_id": group["group_id"], "policy_version": version,
+                               **group["metrics"]})  # fmt: skip
 
     async def _guarded(self, row: Mapping[str, Any]) -> None:
         try:
@@ -236,7 +239,8 @@ async def serve(cfg: EnvConfig) -> Stats:
     from env_server.data.dataset import load_or_build
 
     dataset = await asyncio.to_thread(load_or_build, cfg.data_dir, cfg.num_sessions, cfg.seed)
-    inference = InferenceClient(cfg.inference_url, cfg.model, timeout_s=cfg.request_timeout_s)
+    inference = InferencePool(cfg.inference_urls(), cfg.model, timeout_s=cfg.request_timeout_s,
+                              give_up_s=cfg.reconnect_timeout_s)  # fmt: skip
     try:
         name, root = await inference.discover()
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or root)

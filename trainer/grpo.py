@@ -2,7 +2,15 @@
 
 A batch is acked only once a checkpoint holds its update, and the checkpoint records the
 batch and group ids it trained on: a crash before the ack makes the API lease the batch
-again, and the resumed trainer recognises it and acks it without training it twice.
+again, and the resumed trainer recognises it and acks it without training it twice (and a
+resumed trainer acks its checkpoint's batches at once, so they do not wait for the lease).
+
+Restarts of the other services (docs/FAULT_TOLERANCE.md): API calls retry for
+``reconnect_timeout`` seconds; a weight sync that fails because an inference server is down
+or restarted is retried until it is back; and while waiting for data the trainer watches the
+servers' ``run_id``: a restarted server serves the start weights (labelled with its initial
+version, so its rollouts are dropped as stale), so it is re-synced at once -- otherwise the
+trainer could wait forever for fresh rollouts that only a sync would bring.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from typing import Any
 
 from trainer.batch import _field, flatten_groups
 from trainer.config import GrpoConfig
+from trainer.gail import build_gail_reward
 from trainer.grpo_step import StepContext, grpo_step
 from trainer.model import Reference
 from trainer.run import Run, start_run
@@ -30,17 +39,21 @@ def train(cfg: GrpoConfig) -> Run:
     run = start_run(cfg, before_resume=build_ref)
     ctx = StepContext(run.loaded, reference[0] if reference else None, run.optimizer,
                       run.scheduler, cfg)  # fmt: skip
-    api = ApiClient(cfg.api_url, token=cfg.api_token)
-    bridge = make_bridge(cfg.weight_bridge_mode, cfg.inference_urls(),
-                         **_bridge_kwargs(cfg, run.loaded.device.type))  # fmt: skip
+    gail = build_gail_reward(cfg.gail, run)  # None unless GAIL is on (docs/GAIL.md)
+    api = ApiClient(cfg.api_url, token=cfg.api_token, give_up_s=cfg.reconnect_timeout)
+    bridge = _retrying(cfg, "connect to the inference servers", lambda: make_bridge(
+        cfg.weight_bridge_mode, cfg.inference_urls(),
+        **_bridge_kwargs(cfg, run.loaded.device.type)))  # fmt: skip
+    weights = WeightSync(bridge, run.loaded.model, cfg)
     state, pending_acks = run.state, []
     try:
         if run.resumed_from is not None:  # inference may hold weights of a lost lineage
-            bridge.sync(run.loaded.model, state.policy_version)
+            _ack_checkpointed(api, state.recent_batches)
+            weights.sync(state.policy_version)
             api.set_policy_version(state.policy_version)
         while state.step < cfg.training_steps:
             t0 = time.monotonic()
-            batch_id, leased = _lease(api, cfg)
+            batch_id, leased = _lease(api, cfg, weights, state.policy_version)
             groups = _untrained(leased, state.recent_batches)
             if not groups:  # trained and checkpointed before a crash; only the ack was lost
                 log.info("batch %s was already trained in this lineage; acking it", batch_id)
@@ -53,7 +66,8 @@ def train(cfg: GrpoConfig) -> Run:
                             batch_id)  # fmt: skip
                 api.ack(batch_id)
                 continue
-            stats = grpo_step(ctx, items)
+            bonus, gail_stats = gail(groups, items) if gail is not None else (None, {})
+            stats = {**grpo_step(ctx, items, extra_reward=bonus), **gail_stats}
             staleness = _staleness(state.policy_version, items)
             state.step += 1
             state.policy_version = state.step  # one optimizer step = one policy version
@@ -66,7 +80,7 @@ def train(cfg: GrpoConfig) -> Run:
                     api.ack(done)
                 pending_acks.clear()
             t3 = time.monotonic()
-            bridge.sync(run.loaded.model, state.policy_version)
+            weights.sync(state.policy_version)
             api.set_policy_version(state.policy_version)
             t4 = time.monotonic()
             run.metrics.log(state.step, {
@@ -84,14 +98,124 @@ def train(cfg: GrpoConfig) -> Run:
     return run
 
 
-def _lease(api: Any, cfg: GrpoConfig) -> tuple[str, list[Any]]:
-    """Poll the API until it leases a batch; give up after ``wait_timeout`` seconds."""
+class WeightSync:
+    """``bridge.sync`` that survives inference-server restarts (see the module docstring)."""
+
+    def __init__(self, bridge: Any, model: Any, cfg: GrpoConfig) -> None:
+        self.bridge, self.model, self.cfg = bridge, model, cfg
+        try:  # the servers that hold our weights (at the start: the start weights)
+            self.run_ids: list[str] = self._run_ids()
+        except Exception:  # noqa: BLE001 - down already: re-synced once back
+            self.run_ids = []
+
+    def _run_ids(self) -> list[str]:
+        return [str(s.health()["run_id"]) for s in self.bridge.servers]
+
+    def sync(self, version: int) -> Any:
+        """Sync ``version``; a failure while a server is down or restarted is retried (with
+        backoff, each retry logged) until it is back, for at most ``reconnect_timeout``."""
+        deadline = time.monotonic() + self.cfg.reconnect_timeout
+        attempt = 0
+        while True:
+            before = self.run_ids
+            try:
+                ids = self._run_ids()  # before the sync: a restart during it shows up later
+                stats = self.bridge.sync(self.model, version)
+                self.run_ids = ids
+                return stats
+            except Exception as e:
+                attempt += 1
+                if not self._restarted(before, e) or time.monotonic() > deadline:
+                    raise
+                delay = min(5.0, 0.5 * 2 ** min(attempt, 5))
+                log.warning("weight sync of version %d failed (%s: %s); the inference server "
+                            "is down or restarted: retry %d in %.1fs", version,
+                            type(e).__name__, str(e)[:300], attempt, delay)  # fmt: skip
+                time.sleep(delay)
+
+    def _restarted(self, before: list[str], error: BaseException) -> bool:
+        """Is ``error`` explained by a server being unreachable or restarted since ``before``?
+        (Anything else -- a wrong token, a shape mismatch -- is raised at once.)"""
+        import httpx
+
+        if isinstance(error, httpx.TransportError):
+            return True
+        try:
+            return self._run_ids() != before
+        except Exception:  # noqa: BLE001 - unreachable now: down
+            return True
+
+    def resync_if_restarted(self, version: int) -> None:
+        """A server restarted since our last sync serves the start weights: sync it now."""
+        try:
+            restarted = self._run_ids() != self.run_ids
+        except Exception as e:  # noqa: BLE001 - down: the next poll or sync sees it come back
+            log.warning("inference server unreachable (%s); will re-sync when it is back",
+                        type(e).__name__)  # fmt: skip
+            return
+        if restarted:
+            log.warning("inference server restarted (new run_id): re-syncing version %d",
+                        version)  # fmt: skip
+            self.sync(version)
+
+
+def _retrying(cfg: GrpoConfig, what: str, fn: Any) -> Any:
+    """``fn()`` retried on transport errors for up to ``reconnect_timeout`` seconds."""
+    import httpx
+
+    deadline = time.monotonic() + cfg.reconnect_timeout
+    attempt = 0
+    while True:
+        try:
+            return fn()
+        except httpx.TransportError as e:
+            attempt += 1
+            if time.monotonic() > deadline:
+                raise
+            delay = min(10.0, 0.5 * 2 ** min(attempt, 5))
+            log.warning("%s failed (%r); retry %d in %.1fs", what, e, attempt, delay)
+            time.sleep(delay)
+
+
+def _ack_checkpointed(api: Any, recent: list[dict[str, Any]]) -> None:
+    """Ack the batches the checkpoint trained (idempotent): one whose ack the crash lost
+    would otherwise sit leased until its lease expires, and might go stale meanwhile."""
+    from api.client import ApiError
+
+    for b in recent:
+        try:
+            api.ack(b["batch_id"])
+        except ApiError as e:
+            if e.status_code != 404:  # 404: the API no longer knows it (a reset database)
+                raise
+
+
+def _transient(e: Exception) -> bool:
+    """An API error worth waiting out: unreachable, dropped connection, 5xx or 429."""
+    code = getattr(e, "status_code", None)
+    return code is None or code >= 500 or code == 429
+
+
+def _lease(api: Any, cfg: GrpoConfig, weights: WeightSync, version: int) -> tuple[str, list[Any]]:
+    """Poll the API until it leases a batch; give up after ``wait_timeout`` seconds.
+
+    While waiting, re-sync an inference server that restarted (its rollouts would be stale).
+    """
+    from api.client import ApiError
+
     deadline = time.monotonic() + cfg.wait_timeout
     while True:
-        lease = api.lease(max_tokens=cfg.max_batch_tokens, max_sequences=cfg.batch_size,
-                          lease_seconds=cfg.lease_seconds)  # fmt: skip
+        try:
+            lease = api.lease(max_tokens=cfg.max_batch_tokens, max_sequences=cfg.batch_size,
+                              lease_seconds=cfg.lease_seconds)  # fmt: skip
+        except ApiError as e:  # e.g. the API died mid-request: a lease is never replayed
+            if not _transient(e) or time.monotonic() > deadline:
+                raise
+            log.warning("lease failed (%s); retrying", str(e)[:300])
+            lease = None
         if lease is not None:
             return str(_field(lease, "batch_id")), list(_field(lease, "groups"))
+        weights.resync_if_restarted(version)
         if time.monotonic() > deadline:
             raise TimeoutError(f"no batch from {cfg.api_url} for {cfg.wait_timeout:.0f}s")
         time.sleep(cfg.poll_interval)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,9 +19,11 @@ from trainer.checkpoint import (
     save_checkpoint,
 )
 from trainer.config import CommonConfig
+from trainer.hub import push_checkpoint
 from trainer.metrics import MetricsLogger
 from trainer.model import LoadedModel, load_model
 from trainer.optim import build_optimizer, build_scheduler
+from trainer.resume import resume_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +37,17 @@ class Run:
     state: TrainerState
     metrics: MetricsLogger
     resumed_from: Path | None
+    extra_state: dict[str, Any] = field(default_factory=dict)
+    """Other stateful parts saved in every checkpoint as ``<name>.pt`` (name -> object with
+    ``state_dict()``), e.g. the GAIL discriminator; each restores itself on resume."""
 
     def checkpoint(self) -> Path:
-        return save_checkpoint(self.cfg.save_path, self.loaded.model, self.loaded.tokenizer,
+        path = save_checkpoint(self.cfg.save_path, self.loaded.model, self.loaded.tokenizer,
                                self.optimizer, self.scheduler, self.state,
-                               keep=self.cfg.keep_checkpoints)  # fmt: skip
+                               keep=self.cfg.keep_checkpoints,
+                               extra_state=self.extra_state)  # fmt: skip
+        push_checkpoint(self.cfg, path)  # only with --hub-repo-id
+        return path
 
 
 def setup_logging() -> None:
@@ -64,8 +73,8 @@ def start_run(cfg: CommonConfig, before_resume=None) -> Run:
     optimizer = build_optimizer(loaded.model, cfg)
     scheduler = build_scheduler(optimizer, cfg)
     state, resumed_from = TrainerState(), None
-    if cfg.resume:
-        resumed_from = latest_checkpoint(save_path)
+    if cfg.resume:  # --resume / --resume-from-checkpoint latest|PATH (trainer/resume.py)
+        resumed_from = resume_checkpoint(cfg)
         if resumed_from is None:
             log.warning("--resume: no checkpoint under %s yet; starting fresh", save_path)
         else:

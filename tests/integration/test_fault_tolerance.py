@@ -1,0 +1,310 @@
+"""Fault tolerance of the whole stack on loopback: API + patched vLLM (``shared_vllm``, gloo) +
+Shop-R1 environment service + GRPO trainer on the tiny model, each SIGKILLed in turn mid-run
+and restarted with the same arguments (the trainer with ``--resume``).
+
+Checks (docs/FAULT_TOLERANCE.md records the figures this test prints):
+- the run reaches its step target; the env service and the trainer ride out the API and vLLM
+  restarts by themselves (same PIDs before and after);
+- after the vLLM restart (base weights, weight version 0, new run_id) the trainer re-syncs: the
+  server's weight version equals the trainer's policy version again; no step trains on
+  rollouts beyond the staleness bound. vLLM is killed while the trainer is idle (the env is
+  paused with SIGSTOP until the queue is drained), so the only way back is the trainer's own
+  re-sync on seeing a new run_id: without it, it would wait for fresh rollouts forever (the
+  restarted server's are labelled version 0 and dropped as stale);
+- exactly once: every group the API acknowledged to the env is in its database; the groups the
+  API marks acked are exactly the groups the trainer's checkpoint lineage trained, each once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from api.client import ApiClient
+from launch.procs import ManagedProcess, free_port, tail
+from vllm_patching.launcher import BridgeServer, start_bridge_server
+
+pytestmark = pytest.mark.integration
+TOKEN = "fault-tolerance-token"
+STEPS = 12
+GROUP = 4
+MAX_STALENESS = 2
+WAIT_S = 150.0
+"""Longest wait for any one thing (a step, a restart); the whole test stays far below."""
+
+
+class Stack:
+    """The four services, each restartable with the arguments it first ran with."""
+
+    def __init__(self, model: Path, tmp: Path) -> None:
+        self.model, self.tmp = model, tmp
+        self.api_port, self.vllm_port = free_port(), free_port()
+        self.api_url = f"http://127.0.0.1:{self.api_port}"
+        self.vllm_url = f"http://127.0.0.1:{self.vllm_port}"
+        self.db = tmp / "api.sqlite"
+        self.save = tmp / "trainer"
+        self.env_metrics = tmp / "env_metrics.jsonl"
+        self.procs: dict[str, ManagedProcess] = {}
+        self.vllm: BridgeServer | None = None
+        self.starts: Counter[str] = Counter()
+
+    # -- starting ------------------------------------------------------------------------
+    def _log(self, name: str) -> Path:
+        self.starts[name] += 1
+        return self.tmp / f"{name}.{self.starts[name]}.log"
+
+    def start_api(self) -> None:
+        argv = [sys.executable, "-m", "api", "--port", str(self.api_port), "--db-path",
+                str(self.db), "--token", TOKEN, "--max-staleness", str(MAX_STALENESS)]  # fmt: skip
+        proc = ManagedProcess("api", argv, self._log("api")).start()
+        self.procs["api"] = proc
+        client = ApiClient(self.api_url, token=TOKEN, retries=0)
+        _wait(lambda: _healthy(client), f"API health; {proc.log_path}", proc)
+
+    def start_vllm(self) -> None:
+        self.vllm = start_bridge_server(
+            self.model, "shared_vllm", self._log("vllm"), token=TOKEN, port=self.vllm_port,
+            timeout=WAIT_S,
+        )  # fmt: skip
+        self.procs["vllm"] = self.vllm.proc
+
+    def start_env(self) -> None:
+        argv = [
+            sys.executable, "-m", "env_server", "--api-url", self.api_url, "--api-token", TOKEN,
+            "--inference-url", self.vllm_url, "--tokenizer", str(self.model),
+            "--data-dir", str(self.tmp / "data"), "--num-sessions", "20",
+            "--group-size", str(GROUP), "--max-tokens", "24", "--max-prompt-tokens", "512",
+            "--latest-only", "--concurrency", "2", "--no-drop-constant-groups",
+            "--poll-interval-s", "0.3", "--log-every-s", "5", "--reconnect-timeout-s", str(WAIT_S),
+            "--metrics-path", str(self.env_metrics),
+        ]  # fmt: skip
+        self.procs["env"] = ManagedProcess("env", argv, self._log("env")).start()
+
+    def start_trainer(self) -> None:
+        resume = "--resume" if self.starts["trainer"] else "--overwrite"
+        argv = [
+            sys.executable, "-m", "trainer", "grpo", "--model-name", str(self.model),
+            "--save-path", str(self.save), "--api-url", self.api_url, "--api-token", TOKEN,
+            "--weight-bridge-mode", "shared_vllm", "--server-urls", self.vllm_url,
+            "--bridge-token", TOKEN, "--device", "cpu", "--training-steps", str(STEPS),
+            "--batch-size", str(GROUP), "--lr", "1e-4", "--kl-beta", "0",
+            "--lease-seconds", "60", "--wait-timeout", str(2 * WAIT_S), "--poll-interval", "0.3",
+            "--reconnect-timeout", str(WAIT_S), "--save-every", "1", "--no-tensorboard", resume,
+        ]  # fmt: skip
+        self.procs["trainer"] = ManagedProcess("trainer", argv, self._log("trainer")).start()
+
+    def start(self, name: str) -> None:
+        getattr(self, f"start_{name}")()
+
+    def stop_all(self) -> None:
+        for name in ("trainer", "env", "vllm", "api"):
+            if name in self.procs:
+                if self.procs[name].alive():
+                    os.kill(self.procs[name].pid, signal.SIGCONT)  # if paused, let it stop
+                self.procs[name].stop()
+
+    # -- observing -----------------------------------------------------------------------
+    def steps(self) -> list[dict]:
+        path = self.save / "metrics.jsonl"
+        if not path.exists():
+            return []
+        rows = []
+        for line in path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line being written
+        return rows
+
+    def last_step(self) -> int:
+        rows = self.steps()
+        return rows[-1]["step"] if rows else 0
+
+    def vllm_health(self) -> dict:
+        return httpx.get(f"{self.vllm_url}/bridge/health", timeout=5).json()
+
+    def check_alive(self) -> None:
+        for name in ("api", "vllm", "env"):
+            proc = self.procs[name]
+            assert proc.alive(), f"{name} died; {proc.log_path}:\n{tail(proc.log_path, 30)}"
+
+
+def _healthy(client: ApiClient) -> bool:
+    try:
+        return client.health()
+    except Exception:  # noqa: BLE001 - not listening yet
+        return False
+
+
+def _wait(cond: Callable[[], bool], what: str, *watch: ManagedProcess,
+          timeout: float = WAIT_S) -> float:  # fmt: skip
+    """Poll ``cond`` until true; fail early when a watched process died. Returns the time."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return time.monotonic()
+        for p in watch:
+            assert p.alive(), f"{p.name} died waiting for {what}:\n{tail(p.log_path, 40)}"
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def _trainer_idle(stack: Stack, client: ApiClient) -> bool:
+    """Nothing left to lease and the last step fully synced: the trainer polls for data."""
+    status = client.status()
+    step = stack.last_step()
+    return (
+        status.queued_groups == 0
+        and status.active_leases == 0
+        and step > 0
+        and status.policy_version == step
+        and stack.vllm_health()["weight_version"] == str(step)
+    )
+
+
+def _kill_and_restart(stack: Stack, name: str) -> dict:
+    """SIGKILL ``name`` mid-run, restart it, and time the recovery (seconds)."""
+    env, trainer = stack.procs["env"], stack.procs["trainer"]
+    out: dict = {"service": name}
+    if name == "vllm":  # kill it while the trainer is idle (see the module docstring)
+        os.kill(env.pid, signal.SIGSTOP)
+        client = ApiClient(stack.api_url, token=TOKEN)
+        _wait(lambda: _trainer_idle(stack, client), "the trainer to drain the queue", trainer)
+        run_id = stack.vllm_health()["run_id"]
+    step_before = stack.last_step()
+    assert step_before < STEPS - 1, "raise STEPS: the run ended before every kill was tried"
+    pid_before = {n: p.pid for n, p in stack.procs.items()}
+    t_kill = time.monotonic()
+    stack.procs[name].kill9()
+    time.sleep(1.0)  # let the others notice the loss before the restart
+    t_restart = time.monotonic()
+    stack.start(name)
+    t_up = time.monotonic()
+    watch = [stack.procs["trainer"], stack.procs["env"]]
+    if name == "vllm":
+        health = stack.vllm_health()
+        assert health["run_id"] != run_id
+        out["version_seen_after_restart"] = health["weight_version"]  # "0" unless re-synced
+        assert health["weight_version"] in ("0", str(step_before))
+        # Only the trainer's own re-sync can bring vLLM back to its version: it has no data.
+        t_synced = _wait(lambda: stack.vllm_health()["weight_version"] == str(step_before),
+                         "vLLM weight version == trainer policy version", *watch)  # fmt: skip
+        out["restart_to_resync_s"] = round(t_synced - t_restart, 1)
+        assert stack.last_step() == step_before  # no step trained on the start weights' data
+        os.kill(env.pid, signal.SIGCONT)
+    t_step = _wait(lambda: stack.last_step() > step_before, f"a trained step after {name}",
+                   *watch)  # fmt: skip
+    out.update(
+        step_at_kill=step_before,
+        restart_s=round(t_up - t_restart, 1),
+        restart_to_next_step_s=round(t_step - t_restart, 1),
+        kill_to_next_step_s=round(t_step - t_kill, 1),
+    )
+    for other in ("api", "vllm", "env", "trainer"):
+        if other != name:  # the others recovered by themselves: same process, still running
+            proc = stack.procs[other]
+            assert proc.pid == pid_before[other] and proc.alive(), tail(proc.log_path, 40)
+    return out
+
+
+def _log_text(stack: Stack, name: str) -> str:
+    return "".join(
+        (stack.tmp / f"{name}.{i}.log").read_text(errors="replace")
+        for i in range(1, stack.starts[name] + 1)
+    )
+
+
+def _db_groups(db: Path) -> dict[str, tuple[str, int]]:
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        rows = conn.execute("SELECT group_id, state, policy_version FROM groups").fetchall()
+    return {gid: (state, version) for gid, state, version in rows}
+
+
+def test_kill9_each_service_in_turn(tiny_model_dir: Path, tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    stack = Stack(tiny_model_dir, tmp_path)
+    report: dict = {"kills": []}
+    try:
+        stack.start_api()
+        # The env and the trainer first, while vLLM starts: they wait for it by themselves.
+        stack.start_env()
+        stack.start_trainer()
+        stack.start_vllm()
+        _wait(lambda: stack.last_step() >= 2, "the first two steps", *stack.procs.values())
+        report["startup_to_step2_s"] = round(time.monotonic() - t0, 1)
+
+        for name in ("api", "vllm", "env", "trainer"):
+            report["kills"].append(_kill_and_restart(stack, name))
+            stack.check_alive()
+
+        trainer = stack.procs["trainer"]
+        _wait(lambda: not trainer.alive(), f"the trainer to finish {STEPS} steps",
+              *[stack.procs[n] for n in ("api", "vllm", "env")])  # fmt: skip
+        assert trainer.popen.returncode == 0, tail(trainer.log_path, 60)
+        stack.procs["env"].stop()  # no more pushes: the accounting below is final
+
+        # -- the run reached its target; vLLM serves the trainer's final version ------------
+        rows = stack.steps()
+        steps = [r["step"] for r in rows]
+        assert steps == sorted(set(steps)) and steps[-1] == STEPS, steps  # none logged twice
+        assert all(r["policy_version"] == r["step"] for r in rows)
+        assert max(r["staleness_max"] for r in rows) <= MAX_STALENESS
+        assert stack.vllm_health()["weight_version"] == str(STEPS)
+        client = ApiClient(stack.api_url, token=TOKEN)
+        assert client.status().policy_version == STEPS
+
+        # -- exactly once ------------------------------------------------------------------
+        final = stack.save / "checkpoints" / f"step_{STEPS:06d}" / "trainer_state.json"
+        lineage = json.loads(final.read_text())["recent_batches"]
+        trained = [gid for b in lineage for gid in b["group_ids"]]
+        db = _db_groups(stack.db)
+        by_state = Counter(state for state, _ in db.values())
+        acked = {gid for gid, (state, _) in db.items() if state == "acked"}
+        pushed = [json.loads(x) for x in stack.env_metrics.read_text().splitlines()]
+        pushed_ids = [r["group_id"] for r in pushed if r.get("kind") == "group"]
+        assert len(trained) == len(set(trained)), "a group was trained twice"
+        assert set(trained) == acked, "acked by the API != trained by the checkpoint lineage"
+        assert set(pushed_ids) <= set(db), "a group the API acknowledged is not in its database"
+        assert len(pushed_ids) == len(set(pushed_ids))
+        # Every stored group is accounted for: trained, dropped as stale, or still waiting.
+        assert set(by_state) <= {"acked", "dropped", "queued", "leased"}, by_state
+
+        # -- who recovered by themselves --------------------------------------------------
+        env_log, trainer_log = _log_text(stack, "env"), _log_text(stack, "trainer")
+        assert "retry" in env_log  # the env retried the API and vLLM while they were down
+        assert "re-syncing version" in trainer_log  # the vLLM restart, seen while idle
+        report.update(
+            steps=STEPS,
+            groups_stored=len(db),
+            groups_by_state=dict(by_state),
+            groups_pushed_logged_by_env=len(pushed_ids),
+            groups_trained=len(trained),
+            groups_trained_twice=len(trained) - len(set(trained)),
+            batches_trained=len(lineage),
+            staleness_max=max(r["staleness_max"] for r in rows),
+            versions_pushed=dict(
+                Counter(r["policy_version"] for r in pushed if r.get("kind") == "group")
+            ),  # fmt: skip
+            trainer_resync_lines=trainer_log.count("re-syncing"),
+            trainer_sync_retries=trainer_log.count("weight sync of version"),
+            trainer_api_retries=trainer_log.count("API transient failure")
+            + trainer_log.count("lease failed"),
+            env_retries=env_log.count("retry"),
+            total_s=round(time.monotonic() - t0, 1),
+        )
+    finally:
+        stack.stop_all()
+        print("FAULT_TOLERANCE_REPORT " + json.dumps(report))
+        out = os.environ.get("SHOP_R1_FT_REPORT")
+        if out:
+            Path(out).write_text(json.dumps(report, indent=1) + "\n")

@@ -1,0 +1,97 @@
+"""Bounded reconnects: the API client and the env's retry helper keep retrying a server that is
+down for ``give_up_s`` seconds (logging every retry), carry on when it comes back, and give up
+after that. Real sockets on loopback; the whole-stack behaviour is in
+tests/integration/test_fault_tolerance.py."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import logging
+import threading
+import time
+
+import httpx
+import pytest
+
+from api.client import ApiClient, ApiError
+from env_server.inference import with_retries
+from launch.procs import free_port
+
+pytestmark = pytest.mark.unit
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        body = b'{"status": "ok"}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_api_client_gives_up_after_give_up_s(caplog: pytest.LogCaptureFixture) -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    client = ApiClient(url, retries=1, backoff=0.05, give_up_s=1.0, connect_timeout=0.5)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="api.client"), pytest.raises(ApiError) as e:
+        client.health()
+    assert e.value.status_code is None and "ConnectError" in str(e.value)
+    assert 1.0 <= time.monotonic() - t0 < 10.0
+    retries = [r for r in caplog.records if "retry" in r.getMessage()]
+    assert len(retries) >= 3  # past `retries`, until give_up_s: each one logged
+    quick = ApiClient(url, retries=1, backoff=0.05, connect_timeout=0.5)  # default: count only
+    t0 = time.monotonic()
+    with pytest.raises(ApiError):
+        quick.health()
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_api_client_rides_out_a_server_that_comes_back() -> None:
+    port = free_port()
+    servers: list[http.server.ThreadingHTTPServer] = []
+
+    def come_back() -> None:  # nothing listens for a second, then the "restarted" server
+        time.sleep(1.0)
+        servers.append(http.server.ThreadingHTTPServer(("127.0.0.1", port), _Health))
+        servers[0].serve_forever()
+
+    thread = threading.Thread(target=come_back, daemon=True)
+    thread.start()
+    try:
+        client = ApiClient(f"http://127.0.0.1:{port}", retries=0, backoff=0.1, give_up_s=20.0)
+        assert client.health()
+    finally:
+        while thread.is_alive() and not servers:
+            time.sleep(0.05)
+        for s in servers:
+            s.shutdown()
+            s.server_close()
+
+
+def test_env_retry_helper_is_bounded_and_skips_permanent_errors() -> None:
+    calls = 0
+
+    async def down() -> None:
+        nonlocal calls
+        calls += 1
+        raise httpx.ConnectError("connection refused")
+
+    t0 = time.monotonic()
+    with pytest.raises(httpx.ConnectError):
+        asyncio.run(with_retries("down", down, base_delay=0.05, max_delay=0.1, give_up_s=0.5))
+    assert 0.5 <= time.monotonic() - t0 < 5.0 and calls >= 3
+
+    async def bad() -> None:
+        nonlocal calls
+        calls += 1
+        raise ValueError("a bug, not an outage")
+
+    calls = 0
+    with pytest.raises(ValueError):
+        asyncio.run(with_retries("bad", bad, give_up_s=30.0))
+    assert calls == 1
