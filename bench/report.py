@@ -297,7 +297,7 @@ def bridge_summary(d: dict[str, Any]) -> str:
         for m in res["modes"]:
             med = m.get("median", {})
             pause = med.get("server_pause_s")
-            rows.append(f"| {name} ({m.get('params', 0) / 1e6:.0f}M) | {m.get('label')} | "
+            rows.append(f"| {name} ({m.get('params', res.get('params', 0)) / 1e6:.0f}M) | {m.get('label')} | "
                         f"{1e3 * med.get('sync_s', float('nan')):.0f} | "
                         f"{'-' if pause is None else f'{1e3 * pause:.0f}'} | "
                         f"{1e3 * res.get('memcpy_s', float('nan')):.1f} |")  # fmt: skip
