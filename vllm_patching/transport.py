@@ -12,6 +12,7 @@ import datetime
 import mmap
 import os
 import secrets
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -304,6 +305,50 @@ def shm_handshake(name: str, size: int, nonce_hex: str) -> ShmSegment | None:
         seg.close()
         return None
     return seg
+
+
+def new_segment_name() -> str:
+    """A fresh trainer-owned segment name that records the owner's PID.
+
+    A trainer killed with SIGKILL cannot unlink its segment; the PID in the name lets the next
+    trainer on this host remove segments whose owner is gone (:func:`sweep_stale_segments`).
+    """
+    return f"{SHM_PREFIX}{os.getpid()}_{uuid.uuid4().hex}"
+
+
+def sweep_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink our segments whose owning process no longer exists; returns the removed names.
+
+    Only names of the form ``<prefix><pid>_<hex>`` are touched (older unnamed-owner segments
+    are left alone), and a PID that exists but belongs to someone else counts as alive.
+    """
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if not name.startswith(SHM_PREFIX):
+            continue
+        pid_part, sep, _ = name[len(SHM_PREFIX) :].partition("_")
+        if not sep or not pid_part.isdigit() or _pid_alive(int(pid_part)):
+            continue
+        try:
+            os.unlink(os.path.join(shm_dir, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def check_segment_name(name: str) -> str:

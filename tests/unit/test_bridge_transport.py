@@ -231,3 +231,25 @@ def test_allgather_flags_and_remote_subgroup_broadcast() -> None:
     assert got[1] is None  # the local rank takes no part in the broadcast
     assert torch.equal(got[2], torch.arange(100, dtype=torch.uint8))
     assert torch.equal(got[3], torch.arange(100, dtype=torch.uint8))
+
+
+def test_sweep_removes_only_segments_of_dead_trainers(tmp_path):
+    import subprocess
+
+    from vllm_patching.transport import (
+        SHM_PREFIX,
+        check_segment_name,
+        new_segment_name,
+        sweep_stale_segments,
+    )
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a PID that just exited (reaped): no process has it now
+    mine = new_segment_name()
+    assert check_segment_name(mine) == mine and f"{SHM_PREFIX}{os.getpid()}_" in mine
+    stale = f"{SHM_PREFIX}{dead.pid}_{'ab' * 16}"
+    legacy = f"{SHM_PREFIX}{'cd' * 16}"  # no owner recorded: never touched
+    for name in (mine, stale, legacy, "psm_other"):
+        (tmp_path / name).write_bytes(b"x")
+    assert sweep_stale_segments(str(tmp_path)) == [stale]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine, legacy, "psm_other"])

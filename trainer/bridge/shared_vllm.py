@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -27,7 +26,6 @@ from trainer.bridge.params import check_against_server, hf_tensors, wire_metas
 from vllm_patching.transport import (
     DEFAULT_BUCKET_BYTES,
     NONCE_BYTES,
-    SHM_PREFIX,
     PackPlan,
     ShmSegment,
     TensorMeta,
@@ -37,10 +35,12 @@ from vllm_patching.transport import (
     gloo_group_on,
     gloo_store,
     metas_to_wire,
+    new_segment_name,
     pack_into,
     plan_buckets,
     remote_group,
     remote_ranks,
+    sweep_stale_segments,
     write_nonce,
 )
 
@@ -224,7 +224,8 @@ class GlooBroadcastBridge(_StagedBridge):
         offsets = [1 + sum(sizes[:k]) for k in range(len(sizes))]
         shm: dict[str, Any] = {}
         if self.shm_fast_path:
-            name = f"{SHM_PREFIX}{uuid.uuid4().hex}"
+            _sweep()
+            name = new_segment_name()
             self.segment = ShmSegment(name, max(plan.total_bytes, NONCE_BYTES), create=True)
             shm = {
                 "shm_segment": name,
@@ -308,7 +309,8 @@ class SharedMemoryBridge(_StagedBridge):
         self.segment: ShmSegment | None = None
 
     def _open(self, plan: PackPlan) -> None:
-        name = f"{SHM_PREFIX}{uuid.uuid4().hex}"
+        _sweep()
+        name = new_segment_name()
         self.segment = ShmSegment(name, max(plan.total_bytes, 1), create=True)
         info = {"segment": name, "size": self.segment.size}
         self.each(lambda s: s.post("/init_weight_transfer_engine", json={"init_info": info}))
@@ -332,3 +334,9 @@ class SharedMemoryBridge(_StagedBridge):
     def close(self) -> None:
         self._close_data_plane()
         super().close()
+
+
+def _sweep() -> None:
+    """Free /dev/shm segments left by trainers that were killed before they could unlink."""
+    for name in sweep_stale_segments():
+        log.warning("removed stale weight segment /dev/shm/%s (its trainer is gone)", name)
