@@ -26,9 +26,20 @@ class Preset(BaseModel):
     batch_groups: int = Field(description="Groups per trainer batch.")
     max_tokens: int = Field(description="Completion budget of a rollout, in tokens.")
     lr: float = Field(description="Trainer learning rate.")
+    trainer_extra: list[str] = Field(
+        default_factory=list,
+        description="Extra `python -m trainer grpo` flags (GRPO settings beyond lr and batch).",
+    )
+    env_extra: list[str] = Field(
+        default_factory=list,
+        description="Extra `python -m env_server` flags (sampling, reward variant, ...).",
+    )
 
 
 PRESETS: dict[str, Preset] = {
+    # lr 2e-4: the tiny model was trained from scratch at 2e-3 (SFT) and moved too little at
+    # 5e-5 (docs/results/learning_cpu.md); 2 groups of 4 per step keep a step ~11 s on 2 cores,
+    # so the default 40 steps fit the 30-minute budget of a fresh `launch/run_all.sh`.
     "cpu-tiny": Preset(
         model=str(SFT_MODEL_DIR),
         build_embedded=True,
@@ -36,7 +47,7 @@ PRESETS: dict[str, Preset] = {
         group_size=4,
         batch_groups=2,
         max_tokens=96,
-        lr=5e-5,
+        lr=2e-4,
     ),  # fmt: skip
     # On one GPU machine: vLLM on GPU 0, trainer on GPU 1 (broadcast); --single-copy puts both on
     # GPU 0 (CUDA IPC), the launcher handles that by overriding the trainer device.

@@ -1,8 +1,9 @@
 """``launch/run_all.sh``: the four services together (API -> vLLM -> env -> trainer), then
 the SFT-vs-RL evaluation table and the reward curve.
 
-    launch/run_all.sh                                  # cpu-tiny, shared_vllm, 20 GRPO steps
+    launch/run_all.sh                                  # cpu-tiny, shared_vllm, 40 GRPO steps
     launch/run_all.sh --weight-bridge-mode none --steps 5 --run-dir runs/try
+    launch/run_all.sh --num-inference-servers 2        # one trainer broadcast feeds both
 
 Every process is a ``ManagedProcess`` (own process group, own log under the run dir) and is
 stopped by its PID on Ctrl-C / SIGTERM, when a service dies, or when the trainer is done.
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
+import shlex
 import signal
 import sys
 import time
@@ -21,20 +24,37 @@ from pathlib import Path
 from typing import Literal
 
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, FilePath, ValidationError
 
 from launch.paths import DATA_DIR, RUNS_DIR, SFT_MODEL_DIR, TINY_MODEL_DIR
+from launch.placement import (
+    Placement,
+    PlacementError,
+    num_servers_from_env,
+    plan_placement,
+    visible_gpus,
+)
 from launch.presets import PRESETS, Preset
 from launch.procs import ManagedProcess, free_port, tail
+from vllm_patching.launcher import BridgeServer
 
 PY = sys.executable
 METRICS = [
-    ("exact_match", "exact match"),
-    ("type_accuracy", "type accuracy"),
-    ("macro_f1", "macro-F1"),
-    ("format_rate", "format rate"),
-    ("mean_reward", "mean reward"),
+    ("exact_match", "exact match", "pct"),
+    ("type_accuracy", "type accuracy", "pct"),
+    ("macro_f1", "macro-F1", "pct"),
+    ("format_rate", "format rate", "pct"),
+    ("mean_reward", "mean reward (paper: DARS 1000)", "reward"),
+    ("reward_components.format", "reward part: format (0.5)", "part"),
+    ("reward_components.type", "reward part: type (0.3)", "part"),
+    ("reward_components.attr_presence", "reward part: attribute presence", "part"),
+    ("reward_components.attr_rouge", "reward part: attribute ROUGE-L (unscaled)", "part"),
+    ("reward_components.dars", "reward part: DARS x ROUGE-L (hard attribute)", "reward"),
+    ("reward_components.no_dars", "reward without the DARS part", "part"),
+    ("binary_reward", "binary reward (exact action, paper ablation)", "part"),
 ]
+"""Rows of the SFT-vs-RL table: (key in env_server.evaluate's metrics.json, dotted for nested
+keys; label; how to print it). A key missing from either side's metrics is left out."""
 
 
 class RunAllConfig(BaseModel):
@@ -48,7 +68,7 @@ class RunAllConfig(BaseModel):
         "shared_vllm", description="How trainer weights reach vLLM (docs/BRIDGE.md)."
     )
     single_copy: bool = Field(False, description="shared_vllm: one weight copy in shared memory.")
-    steps: int = Field(20, ge=1, description="GRPO training steps.")
+    steps: int = Field(40, ge=1, description="GRPO training steps.")
     sft_steps: int | None = Field(
         None, ge=1, description="SFT steps if SFT must run (default: trainer's)."
     )
@@ -60,11 +80,46 @@ class RunAllConfig(BaseModel):
     keep_constant_groups: bool = Field(
         False, description="Keep groups whose rewards are all equal (zero advantage)."
     )
-    eval_samples: int = Field(64, ge=0, description="Test-split steps to evaluate (0: skip).")
+    eval_samples: int = Field(
+        512, ge=0, description="Test-split steps to evaluate (0: skip); 512 gives ~±3 points."
+    )
     run_dir: Path | None = Field(None, description="Run directory (default runs/<timestamp>).")
     api_port: int | None = Field(None, description="API port (default: a free one).")
-    vllm_port: int | None = Field(None, description="vLLM port (default: a free one).")
+    vllm_port: int | None = Field(
+        None, description="Port of the first vLLM server (default: a free one; others: free)."
+    )
+    num_inference_servers: int = Field(
+        default_factory=num_servers_from_env,
+        ge=1,
+        description="vLLM servers to start, all synced by the trainer and sampled by the env "
+        "(default: $NUM_INFERENCE_NODES as in Atropos, unset or 0 = 1).",
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="vLLM --tensor-parallel-size of each server (GPUs per server)."
+    )
+    vllm_args: str | None = Field(
+        None,
+        description="More vLLM flags for every server, one quoted string after '=' (e.g. "
+        "--vllm-args='--gpu-memory-utilization 0.3'); they win over the preset's.",
+    )
+    gpus: str | None = Field(
+        None,
+        description="GPU presets: comma-separated GPU ids to place the servers and the trainer "
+        "on (default: $CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi lists).",
+    )
+    prepare_only: bool = Field(
+        False, description="Build the tiny model, dataset and SFT checkpoint if missing, then exit."
+    )
     health_timeout: float = Field(600.0, description="Seconds to wait for each health check.")
+    recipe: FilePath | None = Field(
+        None, description="Recipe passed to every service (recipes/<model>/<task>/*.yaml, "
+        "docs/RECIPES.md); the launcher's own flags (ports, paths, preset values) still win."
+    )  # fmt: skip
+
+
+def recipe_args(cfg: RunAllConfig) -> list[str]:
+    """``--recipe PATH`` for a service command line (nothing without a recipe)."""
+    return ["--recipe", str(cfg.recipe.resolve())] if cfg.recipe else []
 
 
 def parse_args(argv: list[str] | None = None) -> RunAllConfig:
@@ -76,7 +131,10 @@ def parse_args(argv: list[str] | None = None) -> RunAllConfig:
         else:
             p.add_argument(flag, default=None, help=field.description)
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v not in (None, False)}
-    return RunAllConfig(**given)
+    try:
+        return RunAllConfig(**given)
+    except (ValidationError, PlacementError) as e:  # a bad value or a bad NUM_INFERENCE_NODES
+        p.error(str(e))
 
 
 class ServiceFailed(RuntimeError):
@@ -121,7 +179,9 @@ class Stack:
         pids = {
             p.name: {"pid": p.pid, "alive": p.alive(), "log": str(p.log_path)} for p in self.procs
         }
-        (self.run_dir / "pids.json").write_text(json.dumps(pids, indent=2) + "\n")
+        tmp = self.run_dir / "pids.json.tmp"  # atomic: a reader never sees half a file
+        tmp.write_text(json.dumps(pids, indent=2) + "\n")
+        os.replace(tmp, self.run_dir / "pids.json")
 
 
 def _raise_interrupt(signum: int, _frame: object) -> None:
@@ -153,7 +213,7 @@ def prepare_embedded(cfg: RunAllConfig, run_dir: Path) -> None:
         # An interrupted SFT left checkpoints: continue it rather than start over.
         resume = (SFT_MODEL_DIR / "checkpoints").is_dir()
         # --eval-generate 0: the launcher measures the SFT model itself, with vLLM (much faster).
-        argv = [PY, "-m", "trainer", "sft", "--model-name", str(TINY_MODEL_DIR),
+        argv = [PY, "-m", "trainer", "sft", *recipe_args(cfg), "--model-name", str(TINY_MODEL_DIR),
                 "--save-path", str(SFT_MODEL_DIR), "--data-dir", str(DATA_DIR),
                 "--no-tensorboard", "--eval-generate", "0",
                 "--resume" if resume else "--overwrite"]  # fmt: skip
@@ -178,46 +238,161 @@ def evaluate(label: str, vllm_url: str, cfg: RunAllConfig, run_dir: Path, model:
     return json.loads((out / "metrics.json").read_text())
 
 
+def _metric(m: dict, key: str) -> float | None:
+    for part in key.split("."):
+        if not isinstance(m, dict) or part not in m:
+            return None
+        m = m[part]
+    return float(m)  # type: ignore[arg-type]
+
+
+def _cell(m: dict, key: str, kind: str) -> str:
+    v = _metric(m, key)
+    assert v is not None
+    if kind == "pct":
+        ci = m.get(f"{key}_ci95")
+        return f"{v:.1%}" + (f" [{ci[0]:.1%}, {ci[1]:.1%}]" if ci else "")
+    if kind == "reward":
+        se = m.get(f"{key}_se")
+        return f"{v:.2f}" + (f" ± {se:.2f}" if se is not None else "")
+    return f"{v:.3f}"
+
+
+def _paired_line(sft: dict, rl: dict, key: str, label: str, scale: float, unit: str) -> str:
+    from env_server.evaluate import paired_difference
+
+    a, b = sft.get("per_sample", {}).get(key), rl.get("per_sample", {}).get(key)
+    if not a or not b or len(a) != len(b):
+        return ""
+    d, se = paired_difference(a, b)
+    z = f", {d / se:+.1f} SE" if se else ""
+    return (f"- {label}, RL - SFT on the same {len(a)} rows (paired): "
+            f"{scale * d:+.2f}{unit} ± {scale * se:.2f}{unit} (SE){z}\n")  # fmt: skip
+
+
 def eval_table(sft: dict, rl: dict, note: str) -> str:
+    """Markdown table of every metric for SFT and RL (95% CI for exact match, ± SE for the
+    reward), the relative change, then the paired differences of exact match and reward."""
     rows = ["| metric | SFT | RL | change |", "|---|---|---|---|"]
-    for key, label in METRICS:
-        a, b = float(sft[key]), float(rl[key])
-        rel = f"{100 * (b - a) / a:+.0f}%" if a else "n/a"
-        fmt = "{:.2f}" if key == "mean_reward" else "{:.1%}"
-        rows.append(f"| {label} | {fmt.format(a)} | {fmt.format(b)} | {rel} |")
-    return "\n".join(rows) + f"\n\n{note}\n"
+    for key, label, kind in METRICS:
+        a, b = _metric(sft, key), _metric(rl, key)
+        if a is None or b is None:
+            continue
+        rel = f"{100 * (b - a) / abs(a):+.0f}%" if a else "n/a"
+        if kind == "pct":
+            rel = f"{100 * (b - a):+.1f} pts ({rel})"
+        rows.append(f"| {label} | {_cell(sft, key, kind)} | {_cell(rl, key, kind)} | {rel} |")
+    paired = _paired_line(sft, rl, "exact", "exact match", 100, " points")
+    paired += _paired_line(sft, rl, "reward", "mean reward", 1, "")
+    oracle = sft.get("oracle_exact_match")
+    if oracle is not None:
+        paired += f"- best reachable exact match on these rows (simulated users): {oracle:.1%}\n"
+    return "\n".join(rows) + "\n\n" + paired + f"\n{note}\n"
 
 
-def reward_curve(metrics_path: Path, png: Path) -> None:
+def _env_rates(env_metrics: Path) -> dict[str, list[tuple[int, float]]]:
+    """Per policy version, the mean over the env's pushed groups of each [0, 1] rate."""
+    by_version: dict[int, list[dict]] = {}
+    for line in env_metrics.read_text().splitlines():
+        row = json.loads(line) if line.strip() else {}
+        if row.get("kind") == "group":
+            by_version.setdefault(int(row["policy_version"]), []).append(row)
+    out: dict[str, list[tuple[int, float]]] = {}
+    for key in ("valid", "type_match", "exact_match"):
+        out[key] = [(v, sum(float(r.get(key, 0.0)) for r in rs) / len(rs))
+                    for v, rs in sorted(by_version.items())]  # fmt: skip
+    return out
+
+
+def reward_curve(metrics_path: Path, png: Path, env_metrics: Path | None = None) -> None:
+    """The trainer's batch reward per step and, from the env's group metrics
+    (``env_metrics.jsonl`` beside ``png`` unless given), the format / type / exact-match rates
+    of the rollouts per policy version."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in rows], [r["score_mean"] for r in rows], marker="o")
+    env_metrics = env_metrics or png.parent / "env_metrics.jsonl"
+    rates = _env_rates(env_metrics) if env_metrics.exists() else {}
+    fig, axes = plt.subplots(1, 2 if rates else 1, figsize=(11 if rates else 6, 3.8))
+    ax = axes[0] if rates else axes
+    steps = [r["step"] for r in rows]
+    ax.plot(steps, [r["score_mean"] for r in rows], marker="o", ms=3, label="batch mean")
+    k = max(1, len(rows) // 10)  # a running mean: one batch is a handful of prompts
+    run = [sum(r["score_mean"] for r in rows[max(0, i - k + 1) : i + 1]) / min(k, i + 1)
+           for i in range(len(rows))]  # fmt: skip
+    ax.plot(steps, run, lw=2, label=f"running mean ({k})")
+    if max(r["score_mean"] for r in rows) > 10:  # DARS: one ROUGE hit is worth ~1000
+        ax.set_yscale("symlog", linthresh=1.0)
     ax.set_xlabel("GRPO step")
-    ax.set_ylabel("mean reward of the batch")
-    ax.set_title("Shop-R1 reward")
+    ax.set_ylabel("Shop-R1 reward (symlog above 1)")
+    ax.set_title("Training batches: total reward")
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
+    if rates:
+        labels = {"valid": "valid format", "type_match": "type match", "exact_match": "exact"}
+        for key, pts in rates.items():
+            axes[1].plot([v for v, _ in pts], [y for _, y in pts], marker="o", ms=3,
+                         label=labels[key])  # fmt: skip
+        axes[1].set_ylim(0, 1)
+        axes[1].set_xlabel("policy version of the rollouts")
+        axes[1].set_ylabel("rate in the env's pushed groups")
+        axes[1].set_title("Rollouts: reward components")
+        axes[1].legend(fontsize=8)
+        axes[1].grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
 
 
-def trainer_argv(cfg: RunAllConfig, preset: Preset, model: str, api_url: str, vllm_url: str,
-                 token: str, save: Path) -> list[str]:  # fmt: skip
-    device = preset.trainer_device
-    if cfg.single_copy and device.startswith("cuda"):
-        device = "cuda:0"  # single copy: the trainer shares vLLM's GPU (CUDA IPC)
+def vllm_names(n: int) -> list[str]:
+    """Service names (= log names) of ``n`` vLLM servers: vllm, vllm1, vllm2, ..."""
+    return ["vllm"] + [f"vllm{i}" for i in range(1, n)]
+
+
+def placement(cfg: RunAllConfig, preset: Preset) -> Placement:
+    """Devices of every process (launch/placement.py); fails before anything starts."""
+    device = "cuda" if preset.trainer_device.startswith("cuda") else "cpu"
+    gpus = [g.strip() for g in cfg.gpus.split(",") if g.strip()] if cfg.gpus else None
+    if device == "cuda" and gpus is None:
+        gpus = visible_gpus()
+    try:
+        return plan_placement(device, cfg.weight_bridge_mode, cfg.single_copy,
+                              cfg.num_inference_servers, cfg.tensor_parallel_size, gpus or [])  # fmt: skip
+    except PlacementError as e:
+        raise ServiceFailed(f"cannot place the processes of preset {cfg.preset}: {e}") from e
+
+
+def vllm_extra(cfg: RunAllConfig, preset: Preset) -> list[str]:
+    """Flags every vLLM server gets beyond the launcher's defaults."""
+    extra = list(preset.vllm_extra)
+    if cfg.tensor_parallel_size > 1:
+        extra += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+    return extra + shlex.split(cfg.vllm_args or "")  # last: vLLM takes the last value of a flag
+
+
+def trainer_env(place: Placement) -> dict[str, str]:
+    """The trainer's environment: its own GPU(s) on CUDA; MASTER_ADDR/MASTER_PORT pass
+    through (the broadcast rendezvous, trainer/bridge)."""
+    env = dict(os.environ)
+    if place.trainer_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(place.trainer_gpus)
+    return env
+
+
+def trainer_argv(cfg: RunAllConfig, preset: Preset, model: str, api_url: str,
+                 vllm_urls: list[str], token: str, save: Path,
+                 device: str = "cpu") -> list[str]:  # fmt: skip
     argv = [
-        PY, "-m", "trainer", "grpo", "--model-name", model, "--save-path", str(save),
+        PY, "-m", "trainer", "grpo", *recipe_args(cfg), "--model-name", model, "--save-path", str(save),
         "--api-url", api_url, "--weight-bridge-mode", cfg.weight_bridge_mode,
-        "--server-urls", vllm_url, "--bridge-token", token, "--device", device,
+        "--server-urls", *vllm_urls, "--bridge-token", token, "--device", device,
         "--training-steps", str(cfg.steps), "--batch-size", str(preset.group_size * preset.batch_groups),
         "--lr", str(preset.lr), "--no-tensorboard", "--overwrite",
     ]  # fmt: skip
+    argv += preset.trainer_extra
     if cfg.single_copy:
         argv.append("--single-copy")
     if cfg.weight_bridge_mode == "lora_only":
@@ -225,57 +400,99 @@ def trainer_argv(cfg: RunAllConfig, preset: Preset, model: str, api_url: str, vl
     return argv
 
 
-def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
-    from vllm_patching.launcher import start_bridge_server
+def start_vllm_servers(cfg: RunAllConfig, preset: Preset, place: Placement, model: str,
+                       token: str, stack: Stack, run_dir: Path) -> list[BridgeServer]:  # fmt: skip
+    """Start every vLLM server side by side (recorded in the stack at once), then wait for
+    each health check."""
+    from vllm_patching.launcher import server_env, spawn_bridge_server
 
+    device = "cuda" if place.trainer_device.startswith("cuda") else "cpu"
+    servers = []
+    for i, name in enumerate(vllm_names(cfg.num_inference_servers)):
+        port = cfg.vllm_port if (i == 0 and cfg.vllm_port) else free_port()
+        env = server_env(token, device, place.server_gpus[i])
+        server = spawn_bridge_server(
+            model, cfg.weight_bridge_mode, run_dir / f"{name}.log", token=token,
+            single_copy=cfg.single_copy, extra=[*recipe_args(cfg), *vllm_extra(cfg, preset)], port=port,
+            timeout=cfg.health_timeout, env=env, name=name,
+        )  # fmt: skip
+        stack.add(server.proc)
+        servers.append(server)
+    for server, gpu_ids in zip(servers, place.server_gpus, strict=True):
+        try:
+            server.wait(cfg.health_timeout)
+        except (RuntimeError, TimeoutError) as e:
+            raise ServiceFailed(f"{server.proc.name} did not come up: {e}") from e
+        gpus = f" on GPU {','.join(gpu_ids)}" if gpu_ids else ""
+        print(f"[run_all] {server.proc.name} up at {server.base_url}{gpus} "
+              f"(pid {server.proc.pid})", flush=True)  # fmt: skip
+    return servers
+
+
+def weight_versions(servers: list[BridgeServer]) -> dict[str, str | None]:
+    """Each server's current weight version (its /bridge/health), by service name."""
+    out: dict[str, str | None] = {}
+    for s in servers:
+        try:
+            health = httpx.get(f"{s.base_url}/bridge/health", timeout=10).json()
+            out[s.proc.name] = health.get("weight_version")
+        except (httpx.HTTPError, ValueError):
+            out[s.proc.name] = None
+    return out
+
+
+def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     preset = PRESETS[cfg.preset]
     model = cfg.model or preset.model
+    place = placement(cfg, preset)
     if preset.build_embedded and cfg.model is None:
         prepare_embedded(cfg, run_dir)
+    if cfg.prepare_only:
+        print(f"[run_all] prepared {model}", flush=True)
+        return 0
     token = secrets.token_hex(16)
     api_port = cfg.api_port or free_port()
     api_url = f"http://127.0.0.1:{api_port}"
-    logs = " ".join(str(run_dir / f"{n}.log") for n in ("api", "vllm", "env", "trainer"))
+    names = ["api", *vllm_names(cfg.num_inference_servers), "env", "trainer"]
+    logs = " ".join(str(run_dir / f"{n}.log") for n in names)
     print(f"[run_all] run dir {run_dir}\n[run_all] follow it: tail -f {logs}", flush=True)
 
-    api = stack.start("api", [PY, "-m", "api", "--port", str(api_port),
+    api = stack.start("api", [PY, "-m", "api", *recipe_args(cfg), "--port", str(api_port),
                               "--db-path", str(run_dir / "api.sqlite")])  # fmt: skip
     wait_http(api, f"{api_url}/health", 60)
     print(f"[run_all] api up at {api_url} (pid {api.pid})", flush=True)
 
-    print(f"[run_all] starting vLLM ({cfg.weight_bridge_mode}) on {model}...", flush=True)
-    try:
-        server = start_bridge_server(
-            model, cfg.weight_bridge_mode, run_dir / "vllm.log", token=token,
-            single_copy=cfg.single_copy, extra=preset.vllm_extra, port=cfg.vllm_port or free_port(),
-            timeout=cfg.health_timeout,
-        )  # fmt: skip
-    except (RuntimeError, TimeoutError) as e:
-        raise ServiceFailed(f"vllm did not come up: {e}") from e
-    stack.add(server.proc)
-    server.proc.name = "vllm"
-    stack.write_pids()
-    print(f"[run_all] vllm up at {server.base_url} (pid {server.proc.pid})", flush=True)
+    print(f"[run_all] starting {cfg.num_inference_servers} vLLM server(s) "
+          f"({cfg.weight_bridge_mode}{', single copy' if cfg.single_copy else ''}) on {model}...",
+          flush=True)  # fmt: skip
+    servers = start_vllm_servers(cfg, preset, place, model, token, stack, run_dir)
+    server = servers[0]  # the evaluations ask the first one
+    urls = [s.base_url for s in servers]
 
     sft_metrics = (
         evaluate("sft", server.base_url, cfg, run_dir, model) if cfg.eval_samples else None
     )
 
     env_argv = [
-        PY, "-m", "env_server", "--api-url", api_url, "--inference-url", server.base_url,
+        PY, "-m", "env_server", *recipe_args(cfg), "--api-url", api_url,
+        "--inference-url", ",".join(urls),
         "--tokenizer", model, "--data-dir", str(DATA_DIR), "--group-size", str(preset.group_size),
         "--max-tokens", str(preset.max_tokens), "--metrics-path", str(run_dir / "env_metrics.jsonl"),
+        *preset.env_extra,
     ]  # fmt: skip
     if cfg.keep_constant_groups:
         env_argv.append("--no-drop-constant-groups")
     stack.start("env", env_argv)
     save = run_dir / "trainer"
     trainer = stack.start(
-        "trainer", trainer_argv(cfg, preset, model, api_url, server.base_url, token, save)
+        "trainer",
+        trainer_argv(cfg, preset, model, api_url, urls, token, save, place.trainer_device),
+        env=trainer_env(place),
     )
-    print(f"[run_all] env + trainer started; training {cfg.steps} steps", flush=True)
+    where = f" on GPU {','.join(place.trainer_gpus)}" if place.trainer_gpus else ""
+    print(f"[run_all] env + trainer{where} started; training {cfg.steps} steps", flush=True)
     while trainer.alive():
-        stack.check_alive("api", "vllm", "env")
+        stack.check_alive("api", *vllm_names(cfg.num_inference_servers), "env")
         time.sleep(1.0)
     if trainer.popen.returncode != 0:
         raise ServiceFailed(
@@ -283,7 +500,10 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
             f"{tail(trainer.log_path, 20)}"
         )
     stack.stop("env")  # no more rollouts: vLLM now serves the trainer's final weights
-    print(f"[run_all] trainer done; final model in {save}", flush=True)
+    versions = weight_versions(servers)
+    (run_dir / "weight_versions.json").write_text(json.dumps(versions, indent=2) + "\n")
+    print(f"[run_all] trainer done; final model in {save}; weight version per server: "
+          f"{versions}", flush=True)  # fmt: skip
 
     reward_curve(save / "metrics.jsonl", run_dir / "reward_curve.png")
     if sft_metrics is not None:

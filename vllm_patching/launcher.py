@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from launch.procs import ManagedProcess, free_port
 from vllm_patching.protocol import TOKEN_ENV
@@ -33,6 +34,20 @@ class BridgeServer:
     def stop(self) -> None:
         self.proc.stop()
 
+    def wait(self, timeout: float = 600.0) -> None:
+        """Until /bridge/health answers; on failure (or Ctrl-C) the server is stopped and
+        the error names its log."""
+        try:
+            self.proc.wait_http(f"{self.base_url}/bridge/health", timeout=timeout)
+        except BaseException:
+            self.proc.stop()
+            raise
+
+
+RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT")
+"""The trainer's weight-broadcast rendezvous (Atropos' names); the trainer reads them, a vLLM
+server must not (torch would take them for its own process group's address)."""
+
 
 def cpu_env(token: str | None) -> dict[str, str]:
     """vLLM-on-CPU environment: small KV cache, offline, no usage stats, our token."""
@@ -44,6 +59,32 @@ def cpu_env(token: str | None) -> dict[str, str]:
     env["TRANSFORMERS_OFFLINE"] = "1"
     if token is not None:
         env[TOKEN_ENV] = token
+    return env
+
+
+def server_env(
+    token: str | None,
+    device: str = "cpu",
+    cuda_visible_devices: Sequence[str] = (),
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """Environment of one vLLM server: ``cpu_env`` on CPU; on CUDA the caller's environment
+    (hub downloads allowed) restricted to ``cuda_visible_devices`` (its own GPUs)."""
+    if device == "cpu":
+        env = cpu_env(token)
+        if base is not None:
+            env.update(base)
+    else:
+        env = dict(os.environ if base is None else base)
+        env["VLLM_NO_USAGE_STATS"] = "1"
+        if env.get("VLLM_TARGET_DEVICE") == "cpu":  # would force vLLM's CPU platform
+            del env["VLLM_TARGET_DEVICE"]
+        if cuda_visible_devices:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(cuda_visible_devices)
+        if token is not None:
+            env[TOKEN_ENV] = token
+    for name in RENDEZVOUS_ENV:
+        env.pop(name, None)
     return env
 
 
@@ -75,7 +116,7 @@ def server_argv(
     return [*argv, *extra]
 
 
-def start_bridge_server(
+def spawn_bridge_server(
     model: str | Path,
     mode: str,
     log_path: Path,
@@ -87,24 +128,35 @@ def start_bridge_server(
     extra: Sequence[str] = (),
     port: int | None = None,
     timeout: float = 600.0,
+    env: Mapping[str, str] | None = None,
+    name: str | None = None,
 ) -> BridgeServer:
-    """Start the server and wait until /bridge/health answers (fails fast if it dies)."""
+    """Start the server without waiting for it (``BridgeServer.wait``): several servers can
+    start side by side. ``env`` defaults to ``cpu_env(token)`` (see ``server_env``)."""
     launch = dict(
         model=model, mode=mode, log_path=log_path, token=token, single_copy=single_copy,
         served_model_name=served_model_name, extra=list(extra), timeout=timeout,
+        env=None if env is None else dict(env), name=name,
     )  # fmt: skip
     port = port or free_port()
     config_path = log_path.parent / f"vllm_bridge_config.{port}.json"
     argv = server_argv(
         model, port, mode, config_path, single_copy, served_model_name, initial_version, extra
     )
-    proc = ManagedProcess(f"vllm-bridge-{mode}", argv, log_path, env=cpu_env(token)).start()
-    try:
-        proc.wait_http(f"http://127.0.0.1:{port}/bridge/health", timeout=timeout)
-    except BaseException:
-        proc.stop()
-        raise
+    env = cpu_env(token) if env is None else dict(env)
+    proc = ManagedProcess(name or f"vllm-bridge-{mode}", argv, log_path, env=env).start()
     return BridgeServer(proc, port, served_model_name, config_path, launch)
+
+
+def start_bridge_server(
+    model: str | Path, mode: str, log_path: Path, **kwargs: Any
+) -> BridgeServer:
+    """Start the server and wait until /bridge/health answers (fails fast if it dies).
+
+    Keyword arguments: those of ``spawn_bridge_server``."""
+    server = spawn_bridge_server(model, mode, log_path, **kwargs)
+    server.wait(server.launch["timeout"])
+    return server
 
 
 def restart_bridge_server(

@@ -1,8 +1,14 @@
-"""``python -m vllm_patching.serve --model PATH [vLLM args] --bridge-mode ...``
+"""``python -m vllm_patching.serve [--recipe R.yaml] --model PATH [vLLM args] --bridge-mode ...``
 
 Runs vLLM's own OpenAI server (in this process) with the bridge plugin enabled: parses the
 bridge flags, passes every other flag to vLLM, sets the environment the plugin reads, writes
 the per-run bridge config file, then hands over to ``vllm.entrypoints.openai.api_server``.
+
+``--recipe``: the recipe's ``vllm:`` section (and its shared ``model``, ``seed``,
+``output_dir``) become arguments placed before the command line's, a flag given on the command
+line replacing the recipe's (docs/RECIPES.md): ``key: value`` -> ``--key value``, ``true`` ->
+``--key``, ``false`` -> ``--no-key`` (bridge options: omitted), a list -> ``--key a b``, a
+mapping -> ``--key '<json>'``.
 """
 
 from __future__ import annotations
@@ -25,6 +31,63 @@ BACKENDS = {  # (device, single_copy) -> vLLM weight-transfer backend of shared_
     ("cuda", False): "nccl",
     ("cuda", True): "ipc",
 }
+
+
+BRIDGE_KEYS = {"bridge_mode", "single_copy", "bridge_config", "bridge_initial_version",
+               "bridge_lora_keep", "bridge_device"}  # fmt: skip
+"""``vllm:`` recipe keys that are this wrapper's options; every other key goes to vLLM."""
+
+
+def recipe_argv(path: Path) -> list[str]:
+    """A recipe's ``vllm:`` section (plus the shared keys vLLM reads) as arguments."""
+    from launch.cli import load_recipe, section_values
+
+    argv: list[str] = []
+    for key, value in section_values(load_recipe(path), "vllm", None, path).items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            if value:
+                argv.append(flag)
+            elif key not in BRIDGE_KEYS:  # our bridge booleans are plain store_true flags
+                argv.append("--no-" + flag[2:])
+        elif isinstance(value, list):
+            argv += [flag, *(str(v) for v in value)]
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _flag_groups(argv: list[str]) -> list[tuple[str | None, list[str]]]:
+    """``[(flag name without --/no-, tokens)]``: each flag with the values after it."""
+    groups: list[tuple[str | None, list[str]]] = []
+    for tok in argv:
+        if tok.startswith("--"):
+            name = tok[2:].split("=", 1)[0]
+            groups.append((name.removeprefix("no-"), [tok]))
+        elif groups:
+            groups[-1][1].append(tok)
+        else:
+            groups.append((None, [tok]))
+    return groups
+
+
+def merge_argv(recipe: list[str], cli: list[str]) -> list[str]:
+    """The recipe's arguments that the command line does not give, then the command line."""
+    given = {name for name, _ in _flag_groups(cli) if name}
+    kept = [tok for name, toks in _flag_groups(recipe) if name not in given for tok in toks]
+    return kept + list(cli)
+
+
+def expand_recipe(argv: list[str]) -> list[str]:
+    """``argv`` with ``--recipe PATH`` replaced by the recipe's arguments (flags win)."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--recipe", type=Path, default=None)
+    ns, rest = p.parse_known_args(argv)
+    return rest if ns.recipe is None else merge_argv(recipe_argv(ns.recipe), rest)
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -65,7 +128,7 @@ def _detect_device() -> str:
 
 def build(argv: list[str]) -> tuple[BridgeSettings, list[str], dict[str, str]]:
     """Bridge settings, the vLLM argv and the environment to add (no side effects)."""
-    args, vllm_args = parse_args(argv)
+    args, vllm_args = parse_args(expand_recipe(argv))
     model = _flag(vllm_args, "--model")
     if model is None:
         raise SystemExit("vllm_patching.serve: --model is required")

@@ -10,12 +10,34 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from trainer.bridge.base import SyncStats, WeightBridge
 
-__all__ = ["WeightBridge", "SyncStats", "make_bridge"]
+__all__ = ["WeightBridge", "SyncStats", "make_bridge", "rendezvous_from_env"]
+
+
+def rendezvous_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``MASTER_ADDR`` / ``MASTER_PORT`` (Atropos' names) -> the broadcast group's rendezvous.
+
+    The trainer is rank 0 and hosts the rendezvous, so ``MASTER_ADDR`` is an address of the
+    trainer's machine that every inference worker can reach (default 127.0.0.1), and
+    ``MASTER_PORT`` a free port there (default: a free one is picked at the first sync).
+    """
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    if env.get("MASTER_ADDR"):
+        out["master_address"] = env["MASTER_ADDR"]
+    if env.get("MASTER_PORT"):
+        try:
+            out["master_port"] = int(env["MASTER_PORT"])
+        except ValueError:
+            raise ValueError(
+                f"MASTER_PORT must be a port number, got {env['MASTER_PORT']!r}"
+            ) from None
+    return out
 
 
 def make_bridge(
@@ -34,7 +56,9 @@ def make_bridge(
     ``device`` is where the *servers'* workers run (``cpu`` or ``cuda``); ``save_dir`` is where
     lora_only/none write adapters/checkpoints; ``restart_interval`` (mode none) applies the
     weights every N-th sync. ``kwargs`` go to the mode's class (e.g. ``bucket_bytes`` for the
-    broadcast, ``restart=True, server=...`` for none's restart-the-server variant).
+    broadcast, ``restart=True, server=...`` for none's restart-the-server variant). The
+    broadcast's rendezvous comes from ``MASTER_ADDR``/``MASTER_PORT`` when they are set
+    (``rendezvous_from_env``) unless ``kwargs`` name it.
     """
     if single_copy and mode != "shared_vllm":
         raise ValueError("single_copy only applies to mode shared_vllm")
@@ -43,6 +67,8 @@ def make_bridge(
     if mode in ("lora_only", "none") and save_dir is None:
         raise ValueError(f"mode {mode} needs save_dir (adapters/checkpoints are written there)")
     if mode == "shared_vllm":
+        if not single_copy:  # a broadcast: its rendezvous may be pinned, as in Atropos
+            kwargs = {**rendezvous_from_env(), **kwargs}
         if device == "cuda":
             from trainer.bridge.cuda import NativeCudaBridge
 
