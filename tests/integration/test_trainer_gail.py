@@ -7,22 +7,16 @@ and a ``--resume`` with ``GAIL_EVAL_MODE=1`` restores it and keeps it frozen."""
 from __future__ import annotations
 
 import json
-import os
-import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
-from api.client import ApiClient
-from launch.procs import ManagedProcess, free_port
+from tests.integration.grpo_harness import GROUP, TOKEN, run_trainer, start_api
 from vllm_patching.launcher import start_bridge_server
 
 pytestmark = pytest.mark.integration
-TOKEN = "gail-test-token"
-GROUP = 4
 
 
 def _groups(model_dir: Path, n: int, version: int) -> list[dict]:
@@ -57,61 +51,20 @@ def _groups(model_dir: Path, n: int, version: int) -> list[dict]:
     return groups
 
 
-def _trainer(model_dir: Path, save: Path, api_url: str, vllm_url: str, steps: int,
-             env: dict[str, str], *extra: str) -> str:  # fmt: skip
-    argv = [
-        sys.executable, "-m", "trainer", "grpo", "--model-name", str(model_dir),
-        "--save-path", str(save), "--api-url", api_url, "--api-token", TOKEN,
-        "--weight-bridge-mode", "none", "--server-urls", vllm_url, "--bridge-token", TOKEN,
-        "--training-steps", str(steps), "--batch-size", str(2 * GROUP), "--lr", "1e-3",
-        "--wait-timeout", "60", "--poll-interval", "0.2", "--no-tensorboard", *extra,
-    ]  # fmt: skip
-    log = save.parent / f"trainer-{steps}.log"
-    proc = ManagedProcess("trainer", argv, log, env={**os.environ, **env}).start()
-    try:
-        rc = proc.popen.wait(timeout=300)
-    finally:
-        proc.stop()
-    text = log.read_text()
-    assert rc == 0, text[-3000:]
-    return text
-
-
-def _wait_api(api: ManagedProcess, client: ApiClient, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and api.alive():
-        try:
-            if client.health():
-                return
-        except Exception:  # not listening yet
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"the API did not come up; read {api.log_path}")
-
-
 def _rows(save: Path) -> list[dict]:
     return [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_grpo_with_gail_reward(tiny_model_dir: Path, tmp_path: Path) -> None:
-    api_port = free_port()
-    api = ManagedProcess(
-        "api",
-        [sys.executable, "-m", "api", "--port", str(api_port), "--db-path",
-         str(tmp_path / "api.sqlite"), "--token", TOKEN],
-        tmp_path / "api.log",
-    ).start()  # fmt: skip
+    api, client, api_url = start_api(tmp_path)
     server = None
     try:
-        api_url = f"http://127.0.0.1:{api_port}"
-        client = ApiClient(api_url, token=TOKEN)
-        _wait_api(api, client)
         client.register_env("shop_r1", 1.0, GROUP)
         assert client.push_groups(_groups(tiny_model_dir, 4, version=0)).accepted == 4
         server = start_bridge_server(tiny_model_dir, "none", tmp_path / "vllm.log", token=TOKEN)
         save = tmp_path / "run"
         gail_env = {"GAIL_USE": "1", "GAIL_WEIGHT": "1.0", "GAIL_ALPHA": "1.0"}
-        log = _trainer(tiny_model_dir, save, api_url, server.base_url, 2, gail_env)
+        log = run_trainer(tiny_model_dir, save, api_url, server.base_url, 2, env=gail_env)
         assert "GAIL reward on" in log
 
         rows = _rows(save)
@@ -127,8 +80,8 @@ def test_grpo_with_gail_reward(tiny_model_dir: Path, tmp_path: Path) -> None:
 
         # Resume in eval mode: the discriminator comes back from the checkpoint and stays put.
         client.push_groups(_groups(tiny_model_dir, 2, version=2))
-        log = _trainer(tiny_model_dir, save, api_url, server.base_url, 3,
-                       {**gail_env, "GAIL_EVAL_MODE": "1"}, "--resume")  # fmt: skip
+        log = run_trainer(tiny_model_dir, save, api_url, server.base_url, 3, "--resume",
+                          env={**gail_env, "GAIL_EVAL_MODE": "1"})  # fmt: skip
         assert "discriminator restored" in log
         row = _rows(save)[-1]
         assert row["step"] == 3 and row["gail_updates"] == 2 and row["extra_adv_shift"] > 0

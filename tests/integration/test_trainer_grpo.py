@@ -6,8 +6,6 @@ and ``--resume`` continues from the saved step without retraining an acked batch
 from __future__ import annotations
 
 import json
-import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -15,13 +13,10 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
-from api.client import ApiClient
-from launch.procs import ManagedProcess, free_port
+from tests.integration.grpo_harness import GROUP, TOKEN, run_trainer, start_api
 from vllm_patching.launcher import start_bridge_server
 
 pytestmark = pytest.mark.integration
-TOKEN = "trainer-test-token"
-GROUP = 4
 
 
 def _groups(model_dir: Path, n: int, version: int) -> list[dict]:
@@ -53,53 +48,15 @@ def _groups(model_dir: Path, n: int, version: int) -> list[dict]:
     return groups
 
 
-def _trainer(model_dir: Path, save: Path, api_url: str, vllm_url: str, steps: int, *extra: str):
-    argv = [
-        sys.executable, "-m", "trainer", "grpo", "--model-name", str(model_dir),
-        "--save-path", str(save), "--api-url", api_url, "--api-token", TOKEN,
-        "--weight-bridge-mode", "none", "--server-urls", vllm_url, "--bridge-token", TOKEN,
-        "--training-steps", str(steps), "--batch-size", str(2 * GROUP), "--lr", "1e-3",
-        "--wait-timeout", "60", "--poll-interval", "0.2", "--no-tensorboard", *extra,
-    ]  # fmt: skip
-    proc = ManagedProcess("trainer", argv, save.parent / f"trainer-{steps}.log").start()
-    try:
-        rc = proc.popen.wait(timeout=300)
-    finally:
-        proc.stop()
-    assert rc == 0, (save.parent / f"trainer-{steps}.log").read_text()[-3000:]
-
-
-def _wait_api(api: ManagedProcess, client: ApiClient, timeout: float = 60.0) -> None:
-    """/health needs the token too, so wait through the client rather than wait_http."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and api.alive():
-        try:
-            if client.health():
-                return
-        except Exception:  # not listening yet
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"the API did not come up; read {api.log_path}")
-
-
 def test_grpo_trains_syncs_acks_and_resumes(tiny_model_dir: Path, tmp_path: Path) -> None:
-    api_port = free_port()
-    api = ManagedProcess(
-        "api",
-        [sys.executable, "-m", "api", "--port", str(api_port), "--db-path",
-         str(tmp_path / "api.sqlite"), "--token", TOKEN],
-        tmp_path / "api.log",
-    ).start()  # fmt: skip
+    api, client, api_url = start_api(tmp_path)
     server = None
     try:
-        api_url = f"http://127.0.0.1:{api_port}"
-        client = ApiClient(api_url, token=TOKEN)
-        _wait_api(api, client)
         client.register_env("shop_r1", 1.0, GROUP)
         assert client.push_groups(_groups(tiny_model_dir, 4, version=0)).accepted == 4
         server = start_bridge_server(tiny_model_dir, "none", tmp_path / "vllm.log", token=TOKEN)
         save = tmp_path / "run"
-        _trainer(tiny_model_dir, save, api_url, server.base_url, 2)
+        run_trainer(tiny_model_dir, save, api_url, server.base_url, 2)
 
         rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2]
@@ -115,7 +72,7 @@ def test_grpo_trains_syncs_acks_and_resumes(tiny_model_dir: Path, tmp_path: Path
 
         # Resume: one more batch (sampled by version 2) -> step 3 on top of the checkpoint.
         client.push_groups(_groups(tiny_model_dir, 2, version=2))
-        _trainer(tiny_model_dir, save, api_url, server.base_url, 3, "--resume")
+        run_trainer(tiny_model_dir, save, api_url, server.base_url, 3, "--resume")
         rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2, 3]
         state = json.loads(

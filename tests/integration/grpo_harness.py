@@ -1,0 +1,70 @@
+"""What the GRPO integration tests share: a token-guarded API and the trainer CLI run to the end.
+
+Both ``test_trainer_grpo.py`` and ``test_trainer_gail.py`` drive the real batching API, a real
+patched vLLM server (bridge mode ``none``) and ``python -m trainer grpo`` the same way; only
+their groups and checks differ.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from api.client import ApiClient
+from launch.procs import ManagedProcess, free_port
+
+TOKEN = "trainer-test-token"
+GROUP = 4
+
+
+def start_api(tmp_path: Path, timeout: float = 60.0) -> tuple[ManagedProcess, ApiClient, str]:
+    """Start the API with TOKEN on a free port; return it, a client and its URL once healthy.
+
+    /health needs the token too, so wait through the client rather than ``wait_http``. The
+    caller stops the process (also when this raises: it is returned only once healthy, so on
+    failure it is stopped here).
+    """
+    port = free_port()
+    api = ManagedProcess(
+        "api",
+        [sys.executable, "-m", "api", "--port", str(port), "--db-path",
+         str(tmp_path / "api.sqlite"), "--token", TOKEN],
+        tmp_path / "api.log",
+    ).start()  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    client = ApiClient(url, token=TOKEN)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and api.alive():
+        try:
+            if client.health():
+                return api, client, url
+        except Exception:  # not listening yet
+            pass
+        time.sleep(0.3)
+    client.close()
+    api.stop()
+    raise RuntimeError(f"the API did not come up; read {api.log_path}")
+
+
+def run_trainer(model_dir: Path, save: Path, api_url: str, vllm_url: str, steps: int,
+                *extra: str, env: dict[str, str] | None = None) -> str:  # fmt: skip
+    """``trainer grpo`` for ``steps`` steps (bridge mode none); asserts it exits 0, returns its log."""
+    argv = [
+        sys.executable, "-m", "trainer", "grpo", "--model-name", str(model_dir),
+        "--save-path", str(save), "--api-url", api_url, "--api-token", TOKEN,
+        "--weight-bridge-mode", "none", "--server-urls", vllm_url, "--bridge-token", TOKEN,
+        "--training-steps", str(steps), "--batch-size", str(2 * GROUP), "--lr", "1e-3",
+        "--wait-timeout", "60", "--poll-interval", "0.2", "--no-tensorboard", *extra,
+    ]  # fmt: skip
+    log = save.parent / f"trainer-{steps}.log"
+    proc_env = {**os.environ, **env} if env else None
+    proc = ManagedProcess("trainer", argv, log, env=proc_env).start()
+    try:
+        rc = proc.popen.wait(timeout=300)
+    finally:
+        proc.stop()
+    text = log.read_text()
+    assert rc == 0, text[-3000:]
+    return text
