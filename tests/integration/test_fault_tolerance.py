@@ -39,7 +39,7 @@ TOKEN = "fault-tolerance-token"
 STEPS = 12
 GROUP = 4
 MAX_STALENESS = 2
-WAIT_S = 150.0
+WAIT_S = 300.0
 """Longest wait for any one thing (a step, a restart); the whole test stays far below."""
 
 
@@ -156,7 +156,8 @@ def _wait(cond: Callable[[], bool], what: str, *watch: ManagedProcess,
         for p in watch:
             assert p.alive(), f"{p.name} died waiting for {what}:\n{tail(p.log_path, 40)}"
         time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+    logs = "".join(f"\n--- {p.name}: {p.log_path}\n{tail(p.log_path, 30)}" for p in watch)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}{logs}")
 
 
 def _trainer_idle(stack: Stack, client: ApiClient) -> bool:
@@ -198,7 +199,8 @@ def _kill_and_restart(stack: Stack, name: str) -> dict:
         assert health["weight_version"] in ("0", str(step_before))
         # Only the trainer's own re-sync can bring vLLM back to its version: it has no data.
         t_synced = _wait(lambda: stack.vllm_health()["weight_version"] == str(step_before),
-                         "vLLM weight version == trainer policy version", *watch)  # fmt: skip
+                         "vLLM weight version == trainer policy version", *watch,
+                         stack.procs["vllm"])  # fmt: skip
         out["restart_to_resync_s"] = round(t_synced - t_restart, 1)
         assert stack.last_step() == step_before  # no step trained on the start weights' data
         os.kill(env.pid, signal.SIGCONT)

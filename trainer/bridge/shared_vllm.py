@@ -13,8 +13,10 @@ starts receiving; generation continues) -> transfer -> pause -> ``finish_weight_
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import torch
@@ -90,7 +92,15 @@ class _StagedBridge(WeightBridge):
                 check_against_server([m.name for m in metas], info["param_map"])
             self.plan = plan_buckets(metas, self.bucket_bytes or (1 << 62))
             self.metas = metas
-            self._open(self.plan)
+            try:
+                self._open(self.plan)
+            except BaseException:
+                # Half-open (a server refused, a rendezvous failed): forget it all, so the
+                # caller's retry sets the data plane up from scratch instead of packing
+                # into buffers no receiver maps.
+                self._close_data_plane()
+                self.plan, self.metas = None, None
+                raise
         elif metas != self.metas:
             raise ValueError("the model's parameter set changed between syncs")
 
@@ -253,14 +263,16 @@ class GlooBroadcastBridge(_StagedBridge):
         futures = [
             self._pool.submit(init, s, o) for s, o in zip(self.servers, offsets, strict=True)
         ]
-        try:
-            self._store = gloo_store(self.master_address, port, 0, world)
-            full = gloo_group_on(self._store, "shop_r1_bridge", 0, world)
-            self.local = allgather_flags(full, self.segment is not None)
-            self.group = remote_group(self._store, 0, self.local)
-        finally:
-            for f in futures:
-                f.result()
+        self._store = gloo_store(self.master_address, port, 0, world, RENDEZVOUS_S)
+
+        store, shared = self._store, self.segment is not None
+
+        def join() -> tuple[list[bool], Any]:
+            full = gloo_group_on(store, "shop_r1_bridge", 0, world, RENDEZVOUS_S)
+            local = allgather_flags(full, shared)
+            return local, remote_group(store, 0, local, RENDEZVOUS_S)
+
+        self.local, self.group = _join_unless_refused(join, futures)
         self.remote = bool(remote_ranks(self.local))
         if self.segment is not None and not any(self.local[1:]):
             self.segment.close()  # nobody shares this host's memory: pack into private buffers
@@ -334,6 +346,44 @@ class SharedMemoryBridge(_StagedBridge):
     def close(self) -> None:
         self._close_data_plane()
         super().close()
+
+
+RENDEZVOUS_S = 120.0
+"""How long rank 0 waits for the workers to join the transfer group. They join within a
+second of their init call on a healthy server; a server whose init failed is noticed at
+once by ``_join_unless_refused``, so this only bounds a worker that hangs."""
+
+
+def _join_unless_refused(join: Callable[[], T], inits: list[Future[Any]]) -> T:
+    """Run the rank-0 side of the rendezvous (``join``) while the servers' init calls run.
+
+    The workers block in the rendezvous until rank 0 joins, so the calls must overlap. A
+    server that answers its init call with an error will never join: raise its error at once
+    instead of sitting in gloo's connect loop until the timeout. (The blocked join thread is
+    abandoned; it ends with gloo's timeout and its store is dropped.)
+    """
+    done = threading.Event()
+    result: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(join())
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            failure.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="bridge-rendezvous", daemon=True).start()
+    while not done.wait(0.05):
+        for f in inits:
+            if f.done() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+    if failure:
+        raise failure[0]
+    for f in inits:  # the servers' side of the rendezvous, and any error they raised after
+        f.result()
+    return result[0]
 
 
 def _sweep() -> None:
