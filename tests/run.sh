@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
-# The README's test command runs this (via `make test`). pytest exits 5 when a marker
-# selects no tests (e.g. `-m gpu` without CUDA); that is not a failure.
+# The README's test command runs this (via `make test`): the whole suite on two pytest-xdist
+# workers (PYTEST_WORKERS=0: one process), a module per worker at a time (tests/conftest.py),
+# the modules that start vLLM servers first; most of a vLLM start is single-threaded imports,
+# so two workers keep both cores busy. pytest exits 5 when a marker selects no tests (e.g.
+# `-m gpu` without CUDA); that is not a failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-"$PY" -m pytest "$@"
+WORKERS=${PYTEST_WORKERS:-2}
+XDIST=()
+if [ "$WORKERS" != "0" ]; then
+  XDIST=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)
+fi
+"$PY" -m pytest "${XDIST[@]}" --durations=25 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "pytest selected no tests (exit 5): treated as success"
