@@ -102,6 +102,16 @@ class RunAllConfig(BaseModel):
         description="More vLLM flags for every server, one quoted string after '=' (e.g. "
         "--vllm-args='--gpu-memory-utilization 0.3'); they win over the preset's.",
     )
+    env_args: str | None = Field(
+        None,
+        description="More `python -m env_server` flags, one quoted string after '=' (e.g. "
+        "--env-args='--group-size 8'); they win over the preset's and the recipe's.",
+    )
+    trainer_args: str | None = Field(
+        None,
+        description="More `python -m trainer grpo` flags, one quoted string after '=' (e.g. "
+        "--trainer-args='--lr 1e-4 --kl-beta 0.05'); they win over the preset's and the recipe's.",
+    )
     gpus: str | None = Field(
         None,
         description="GPU presets: comma-separated GPU ids to place the servers and the trainer "
@@ -397,7 +407,7 @@ def trainer_argv(cfg: RunAllConfig, preset: Preset, model: str, api_url: str,
         argv.append("--single-copy")
     if cfg.weight_bridge_mode == "lora_only":
         argv += ["--lora-r", "8"]
-    return argv
+    return argv + shlex.split(cfg.trainer_args or "")  # last: the trainer takes the last value
 
 
 def start_vllm_servers(cfg: RunAllConfig, preset: Preset, place: Placement, model: str,
@@ -482,6 +492,7 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     ]  # fmt: skip
     if cfg.keep_constant_groups:
         env_argv.append("--no-drop-constant-groups")
+    env_argv += shlex.split(cfg.env_args or "")  # last: the env takes the last value
     stack.start("env", env_argv)
     save = run_dir / "trainer"
     trainer = stack.start(

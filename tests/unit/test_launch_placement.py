@@ -170,3 +170,21 @@ def test_pool_picks_the_least_loaded_server_round_robin_on_ties() -> None:
     asyncio.run(pool.aclose())
     with pytest.raises(ValueError, match="at least one"):
         InferencePool([])
+
+
+def test_trainer_and_env_args_pass_through_last() -> None:
+    """--trainer-args / --env-args reach the service last, so they win over the preset."""
+    import argparse
+
+    from launch.cli import resolve_args
+    from trainer.config import SECTIONS, GrpoConfig, build_parser
+
+    cfg = parse_args(["--trainer-args=--lr 1e-4 --kl-beta 0.05", "--env-args=--group-size 8"])
+    argv = trainer_argv(cfg, PRESETS["cpu-tiny"], "m", "http://api", ["http://v"], "t", Path("s"))
+    assert argv[-4:] == ["--lr", "1e-4", "--kl-beta", "0.05"]
+    assert argv.count("--lr") == 2  # the preset's, then ours
+    parser = argparse.ArgumentParser()
+    build_parser(GrpoConfig, parser)
+    resolved = resolve_args(GrpoConfig, parser.parse_args(argv[4:]), SECTIONS[GrpoConfig])
+    assert resolved.config.lr == 1e-4 and resolved.config.kl_beta == 0.05
+    assert cfg.env_args == "--group-size 8"
