@@ -538,7 +538,11 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     stack = Stack(run_dir)
+    # Ctrl-C and SIGTERM stop exactly what was started. SIGINT explicitly too: Python only
+    # raises KeyboardInterrupt when SIGINT was not ignored at its start, and a parent that
+    # ignores it (a pytest-xdist worker, `cmd &` in a script) would leave it ignored.
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, _raise_interrupt)
     try:
         return launch(cfg, stack, run_dir)
     except ServiceFailed as e:
@@ -549,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the shutdown finish
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         stack.stop_all()
         print(f"[run_all] stopped {[p.pid for p in stack.procs]}", flush=True)
 

@@ -34,6 +34,20 @@ def _gone(pid: int) -> bool:
     return False
 
 
+def _stop_recorded(run_dir: Path) -> None:
+    """SIGKILL the process group of every PID the launcher recorded (its services each run
+    in their own group), so a failed test leaves nothing running."""
+    try:
+        pids = json.loads((run_dir / "pids.json").read_text())
+    except (OSError, ValueError):
+        return
+    for p in pids.values():
+        try:
+            os.killpg(p["pid"], signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 @pytest.fixture(scope="session")
 def artifacts_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """SHOP_R1_ARTIFACTS with the tiny model, a small dataset and a 3-step SFT, built once."""
@@ -173,8 +187,9 @@ def test_run_all_ctrl_c_stops_what_it_started(
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # the launcher ignored SIGINT: clean up what it started
             proc.kill()
+            _stop_recorded(run_dir)
     assert proc.returncode == 130, out[-4000:]
     assert "interrupted; stopping the services" in out
     pids = json.loads((run_dir / "pids.json").read_text())
