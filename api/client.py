@@ -114,6 +114,9 @@ class ApiClient:
                 self._sleep(attempt, f"{method} {path}: {e!r}")
                 attempt += 1
                 continue
+            except httpx.TransportError as e:  # may have reached the server: never replayed
+                raise ApiError(f"{method} {path}: {e!r} (not replayed: the request may have "
+                               "reached the server)") from e  # fmt: skip
             if r.status_code in RETRY_STATUS and not last:
                 self._sleep(attempt, f"{method} {path}: HTTP {r.status_code}")
                 attempt += 1

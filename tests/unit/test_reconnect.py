@@ -117,3 +117,27 @@ def test_rendezvous_fails_fast_when_a_server_refuses_its_init() -> None:
         assert _join_unless_refused(lambda: ("local", "group"), [ok]) == ("local", "group")
         with pytest.raises(TimeoutError, match="gloo"):  # the join's own error is raised
             _join_unless_refused(lambda: (_ for _ in ()).throw(TimeoutError("gloo")), [ok])
+
+
+class _HangUp(http.server.BaseHTTPRequestHandler):
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        self.close_connection = True  # read the request, answer nothing: a server killed mid-call
+
+    def log_message(self, *_args: object) -> None:
+        pass
+
+
+def test_a_lease_cut_off_mid_request_is_an_api_error_not_replayed() -> None:
+    """The API dying during a lease: the trainer gets ApiError (status None, which it waits
+    out), not a raw httpx error that would kill it; the lease is not sent twice."""
+    port = free_port()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), _HangUp)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        client = ApiClient(f"http://127.0.0.1:{port}", retries=3, backoff=0.01)
+        with pytest.raises(ApiError, match="not replayed") as e:
+            client.lease(max_tokens=100, max_sequences=4, lease_seconds=10)
+        assert e.value.status_code is None
+    finally:
+        server.shutdown()
