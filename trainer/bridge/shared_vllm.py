@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any, TypeVar
 
 import torch
@@ -98,8 +98,7 @@ class _StagedBridge(WeightBridge):
                 # Half-open (a server refused, a rendezvous failed): forget it all, so the
                 # caller's retry sets the data plane up from scratch instead of packing
                 # into buffers no receiver maps.
-                self._close_data_plane()
-                self.plan, self.metas = None, None
+                self._drop_data_plane()
                 raise
         elif metas != self.metas:
             raise ValueError("the model's parameter set changed between syncs")
@@ -109,6 +108,10 @@ class _StagedBridge(WeightBridge):
         up again from scratch; nothing from the old run (group, segment) is reused."""
         self.infos = self.each(ServerClient.info)
         self.run_ids = [i["run_id"] for i in self.infos]
+        self._drop_data_plane()
+
+    def _drop_data_plane(self) -> None:
+        """Close the data plane and forget its plan: the next sync opens a new one."""
         self._close_data_plane()
         self.plan, self.metas = None, None
 
@@ -362,28 +365,23 @@ def _join_unless_refused(join: Callable[[], T], inits: list[Future[Any]]) -> T:
     instead of sitting in gloo's connect loop until the timeout. (The blocked join thread is
     abandoned; it ends with gloo's timeout and its store is dropped.)
     """
-    done = threading.Event()
-    result: list[T] = []
-    failure: list[BaseException] = []
+    joined: Future[T] = Future()
 
     def run() -> None:
         try:
-            result.append(join())
+            joined.set_result(join())
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            failure.append(e)
-        finally:
-            done.set()
+            joined.set_exception(e)
 
     threading.Thread(target=run, name="bridge-rendezvous", daemon=True).start()
-    while not done.wait(0.05):
+    while not wait([joined], timeout=0.05).done:
         for f in inits:
             if f.done() and f.exception() is not None:
                 raise f.exception()  # type: ignore[misc]
-    if failure:
-        raise failure[0]
+    result = joined.result()  # the join's own error, if it failed
     for f in inits:  # the servers' side of the rendezvous, and any error they raised after
         f.result()
-    return result[0]
+    return result
 
 
 def _sweep() -> None:
