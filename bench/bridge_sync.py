@@ -33,7 +33,6 @@ import signal
 import statistics
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -94,8 +93,32 @@ def memcpy_floor(nbytes: int, repeats: int = 7) -> float:
     return statistics.median(times)
 
 
+def _stream_tokens(url: str, body: dict, stop_at, started, out) -> None:
+    """Child process of :class:`StreamWatch`: stream, timestamp every token, send the times."""
+    import httpx
+
+    times: list[float] = []
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    times.append(time.perf_counter())
+                    started.set()
+                    if times[-1] > stop_at.value:
+                        break
+    except httpx.HTTPError:
+        pass  # the server went away (restart mode)
+    finally:
+        started.set()
+    out.send(times)
+
+
 class StreamWatch:
     """A streaming completion; records token arrival times to measure the stall.
+
+    The client runs in its own process, so that what it measures is the server and not the
+    benchmark process (a reader thread there would share the GIL with the sync it times).
+    ``time.perf_counter`` is CLOCK_MONOTONIC on Linux, the same clock in both processes.
 
     It stops reading (closing the stream, so vLLM aborts the request) half a second after
     the sync ended, so a slow model does not keep the benchmark waiting. A stream cut by a
@@ -103,31 +126,40 @@ class StreamWatch:
     """
 
     def __init__(self, url: str, model: str, ids: list[int], n: int) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
         self.times: list[float] = []
-        self.stop_at = float("inf")
+        self._stop_at = ctx.Value("d", float("inf"))
+        self._started = ctx.Event()
+        self._recv, send = ctx.Pipe(duplex=False)
+        body = {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0.0,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        self.proc = ctx.Process(
+            target=_stream_tokens, args=(url, body, self._stop_at, self._started, send), daemon=True
+        )
+        self.proc.start()
+        send.close()
 
-        def run() -> None:
-            import httpx
+    def wait_streaming(self, timeout: float = 60.0) -> None:
+        """Block until the first token arrived (or the stream ended)."""
+        self._started.wait(timeout)
 
-            body = {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0.0,
-                    "ignore_eos": True, "stream": True}  # fmt: skip
+    def _collect(self) -> None:
+        if self._recv.poll(600):
             try:
-                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
-                    for line in r.iter_lines():
-                        if line.startswith("data: {"):
-                            self.times.append(time.perf_counter())
-                            if self.times[-1] > self.stop_at:
-                                break
-            except httpx.HTTPError:
-                pass  # the server went away (restart mode)
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
+                self.times = self._recv.recv()
+            except EOFError:
+                self.times = []
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
 
     def gap_during(self, t0: float, t1: float) -> tuple[float | None, float]:
         """(largest inter-token gap overlapping [t0, t1], median gap overall)."""
-        self.stop_at = t1 + 0.5
-        self.thread.join(600)
+        self._stop_at.value = t1 + 0.5
+        self._collect()
         gaps = [(b - a, a, b) for a, b in zip(self.times, self.times[1:], strict=False)]
         # Several SSE lines can arrive in one read; the step time is the typical real gap.
         steps = [g for g, _, _ in gaps if g > 5e-4]
@@ -288,7 +320,8 @@ def bench_mode(
             # Long enough to still be decoding when the sync starts, even when an idle
             # box decodes the tiny model at ~1 ms/token.
             watch = StreamWatch(server.base_url, served, ids, n=2000)
-            time.sleep(0.3)
+            watch.wait_streaming()
+            time.sleep(0.1)
             t0 = time.perf_counter()
             stats = bridge.sync(model, version)
             t1 = time.perf_counter()
