@@ -11,6 +11,7 @@ import torch
 from launch.procs import free_port
 from vllm_patching.transport import (
     NONCE_BYTES,
+    Packer,
     SHM_DIR,
     SHM_PREFIX,
     ShmSegment,
@@ -83,6 +84,20 @@ def test_pack_casts_to_wire_dtype_and_rejects_wrong_shape() -> None:
     assert first.dtype == torch.bfloat16 and torch.equal(first, ts[0][1].to(torch.bfloat16))
     with pytest.raises(ValueError, match="expected"):
         pack_into(plan, [torch.zeros(2, 2)] + [t for _, t in ts[1:]], buckets)
+
+
+def test_packer_reuses_its_views_and_packs_new_values_every_time() -> None:
+    ts = _tensors()
+    plan = plan_buckets(_metas(ts), bucket_bytes=300)
+    buckets = [torch.zeros(n, dtype=torch.uint8) for n in plan.bucket_sizes]
+    packer = Packer(plan, buckets)
+    for step in range(3):  # the trainer's syncs: same packer, new weights each time
+        values = [t + step for _, t in ts]
+        packer.pack(values)
+        for (_, got), want in zip(unpack(plan, buckets), values, strict=True):
+            assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="plan has 4 tensors, got 3"):
+        packer.pack([t for _, t in ts[:3]])
 
 
 def test_wire_metadata_roundtrip_and_validation() -> None:

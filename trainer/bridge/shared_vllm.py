@@ -28,6 +28,7 @@ from trainer.bridge.params import check_against_server, hf_tensors, wire_metas
 from vllm_patching.transport import (
     DEFAULT_BUCKET_BYTES,
     NONCE_BYTES,
+    Packer,
     PackPlan,
     ShmSegment,
     TensorMeta,
@@ -38,7 +39,6 @@ from vllm_patching.transport import (
     gloo_store,
     metas_to_wire,
     new_segment_name,
-    pack_into,
     plan_buckets,
     remote_group,
     remote_ranks,
@@ -75,6 +75,8 @@ class _StagedBridge(WeightBridge):
         self.run_ids = [i["run_id"] for i in self.infos]
         self.plan: PackPlan | None = None
         self.metas: list[TensorMeta] | None = None
+        self._packer: Packer | None = None
+        """Copies the weights into the data plane's buckets; built once per data plane."""
         self.remote = False
         """Some receiver gets the bytes over the network: the trainer must stage first (so
         its updater thread listens), send, then apply. Otherwise one call per server."""
@@ -110,10 +112,14 @@ class _StagedBridge(WeightBridge):
         self.run_ids = [i["run_id"] for i in self.infos]
         self._drop_data_plane()
 
+    def close(self) -> None:
+        self._drop_data_plane()
+        super().close()
+
     def _drop_data_plane(self) -> None:
         """Close the data plane and forget its plan: the next sync opens a new one."""
         self._close_data_plane()
-        self.plan, self.metas = None, None
+        self.plan, self.metas, self._packer = None, None, None
 
     def _check_restarts(self) -> None:
         """Ask every server for its run_id before a network round: a worker left waiting on
@@ -159,7 +165,9 @@ class _StagedBridge(WeightBridge):
     ) -> SyncStats:
         assert self.plan is not None and self.metas is not None
         t1 = time.perf_counter()
-        pack_into(self.plan, [t for _, t in tensors], self._buckets())
+        if self._packer is None:
+            self._packer = Packer(self.plan, self._buckets())
+        self._packer.pack([t for _, t in tensors])
         t2 = time.perf_counter()
         update_info: dict[str, Any] = {
             **metas_to_wire(self.metas),
@@ -307,10 +315,6 @@ class GlooBroadcastBridge(_StagedBridge):
             self.segment.close()
             self.segment = None
 
-    def close(self) -> None:
-        self._close_data_plane()
-        super().close()
-
 
 class SharedMemoryBridge(_StagedBridge):
     """CPU single copy: the trainer writes into /dev/shm, workers read it in place."""
@@ -345,10 +349,6 @@ class SharedMemoryBridge(_StagedBridge):
                 pass
             self.segment.close()
             self.segment = None
-
-    def close(self) -> None:
-        self._close_data_plane()
-        super().close()
 
 
 RENDEZVOUS_S = 120.0
