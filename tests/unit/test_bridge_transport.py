@@ -11,9 +11,9 @@ import torch
 from launch.procs import free_port
 from vllm_patching.transport import (
     NONCE_BYTES,
-    Packer,
     SHM_DIR,
     SHM_PREFIX,
+    Packer,
     ShmSegment,
     TensorMeta,
     allgather_flags,
