@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -27,6 +27,11 @@ class EnvConfig(BaseModel):
     """The Shop-R1 environment service."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    exclusive_fields: ClassVar[tuple[tuple[str, ...], ...]] = (
+        ("rewards", "reward", "reward_variant"),
+    )
+    # three ways to give the reward: a later layer (flag > env var > config > recipe) that uses
+    # one of them replaces what an earlier layer gave through another (launch/cli.py)
 
     api_url: str = "http://127.0.0.1:8000"
     """Batching API the scored groups go to."""

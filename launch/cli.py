@@ -444,6 +444,21 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any], cls: type[BaseModel] |
             base[key] = value
 
 
+def _drop_replaced_alternatives(
+    cls: type[BaseModel], values: dict[str, Any], sources: dict[str, str], layer: Mapping[str, Any]
+) -> None:
+    """A layer that sets one field of an ``exclusive_fields`` group (a ``ClassVar`` of the
+    config: tuples of alternative ways to give the same setting) replaces the whole group: what
+    an earlier layer set through another member is dropped, so ``--reward-variant no_dars`` on
+    the command line overrides a recipe's ``rewards:`` instead of clashing with it."""
+    for group in getattr(cls, "exclusive_fields", ()):
+        if any(key in layer for key in group):
+            for key in group:
+                if key not in layer:
+                    values.pop(key, None)
+                    sources.pop(key, None)
+
+
 def _record(sources: dict[str, str], values: Mapping[str, Any], label: str) -> None:
     for key, value in values.items():
         if isinstance(value, dict):  # one level down: says which nested option came from where
@@ -476,6 +491,7 @@ def resolve(
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for label, layer in layers:
+        _drop_replaced_alternatives(cls, values, sources, layer)
         _merge(values, layer, cls)
         _record(sources, layer, label)
     try:

@@ -1,7 +1,7 @@
 """``launch/run_all.sh``: the four services together (API -> vLLM -> env -> trainer), then
 the SFT-vs-RL evaluation table and the reward curve.
 
-    launch/run_all.sh                                  # cpu-tiny, shared_vllm, 40 GRPO steps
+    launch/run_all.sh                                  # cpu-tiny, shared_vllm, 60 GRPO steps
     launch/run_all.sh --weight-bridge-mode none --steps 5 --run-dir runs/try
     launch/run_all.sh --num-inference-servers 2        # one trainer broadcast feeds both
 
@@ -68,7 +68,7 @@ class RunAllConfig(BaseModel):
         "shared_vllm", description="How trainer weights reach vLLM (docs/BRIDGE.md)."
     )
     single_copy: bool = Field(False, description="shared_vllm: one weight copy in shared memory.")
-    steps: int = Field(40, ge=1, description="GRPO training steps.")
+    steps: int = Field(60, ge=1, description="GRPO training steps.")
     sft_steps: int | None = Field(
         None, ge=1, description="SFT steps if SFT must run (default: trainer's)."
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from env_server.config import parse_config as parse_env
+from env_server.reward import RewardConfig
 from trainer.config import GrpoConfig, SftConfig, build_parser, config_from_args
 from trainer.hub import LOCAL_ONLY, push_checkpoint, upload_kwargs
 from trainer.resume import resume_checkpoint
@@ -129,8 +130,14 @@ def test_env_service_reward_is_given_once(tmp_path: Path) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text("rewards:\n  components: {exact_match: 1.0}\n")
     assert parse_env(["--recipe", str(recipe)]).reward_config().weights == {"exact_match": 1.0}
+    # a later layer's choice replaces the recipe's reward whole (flag > recipe), never merges
+    flag = parse_env(["--recipe", str(recipe), "--reward-variant", "no_dars"])
+    assert flag.rewards is None and flag.reward_config() == RewardConfig.variant("no_dars")
+    # ... and a recipe that gives the reward twice in itself is refused
+    both = tmp_path / "both.yaml"
+    both.write_text("rewards:\n  components: {exact_match: 1.0}\nenv:\n  reward_variant: binary\n")
     with pytest.raises(SystemExit, match="give the reward once"):
-        parse_env(["--recipe", str(recipe), "--reward-variant", "binary"])
+        parse_env(["--recipe", str(both)])
     bad = tmp_path / "bad.yaml"
     bad.write_text("rewards:\n  components: {formatt: 1.0}\n")
     with pytest.raises(SystemExit, match="unknown reward component"):

@@ -63,15 +63,30 @@ def test_every_recipe_parses_into_every_service(recipe: Path) -> None:
 
 def test_tiny_grpo_recipe_matches_the_cpu_tiny_preset() -> None:
     preset = PRESETS["cpu-tiny"]
-    cfgs = _all(TINY / "grpo.yaml")
+    cfgs = _all(TINY / "grpo_no_dars.yaml")  # the preset trains with the no_dars reward
     env, grpo = cfgs["env"], cfgs["grpo"]
     assert grpo.model_name == preset.model and env.tokenizer == preset.model
     assert env.group_size == preset.group_size and env.max_tokens == preset.max_tokens
     assert grpo.batch_size == preset.group_size * preset.batch_groups
     assert grpo.lr == preset.lr and grpo.device == preset.trainer_device
-    # the preset's extra flags, applied over the recipe, change nothing
-    r = str(TINY / "grpo.yaml")
-    assert parse_env(["--recipe", r, *preset.env_extra]) == env, "preset env_extra != recipe"
+    # the preset's extra flags, applied over the recipe, change nothing: the same settings, and
+    # its --reward-variant (which replaces the recipe's `rewards:`) scores exactly the same
+    r = str(TINY / "grpo_no_dars.yaml")
+    with_env_extra = parse_env(["--recipe", r, *preset.env_extra])
+    assert with_env_extra.reward_variant == "no_dars" and with_env_extra.rewards is None
+    assert (
+        with_env_extra.model_copy(update={"reward_variant": "full", "rewards": env.rewards}) == env
+    )
+    for text, gold in _cases():
+        assert (score(text, gold, with_env_extra.reward_config()).total
+                == score(text, gold, env.reward_config()).total), (text, gold)  # fmt: skip
+    # the paper-reward recipe differs from the preset's twin in the reward only
+    full = _all(TINY / "grpo.yaml")
+    assert full["grpo"].model_copy(update={"save_path": grpo.save_path}) == grpo
+    assert (
+        full["env"].model_copy(update={"rewards": env.rewards, "metrics_path": env.metrics_path})
+        == env
+    )
     parser = argparse.ArgumentParser()
     build_parser(GrpoConfig, parser)
     with_extra = config_from_args(GrpoConfig, parser.parse_args(["--recipe", r,
