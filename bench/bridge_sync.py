@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import statistics
@@ -43,6 +44,8 @@ sys.path.insert(0, str(REPO))
 MODES: list[tuple[str, str, dict, dict]] = [
     # key, label, make_bridge kwargs, start_bridge_server kwargs
     ("broadcast", "broadcast (gloo + same-host shm)", {"mode": "shared_vllm"}, {}),
+    ("broadcast_copy", "broadcast, packing copy (not resident)",
+     {"mode": "shared_vllm", "resident": False}, {}),
     ("broadcast_tcp", "broadcast (gloo, loopback TCP)",
      {"mode": "shared_vllm", "shm_fast_path": False}, {}),
     ("single_copy", "single-copy (shm)", {"mode": "shared_vllm", "single_copy": True},
@@ -51,6 +54,8 @@ MODES: list[tuple[str, str, dict, dict]] = [
     ("reload", "checkpoint reload", {"mode": "none"}, {}),
     ("restart", "server restart (Atropos legacy)", {"mode": "none", "restart": True}, {}),
 ]  # fmt: skip
+FULL_WEIGHT = ("broadcast", "broadcast_copy", "broadcast_tcp", "single_copy")
+"""The modes that move every weight through the bridge's data plane."""
 RESTART_ROUNDS = 2
 """Default restart rounds (``--restart-rounds``): ~30 s each on this box; no warm-up round
 (nothing persists across a restart)."""
@@ -91,6 +96,20 @@ def memcpy_floor(nbytes: int, repeats: int = 7) -> float:
         np.copyto(dst, src)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def steal_s() -> float:
+    """CPU time the hypervisor took from this VM so far, all CPUs (``/proc/stat`` steal).
+
+    Recorded around every sync: on a shared cloud VM a multi-second freeze of the whole box
+    shows up here, and is not the bridge's doing. 0 where the kernel does not report it.
+    """
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def _stream_tokens(url: str, body: dict, stop_at, started, out) -> None:
@@ -322,14 +341,14 @@ def bench_mode(
             watch = StreamWatch(server.base_url, served, ids, n=2000)
             watch.wait_streaming()
             time.sleep(0.1)
-            t0 = time.perf_counter()
+            steal0, t0 = steal_s(), time.perf_counter()
             stats = bridge.sync(model, version)
-            t1 = time.perf_counter()
+            t1, steal1 = time.perf_counter(), steal_s()
             if key == "restart":
                 server = holder[0] = bridge.server  # the new process
             gap, median_gap = watch.gap_during(t0, t1)
             row = {"version": version, **_breakdown(stats, mode), "client_gap_s": gap,
-                   "median_token_gap_s": median_gap}  # fmt: skip
+                   "median_token_gap_s": median_gap, "steal_s": steal1 - steal0}  # fmt: skip
             if key == "restart":
                 # no tokens at all while the server is down: the stall is the restart
                 row["client_gap_s"] = row["server_pause_s"]
@@ -378,7 +397,7 @@ def table(results: dict) -> str:
         floor = res["memcpy_s"] + res["apply_floor_s"]
         for m in res["modes"]:
             med, best = m["median"], m["best"]
-            full = m["key"] in ("broadcast", "broadcast_tcp", "single_copy")
+            full = m["key"] in FULL_WEIGHT
             ratio_t = f"{med['transfer_s'] / res['memcpy_s']:.1f}x" if full else "-"
             ratio_s = f"{med['sync_s'] / floor:.2f}x" if m["key"] != "lora" else "-"
             pause = (
@@ -411,7 +430,7 @@ def breakdown_table(results: dict) -> str:
              "|---" * (len(cols) + 3) + "|"]  # fmt: skip
     for name, res in results.items():
         for m in res["modes"]:
-            if m["key"] not in ("broadcast", "broadcast_tcp", "single_copy"):
+            if m["key"] not in FULL_WEIGHT:
                 continue
             vals = " | ".join(_ms(m["median"].get(c)) for c in cols)
             lines.append(f"| {name} | {m['label']} | {m.get('path')} | {vals} |")
@@ -433,7 +452,7 @@ def plot(results: dict, path: Path) -> None:
         sync = [m["median"]["sync_s"] * 1e3 for m in res["modes"]]
         # no pause (LoRA) draws no bar: a log axis has no zero
         pause = [(m["median"]["server_pause_s"] or float("nan")) * 1e3 for m in res["modes"]]
-        full = ("broadcast", "broadcast_tcp", "single_copy")
+        full = FULL_WEIGHT
         transfer = [
             m["median"]["transfer_s"] * 1e3 if m["key"] in full else 0 for m in res["modes"]
         ]
@@ -508,7 +527,7 @@ def main() -> None:
                 [m for m in entry["modes"] if m["key"] != r["key"]] + [r],
                 key=lambda m: keys_order(m["key"]),
             )
-            if r["key"] in ("broadcast", "broadcast_tcp", "single_copy", "reload"):
+            if r["key"] in (*FULL_WEIGHT, "reload"):
                 entry["params"] = r["params"]
                 if entry.get("bytes") != r["median"]["bytes"] or "memcpy_s" not in entry:
                     entry["bytes"] = r["median"]["bytes"]

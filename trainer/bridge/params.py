@@ -17,8 +17,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def hf_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``(hf_name, tensor)`` for every weight vLLM loads, in module order.
+def hf_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(hf_name, parameter)`` for every weight vLLM loads, in module order.
 
     Module order keeps each decoder layer's tensors together, so every fused q/k/v and
     gate/up group arrives complete and vLLM processes a layer as soon as it has it. A tied
@@ -26,12 +26,14 @@ def hf_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """
     model = unwrap(model)
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    out = []
-    for name, p in model.named_parameters():
-        if tied and name == "lm_head.weight":
-            continue
-        out.append((name, p.detach()))
-    return out
+    return [
+        (name, p) for name, p in model.named_parameters() if not (tied and name == "lm_head.weight")
+    ]
+
+
+def hf_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """:func:`hf_parameters` as detached tensors (the values, no autograd)."""
+    return [(name, p.detach()) for name, p in hf_parameters(model)]
 
 
 def wire_metas(tensors: list[tuple[str, torch.Tensor]], dtype: str | None) -> list[TensorMeta]:

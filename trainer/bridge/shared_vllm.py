@@ -24,7 +24,7 @@ import torch
 from launch.procs import free_port
 from trainer.bridge.base import SyncStats, WeightBridge
 from trainer.bridge.http import BridgeHTTPError, ServerClient
-from trainer.bridge.params import check_against_server, hf_tensors, wire_metas
+from trainer.bridge.params import check_against_server, hf_parameters, wire_metas
 from vllm_patching.transport import (
     DEFAULT_BUCKET_BYTES,
     NONCE_BYTES,
@@ -58,9 +58,17 @@ class _StagedBridge(WeightBridge):
     bucket_bytes: int = 0
 
     def __init__(
-        self, server_urls: Sequence[str], token: str | None = None, timeout: float = 600.0
+        self,
+        server_urls: Sequence[str],
+        token: str | None = None,
+        timeout: float = 600.0,
+        resident: bool = True,
     ):
         super().__init__(server_urls, token=token, timeout=timeout)
+        self.resident = resident
+        """Keep the trainer's parameters in the data plane's buckets (``ResidentWeights``):
+        syncs copy nothing. Off: every sync packs (copies) the weights into the buckets."""
+        self._resident: ResidentWeights | None = None
         self.infos = self.each(ServerClient.info)
         for url, info in zip(server_urls, self.infos, strict=True):
             if info["backend"] != self.backend:
@@ -87,8 +95,8 @@ class _StagedBridge(WeightBridge):
     def _buckets(self) -> list[torch.Tensor]: ...
     def _send(self) -> None: ...
 
-    def _prepare(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        metas = wire_metas(tensors, self.dtype)
+    def _prepare(self, params: Sequence[tuple[str, torch.Tensor]]) -> None:
+        metas = wire_metas(list(params), self.dtype)
         if self.metas is None:
             for info in self.infos:
                 check_against_server([m.name for m in metas], info["param_map"])
@@ -118,6 +126,9 @@ class _StagedBridge(WeightBridge):
 
     def _drop_data_plane(self) -> None:
         """Close the data plane and forget its plan: the next sync opens a new one."""
+        if self._resident is not None:  # the parameters must leave the buckets first
+            self._resident.release()
+            self._resident = None
         self._close_data_plane()
         self.plan, self.metas, self._packer = None, None, None
 
@@ -144,21 +155,21 @@ class _StagedBridge(WeightBridge):
         if self.remote:
             self._check_restarts()
             phases["check_s"] = time.perf_counter() - t0
-        tensors = hf_tensors(model)
-        self._prepare(tensors)
+        params = hf_parameters(model)
+        self._prepare(params)
         for attempt in range(2):
             try:
-                return self._sync_once(tensors, version, t0, phases)
+                return self._sync_once(params, version, t0, phases)
             except BridgeHTTPError as e:
                 if e.status != 409 or attempt:
                     raise
                 self._reset()  # a server restarted since the last sync: once more, afresh
-                self._prepare(tensors)
+                self._prepare(params)
         raise AssertionError("unreachable")
 
     def _sync_once(
         self,
-        tensors: list[tuple[str, torch.Tensor]],
+        params: list[tuple[str, torch.nn.Parameter]],
         version: int,
         t0: float,
         phases: dict[str, float],
@@ -167,7 +178,9 @@ class _StagedBridge(WeightBridge):
         t1 = time.perf_counter()
         if self._packer is None:
             self._packer = Packer(self.plan, self._buckets())
-        self._packer.pack([t for _, t in tensors])
+            if self.resident:
+                self._resident = ResidentWeights.adopt(self._packer, [p for _, p in params])
+        copied = self._packer.pack([p.detach() for _, p in params])
         t2 = time.perf_counter()
         update_info: dict[str, Any] = {
             **metas_to_wire(self.metas),
@@ -198,10 +211,58 @@ class _StagedBridge(WeightBridge):
             transfer_s=t4 - t2,
             stall_s=t5 - t4,
             bytes=self.plan.total_bytes,
-            detail={"servers": answers, "phases": phases, "remote": self.remote},
+            detail={
+                "servers": answers,
+                "phases": phases,
+                "remote": self.remote,
+                "packed_bytes": copied,
+                "resident_params": len(self._resident.params) if self._resident else 0,
+            },
         )
         self.last_stats = stats
         return stats
+
+
+class ResidentWeights:
+    """The trainer's parameters, moved into the data plane's buckets: zero-copy syncs.
+
+    A sync packs the same parameters into the same slots every step, so instead the
+    parameters are made to live there: ``param.data`` becomes the slot's typed view (the
+    values are copied once, here). The optimizer then updates the shared bytes in place and
+    a sync has nothing left to copy: with ``--single-copy`` (and the broadcast's same-host
+    fast path) vLLM's workers read the trainer's own parameters. This is safe because a
+    sync is synchronous -- the trainer does not step while the workers read -- and because
+    ``release`` moves the values back into private memory before the buckets go away.
+
+    Parameters that cannot live in their slot (another device or dtype than the serving
+    one, non-contiguous) are left alone and copied by every sync as before.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+
+    @classmethod
+    @torch.no_grad()
+    def adopt(cls, packer: Packer, params: Sequence[torch.nn.Parameter]) -> ResidentWeights:
+        moved = []
+        for p, view in zip(params, packer.slot_views(), strict=True):
+            if p.device != view.device or p.dtype != view.dtype or p.shape != view.shape:
+                continue
+            if not p.is_contiguous():
+                continue
+            view.copy_(p.data)
+            p.data = view
+            moved.append(p)
+        log.info("%d of %d parameters now live in the weight-transfer buffers (zero-copy "
+                 "syncs)", len(moved), len(params))  # fmt: skip
+        return cls(moved)
+
+    @torch.no_grad()
+    def release(self) -> None:
+        """Give every adopted parameter private memory again (same values)."""
+        for p in self.params:
+            p.data = p.data.clone()
+        self.params = []
 
 
 class GlooBroadcastBridge(_StagedBridge):
@@ -223,8 +284,9 @@ class GlooBroadcastBridge(_StagedBridge):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout: float = 600.0,
         shm_fast_path: bool = True,
+        resident: bool = True,
     ) -> None:
-        super().__init__(server_urls, token=token, timeout=timeout)
+        super().__init__(server_urls, token=token, timeout=timeout, resident=resident)
         self.bucket_bytes = bucket_bytes
         self.master_address = master_address
         self.master_port = master_port
@@ -322,9 +384,13 @@ class SharedMemoryBridge(_StagedBridge):
     backend = "shm"
 
     def __init__(
-        self, server_urls: Sequence[str], token: str | None = None, timeout: float = 600.0
+        self,
+        server_urls: Sequence[str],
+        token: str | None = None,
+        timeout: float = 600.0,
+        resident: bool = True,
     ):
-        super().__init__(server_urls, token=token, timeout=timeout)
+        super().__init__(server_urls, token=token, timeout=timeout, resident=resident)
         self.segment: ShmSegment | None = None
 
     def _open(self, plan: PackPlan) -> None:
