@@ -20,6 +20,13 @@ from launch.cli import add_config_flags, from_env, recipe_only
 from launch.paths import DATA_DIR
 
 TOKEN_ENV = "SHOP_R1_API_TOKEN"
+DEFAULT_MAX_PROMPT_TOKENS = 928
+"""Default prompt budget of rollouts and evaluation, fitted to the embedded tiny model: its SFT
+trains on sequences of 1024 tokens (``SftConfig.max_seq_len``), so a 928-token prompt and a
+96-token completion stay inside the positions it has learned. A prompt longer than the SFT's
+sequences puts the model on positions it never saw (measured on the 450-step tiny SFT model,
+512 test rows: valid format 85.5% and mean reward 6.5 at a 1536-token budget vs 98.0% and
+45.7 at 928). Hub models with a long trained context get more (the GPU recipes use 3072)."""
 ALIASES = {"eval_samples": ["--max-eval-samples"]}
 
 
@@ -58,8 +65,10 @@ class EnvConfig(BaseModel):
     """Seed of the simulated dataset and of the order prompts are drawn in."""
     group_size: int = Field(8, ge=2)
     """Completions sampled per prompt (a GRPO group)."""
-    max_prompt_tokens: int = Field(1536, ge=64)
-    """Prompt budget in tokens: the oldest pages are dropped first to fit (the prompt says so)."""
+    max_prompt_tokens: int = Field(DEFAULT_MAX_PROMPT_TOKENS, ge=64)
+    """Prompt budget in tokens: the oldest pages are dropped first to fit (the prompt says so).
+    Keep prompt + completion within the context the model was trained on (the SFT's
+    ``max_seq_len``); the default suits the embedded tiny model."""
     max_tokens: int = Field(160, ge=8)
     """Completion budget in tokens (a target is ~45-75 tokens with the Shop-R1 tokenizer)."""
     temperature: float = Field(1.0, ge=0.0)

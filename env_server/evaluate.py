@@ -286,6 +286,7 @@ async def _predict_with_model(args: argparse.Namespace, rows: list[dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from env_server.config import DEFAULT_MAX_PROMPT_TOKENS
     from env_server.data.dataset import load_or_build
     from launch.paths import DATA_DIR
 
@@ -306,7 +307,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--tokenizer", default=None, help="tokenizer path (default: the server's model)"
     )
-    ap.add_argument("--max-prompt-tokens", type=int, default=1536, help="context budget")
+    ap.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS,
+                    help="context budget (as the rollouts': keep prompt + completion within "
+                    "the context the model was trained on)")  # fmt: skip
     ap.add_argument("--max-tokens", type=int, default=160, help="completion budget")
     ap.add_argument("--latest-only", action="store_true", help="latest page only (Table 5)")
     ap.add_argument("--concurrency", type=int, default=4, help="requests in flight")

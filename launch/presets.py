@@ -25,6 +25,10 @@ class Preset(BaseModel):
     group_size: int = Field(description="Completions per prompt (a GRPO group).")
     batch_groups: int = Field(description="Groups per trainer batch.")
     max_tokens: int = Field(description="Completion budget of a rollout, in tokens.")
+    max_prompt_tokens: int = Field(
+        description="Prompt budget of rollouts and of the SFT-vs-RL evaluation, in tokens; "
+        "with max_tokens it must stay within the context the model was trained on."
+    )
     lr: float = Field(description="Trainer learning rate.")
     trainer_extra: list[str] = Field(
         default_factory=list,
@@ -51,6 +55,9 @@ PRESETS: dict[str, Preset] = {
         group_size=8,
         batch_groups=2,
         max_tokens=96,
+        # + 96 = the 1024-token sequences the tiny model is SFT-trained on: a longer prompt
+        # puts it on positions it never saw (env_server.config.DEFAULT_MAX_PROMPT_TOKENS)
+        max_prompt_tokens=928,
         lr=1e-4,
         trainer_extra=["--kl-beta", "0.05"],
         env_extra=["--reward-variant", "no_dars"],
@@ -65,6 +72,7 @@ PRESETS: dict[str, Preset] = {
         group_size=8,
         batch_groups=8,
         max_tokens=256,
+        max_prompt_tokens=3072,
         lr=1e-6,
     ),  # fmt: skip
     "gpu-3b": Preset(
@@ -75,6 +83,7 @@ PRESETS: dict[str, Preset] = {
         group_size=8,
         batch_groups=8,
         max_tokens=256,
+        max_prompt_tokens=3072,
         lr=1e-6,
     ),  # fmt: skip
 }

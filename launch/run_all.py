@@ -241,9 +241,11 @@ def wait_http(proc: ManagedProcess, url: str, timeout: float) -> None:
 
 def evaluate(label: str, vllm_url: str, cfg: RunAllConfig, run_dir: Path, model: str) -> dict:
     out = run_dir / f"eval_{label}"
+    preset = PRESETS[cfg.preset]
     argv = [PY, "-m", "env_server.evaluate", "--split", "test", "--limit", str(cfg.eval_samples),
             "--inference-url", vllm_url, "--data-dir", str(DATA_DIR), "--tokenizer", model,
-            "--out-dir", str(out)]  # fmt: skip
+            "--max-prompt-tokens", str(preset.max_prompt_tokens),
+            "--max-tokens", str(preset.max_tokens), "--out-dir", str(out)]  # fmt: skip
     run_step(f"eval_{label}", argv, run_dir / f"eval_{label}.log")
     return json.loads((out / "metrics.json").read_text())
 
@@ -451,12 +453,36 @@ def weight_versions(servers: list[BridgeServer]) -> dict[str, str | None]:
     return out
 
 
+def context_warning(model: str, preset: Preset) -> str | None:
+    """A warning when rollouts and evaluation would reach past the sequences ``model`` was
+    fine-tuned on (its ``trainer_config.json``, written by ``python -m trainer sft``).
+
+    A tiny model trained from scratch has never seen the positions beyond them: at a
+    1536-token budget the embedded SFT model scored a mean reward of 6.5 against 45.7 at
+    928 (env_server.config.DEFAULT_MAX_PROMPT_TOKENS).
+    """
+    path = Path(model) / "trainer_config.json"
+    try:
+        trained = int(json.loads(path.read_text())["max_seq_len"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a hub model or no SFT record: nothing to compare with
+    need = preset.max_prompt_tokens + preset.max_tokens
+    if need <= trained:
+        return None
+    return (f"{model} was fine-tuned on sequences of {trained} tokens, but prompts of up to "
+            f"{preset.max_prompt_tokens} + completions of {preset.max_tokens} tokens reach "
+            f"position {need}: the model has never seen those positions. Lower the preset's "
+            f"max_prompt_tokens or fine-tune with a larger --max-seq-len.")  # fmt: skip
+
+
 def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     preset = PRESETS[cfg.preset]
     model = cfg.model or preset.model
     place = placement(cfg, preset)
     if preset.build_embedded and cfg.model is None:
         prepare_embedded(cfg, run_dir)
+    if (warning := context_warning(model, preset)) is not None:
+        print(f"[run_all] WARNING: {warning}", flush=True)
     if cfg.prepare_only:
         print(f"[run_all] prepared {model}", flush=True)
         return 0
@@ -487,7 +513,8 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
         PY, "-m", "env_server", *recipe_args(cfg), "--api-url", api_url,
         "--inference-url", ",".join(urls),
         "--tokenizer", model, "--data-dir", str(DATA_DIR), "--group-size", str(preset.group_size),
-        "--max-tokens", str(preset.max_tokens), "--metrics-path", str(run_dir / "env_metrics.jsonl"),
+        "--max-tokens", str(preset.max_tokens), "--max-prompt-tokens", str(preset.max_prompt_tokens),
+        "--metrics-path", str(run_dir / "env_metrics.jsonl"),
         *preset.env_extra,
     ]  # fmt: skip
     if cfg.keep_constant_groups:

@@ -15,6 +15,7 @@ from launch.presets import PRESETS
 from launch.run_all import (
     RunAllConfig,
     ServiceFailed,
+    context_warning,
     parse_args,
     placement,
     trainer_argv,
@@ -188,3 +189,19 @@ def test_trainer_and_env_args_pass_through_last() -> None:
     resolved = resolve_args(GrpoConfig, parser.parse_args(argv[4:]), SECTIONS[GrpoConfig])
     assert resolved.config.lr == 1e-4 and resolved.config.kl_beta == 0.05
     assert cfg.env_args == "--group-size 8"
+
+
+def test_context_warning_when_rollouts_reach_past_the_sft_sequences(tmp_path: Path) -> None:
+    """The launcher warns when prompt + completion budgets exceed what the SFT trained on."""
+    import json
+
+    preset = PRESETS["cpu-tiny"]
+    assert context_warning(str(tmp_path), preset) is None  # no SFT record: nothing to check
+    (tmp_path / "trainer_config.json").write_text(json.dumps({"max_seq_len": 1024}))
+    assert preset.max_prompt_tokens + preset.max_tokens <= 1024
+    assert context_warning(str(tmp_path), preset) is None
+    longer = preset.model_copy(update={"max_prompt_tokens": 1536})
+    warning = context_warning(str(tmp_path), longer)
+    assert warning is not None and "sequences of 1024 tokens" in warning and "1632" in warning
+    (tmp_path / "trainer_config.json").write_text("{not json")
+    assert context_warning(str(tmp_path), longer) is None

@@ -67,6 +67,10 @@ def test_tiny_grpo_recipe_matches_the_cpu_tiny_preset() -> None:
     env, grpo = cfgs["env"], cfgs["grpo"]
     assert grpo.model_name == preset.model and env.tokenizer == preset.model
     assert env.group_size == preset.group_size and env.max_tokens == preset.max_tokens
+    assert env.max_prompt_tokens == preset.max_prompt_tokens
+    # prompt + completion fit the sequences the SFT recipe trains the model on
+    sft = resolve(SftConfig, section="trainer.sft", recipe=TINY / "sft.yaml").config
+    assert preset.max_prompt_tokens + preset.max_tokens <= sft.max_seq_len
     assert grpo.batch_size == preset.group_size * preset.batch_groups
     assert grpo.lr == preset.lr and grpo.device == preset.trainer_device
     # the preset's extra flags, applied over the recipe, change nothing: the same settings, and
