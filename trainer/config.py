@@ -237,6 +237,12 @@ class GrpoConfig(CommonConfig):
     """Weight of the self-certainty rationale reward added to each score before normalising."""
     adv_eps: float = 1e-6
     """Epsilon in (score - mean) / (std + eps)."""
+    scale_advantages: bool = True
+    """Divide each group's centred scores by the group's std (GRPO). Off: Dr. GRPO's unscaled
+    advantages (score - group mean), so a group moves the policy in proportion to how much its
+    rewards differ. With Shop-R1's DARS, a group with one hard-attribute hit (~1000) then
+    outweighs the many groups whose rewards differ only by format/type credits (< 1); scaled,
+    each counts the same and those credits steer the policy (docs/results/learning_cpu.md)."""
     loss_aggregation: Literal["token", "sequence"] = "token"
     """Average the loss over all tokens of the step, or per sequence then over sequences."""
     gail: GailConfig = Field(default_factory=GailConfig.from_env)

@@ -84,9 +84,9 @@ def grpo_step(
     group_ids = torch.tensor([i.group for i in items])
     extra: dict[str, float] = {}
     if extra_reward is not None:
-        base_adv = group_advantages(total, group_ids, eps=cfg.adv_eps)
+        base_adv = group_advantages(total, group_ids, cfg.adv_eps, cfg.scale_advantages)
         total = total + extra_reward.to(total.dtype).cpu()
-    adv = group_advantages(total, group_ids, eps=cfg.adv_eps)
+    adv = group_advantages(total, group_ids, cfg.adv_eps, cfg.scale_advantages)
     if extra_reward is not None:
         extra["extra_adv_shift"] = float((adv - base_adv).abs().mean())
     trainable = [i for mb in mbs for i in mb]

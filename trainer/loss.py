@@ -72,12 +72,14 @@ def self_certainty(entropy: torch.Tensor, span_mask: torch.Tensor, vocab_size: i
 
 
 def group_advantages(
-    scores: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-6
+    scores: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-6, scale: bool = True
 ) -> torch.Tensor:
     """GRPO advantages: (score - group mean) / (group population std + eps).
 
     ``scores`` is ``[N]`` (fp32), ``group_index`` ``[N]`` int labels (any values). A group whose
     scores are all equal gets advantage 0 for every member (no learning signal), never NaN.
+    ``scale=False`` leaves out the division (Dr. GRPO, Liu et al. 2025): each group then
+    counts in proportion to how much its rewards differ, not equally.
     """
     if scores.shape != group_index.shape or scores.dim() != 1:
         raise ValueError(f"scores {tuple(scores.shape)} and group_index must both be [N]")
@@ -89,6 +91,8 @@ def group_advantages(
     )
     mean = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, inverse, scores) / counts
     centred = scores - mean[inverse]
+    if not scale:
+        return centred
     var = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, inverse, centred**2) / counts
     return centred / (var.sqrt()[inverse] + eps)
 

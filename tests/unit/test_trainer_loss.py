@@ -31,6 +31,18 @@ def test_group_advantages_population_std_and_constant_groups() -> None:
     torch.testing.assert_close(adv[6:], torch.tensor([1.0, -1.0]) / (1.0 + 1e-6))
 
 
+def test_unscaled_advantages_weigh_groups_by_their_reward_spread() -> None:
+    """Dr. GRPO: only the group mean is subtracted, so a group with one large (DARS-like)
+    reward outweighs a group whose rewards differ by small credits; scaled, both count alike."""
+    scores = torch.tensor([1000.8, 0.8, 0.8, 0.8, 0.8, 0.5, 0.5, 0.5])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    raw = group_advantages(scores, groups, scale=False)
+    torch.testing.assert_close(raw[:4], torch.tensor([750.0, -250.0, -250.0, -250.0]))
+    torch.testing.assert_close(raw[4:], torch.tensor([0.225, -0.075, -0.075, -0.075]))
+    scaled = group_advantages(scores, groups)
+    torch.testing.assert_close(scaled[0], scaled[4], rtol=1e-4, atol=1e-4)  # same, however large
+
+
 def test_token_stats_temperature_matches_scaled_softmax() -> None:
     logits = torch.tensor([[[0.0, math.log(3.0)], [2.0, 0.0]]])  # [1, 2, 2]
     tokens = torch.tensor([[0, 1]])  # predict tokens[1] = 1 from logits[0]
