@@ -149,6 +149,12 @@ def build(argv: list[str]) -> tuple[BridgeSettings, list[str], dict[str, str]]:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         if "--enable-lora" not in vllm_args:
             vllm_args.append("--enable-lora")
+    if _flag(vllm_args, "--logprobs-mode") is None:
+        # Rollout logprobs are the "old" policy of the trainer's importance ratio, so they
+        # must come from the distribution the tokens were sampled from: after temperature
+        # (and top-p/top-k). vLLM's default returns the raw model's logprobs, which differ
+        # from it whenever temperature != 1.
+        vllm_args += ["--logprobs-mode", "processed_logprobs"]
     if _flag(vllm_args, "--worker-extension-cls") is None:
         vllm_args += ["--worker-extension-cls", "vllm_patching.worker_ext.BridgeWorkerExtension"]
     run_id = uuid.uuid4().hex[:12]

@@ -54,6 +54,15 @@ def test_defaults_bind_localhost_and_add_worker_extension() -> None:
     assert argv.count("--host") == 1
 
 
+def test_rollout_logprobs_are_those_of_the_sampling_distribution() -> None:
+    """The trainer's importance ratio needs logprobs after temperature: processed, unless the
+    user asks for another mode."""
+    _, argv, _ = _build()
+    assert _flag(argv, "--logprobs-mode") == "processed_logprobs"
+    _, argv, _ = _build("--logprobs-mode", "raw_logprobs")
+    assert argv.count("--logprobs-mode") == 1 and _flag(argv, "--logprobs-mode") == "raw_logprobs"
+
+
 def test_lora_mode_enables_runtime_lora() -> None:
     settings, argv, env = _build("--bridge-mode", "lora_only", "--served-model-name", "pol")
     assert "--enable-lora" in argv and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
