@@ -561,8 +561,6 @@ def keys_order(key: str) -> int:
 
 def _box() -> dict:
     """What the machine was doing: load average at the start of the model's run."""
-    import os
-
     return {"loadavg": os.getloadavg(), "cpus": os.cpu_count(), "time": time.ctime()}
 
 
