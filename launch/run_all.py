@@ -68,7 +68,7 @@ class RunAllConfig(BaseModel):
         "shared_vllm", description="How trainer weights reach vLLM (docs/BRIDGE.md)."
     )
     single_copy: bool = Field(False, description="shared_vllm: one weight copy in shared memory.")
-    steps: int = Field(60, ge=1, description="GRPO training steps.")
+    steps: int = Field(120, ge=1, description="GRPO training steps.")
     sft_steps: int | None = Field(
         None, ge=1, description="SFT steps if SFT must run (default: trainer's)."
     )
