@@ -112,6 +112,22 @@ def steal_s() -> float:
         return 0.0
 
 
+def major_faults() -> int:
+    """Major page faults so far, whole machine (``/proc/vmstat`` pgmajfault): pages that had
+    to be read back from disk. Recorded around every sync -- on a box whose kernel pages out
+    cold file pages (this VM runs DAMON's ``pageout`` scheme with no swap: code pages of
+    libraries that ran a while ago are dropped), a sync that touches cold code waits for the
+    disk, in the trainer and in vLLM's engine loop alike."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("pgmajfault "):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def _stream_tokens(url: str, body: dict, stop_at, started, out) -> None:
     """Child process of :class:`StreamWatch`: stream, timestamp every token, send the times."""
     import httpx
@@ -341,14 +357,15 @@ def bench_mode(
             watch = StreamWatch(server.base_url, served, ids, n=2000)
             watch.wait_streaming()
             time.sleep(0.1)
-            steal0, t0 = steal_s(), time.perf_counter()
+            faults0, steal0, t0 = major_faults(), steal_s(), time.perf_counter()
             stats = bridge.sync(model, version)
-            t1, steal1 = time.perf_counter(), steal_s()
+            t1, steal1, faults1 = time.perf_counter(), steal_s(), major_faults()
             if key == "restart":
                 server = holder[0] = bridge.server  # the new process
             gap, median_gap = watch.gap_during(t0, t1)
             row = {"version": version, **_breakdown(stats, mode), "client_gap_s": gap,
-                   "median_token_gap_s": median_gap, "steal_s": steal1 - steal0}  # fmt: skip
+                   "median_token_gap_s": median_gap, "steal_s": steal1 - steal0,
+                   "major_faults": faults1 - faults0}  # fmt: skip
             if key == "restart":
                 # no tokens at all while the server is down: the stall is the restart
                 row["client_gap_s"] = row["server_pause_s"]
