@@ -206,6 +206,9 @@ def test_broadcast_sync_optimizer_step_and_embedding(
         # same host: the worker proved it maps the trainer's segment, nothing went over TCP
         assert not stats.detail["remote"]
         assert stats.detail["servers"][0]["detail"]["workers"][0]["path"] == "shm"
+        # resident weights: the parameters live in the segment, the sync copied nothing
+        assert stats.detail["packed_bytes"] == 0
+        assert stats.detail["resident_params"] == len(list(model.parameters()))
         assert_serves(url, served, model, ids, version=1)
         # Only the (tied) embedding changes: the lm_head's packed CPU copy must follow.
         with torch.no_grad():
@@ -257,8 +260,10 @@ def test_single_copy_shared_memory(tiny_model_dir, tmp_path_factory) -> None:
             # A restarted server (new run id) gets a fresh segment; nothing stale is reused.
             server = restart_bridge_server(server, model=tiny_model_dir, initial_version=1)
             optimizer_step(model, ids)
-            bridge.sync(model, 2)
+            stats = bridge.sync(model, 2)
             assert_serves(url, served, model, ids, version=2)
+            # the parameters left the old segment before it closed and live in the new one
+            assert stats.detail["packed_bytes"] == 0 and stats.detail["resident_params"] > 0
             assert bridge.segment.name != segment and not (Path(SHM_DIR) / segment).exists()
             segment = bridge.segment.name
         finally:

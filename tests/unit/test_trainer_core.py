@@ -207,3 +207,25 @@ def test_relased_groups_are_not_trained_twice() -> None:
     for i in range(RECENT_BATCHES + 5):
         _remember(state, f"b{i}", [])
     assert len(state.recent_batches) == RECENT_BATCHES  # bounded in the checkpoint
+
+
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_cpu_bf16_steps_with_unscaled_advantages(
+    micro_model_dir: Path, tmp_path: Path, lora_r: int
+) -> None:
+    """The cpu-tiny preset's trainer: bf16 autocast on the CPU, Dr. GRPO advantages, sampling
+    temperature 0.7 -- full weights and LoRA. The master weights stay fp32 and move."""
+    cfg = _grpo_cfg(micro_model_dir, tmp_path, precision="bf16", scale_advantages=False,
+                    temperature=0.7, lora_r=lora_r, lora_alpha=8)  # fmt: skip
+    lm = load_model(cfg)
+    assert lm.device.type == "cpu" and lm.compute_dtype == torch.bfloat16
+    ref = Reference(lm)
+    opt = build_optimizer(lm.model, cfg)
+    ctx = StepContext(lm, ref, opt, build_scheduler(opt, cfg), cfg)
+    before = _params(lm.model)
+    for seed in (1, 2):
+        m = grpo_step(ctx, flatten_groups(make_groups(seed=seed), cfg.max_seq_len)[0])
+        assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
+    after = _params(lm.model)
+    assert all(v.dtype == torch.float32 for v in after.values())
+    assert any(not torch.equal(after[k], before[k]) for k in before)
