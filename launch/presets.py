@@ -41,14 +41,16 @@ class Preset(BaseModel):
 
 
 PRESETS: dict[str, Preset] = {
-    # The settings of docs/results/learning_cpu.md's exp13: the paper's full reward (DARS 1000),
-    # rollouts at temperature 0.7 (at 1.0 the tiny model's sampled element names almost never
-    # hit: 4 DARS hits in 960 rollouts), Dr. GRPO advantages (centred, not divided by the
-    # group's std: a group with a DARS hit then outweighs the many groups that differ only by
-    # format/type credit, which, std-scaled, pushed the policy onto `terminate`), 4 groups of 8
-    # a step, lr 1e-4 with a KL anchor of 0.05, 120 steps (run_all's --steps default) with the
-    # trainer's matmuls in bf16 (fp32 master weights; 1.5x faster steps on this CPU, the same
-    # trainer/vLLM logprob mismatch). Recipe twin: recipes/tiny-qwen2/shop-r1/grpo.yaml.
+    # The settings of docs/results/learning_cpu.md's exp14/exp15: trained on the paper's
+    # `no_dars` ablation (its terms and weights, the hard attribute's ROUGE-L at factor 1: with
+    # DARS 1000 a right `terminate`, worth 0.8, is never worth keeping and the policy stopped
+    # leaving the site; the evaluation still reports the paper's full reward), rollouts at
+    # temperature 0.7 (at 1.0 the tiny model's sampled element names almost never hit),
+    # Dr. GRPO advantages (centred, not divided by the group's std, which let groups differing
+    # only by format credit push the policy onto `terminate`), 4 groups of 8 a step, lr 1e-4,
+    # KL 0.05, 120 steps (run_all's --steps default) with the trainer's matmuls in bf16 (fp32
+    # master weights; 1.5x faster steps on this CPU, the same trainer/vLLM logprob mismatch).
+    # Recipe twin: recipes/tiny-qwen2/shop-r1/grpo_no_dars.yaml.
     "cpu-tiny": Preset(
         model=str(SFT_MODEL_DIR),
         build_embedded=True,
@@ -69,7 +71,7 @@ PRESETS: dict[str, Preset] = {
             "--precision",
             "bf16",
         ],  # fmt: skip
-        env_extra=["--temperature", "0.7"],
+        env_extra=["--temperature", "0.7", "--reward-variant", "no_dars"],
     ),  # fmt: skip
     # On one GPU machine: vLLM on GPU 0, trainer on GPU 1 (broadcast); --single-copy puts both on
     # GPU 0 (CUDA IPC), the launcher handles that by overriding the trainer device.

@@ -63,7 +63,7 @@ def test_every_recipe_parses_into_every_service(recipe: Path) -> None:
 
 def test_tiny_grpo_recipe_matches_the_cpu_tiny_preset() -> None:
     preset = PRESETS["cpu-tiny"]
-    cfgs = _all(TINY / "grpo.yaml")  # the preset trains with the paper's reward
+    cfgs = _all(TINY / "grpo_no_dars.yaml")  # the preset trains with the no_dars ablation
     env, grpo = cfgs["env"], cfgs["grpo"]
     assert grpo.model_name == preset.model and env.tokenizer == preset.model
     assert env.group_size == preset.group_size and env.max_tokens == preset.max_tokens
@@ -73,15 +73,18 @@ def test_tiny_grpo_recipe_matches_the_cpu_tiny_preset() -> None:
     assert preset.max_prompt_tokens + preset.max_tokens <= sft.max_seq_len
     assert grpo.batch_size == preset.group_size * preset.batch_groups
     assert grpo.lr == preset.lr and grpo.device == preset.trainer_device
-    # the preset's extra flags, applied over the recipe, change nothing
-    r = str(TINY / "grpo.yaml")
-    assert parse_env(["--recipe", r, *preset.env_extra]) == env
-    # the env's default reward is the paper's, which the recipe spells out as registry entries
+    # the preset's extra flags, applied over the recipe, change nothing: the same settings, and
+    # its --reward-variant (which replaces the recipe's `rewards:`) scores exactly the same
+    r = str(TINY / "grpo_no_dars.yaml")
+    with_env_extra = parse_env(["--recipe", r, *preset.env_extra])
+    assert with_env_extra.reward_variant == "no_dars" and with_env_extra.rewards is None
+    same = {"reward_variant": "full", "rewards": env.rewards}
+    assert with_env_extra.model_copy(update=same) == env
     for text, gold in _cases():
-        assert (score(text, gold, EnvConfig().reward_config()).total
+        assert (score(text, gold, with_env_extra.reward_config()).total
                 == score(text, gold, env.reward_config()).total), (text, gold)  # fmt: skip
-    # the ablation recipes differ from the preset's twin in the reward only
-    for name in ("grpo_no_dars.yaml", "grpo_binary.yaml", "grpo_no_format.yaml"):
+    # the other recipes differ from the preset's twin in the reward only
+    for name in ("grpo.yaml", "grpo_binary.yaml", "grpo_no_format.yaml"):
         other = _all(TINY / name)
         assert other["grpo"].model_copy(update={"save_path": grpo.save_path}) == grpo, name
         same_reward = {"rewards": env.rewards, "metrics_path": env.metrics_path}
