@@ -1,0 +1,194 @@
+"""Where exact match and the paper's reward come from, page by page (simulated Shop-R1 only).
+
+    python -m env_server.page_report runs/X/eval_sft/predictions.jsonl runs/X/eval_rl/predictions.jsonl
+    python -m env_server.page_report --oracle            # what the best policies could reach
+
+The simulated shopper draws every gold action from a known distribution (each row's
+``alternatives``), so on this data two questions have exact answers:
+
+- ``--oracle``: what a policy that knew the shopper's distribution would score if it named,
+  on every row, the most likely action (the exact-match optimum) or the action of highest
+  expected reward (the reward optimum, for the paper's reward and for a training variant).
+  Where the two optima differ, a policy cannot raise exact match and the reward together.
+- the predictions files: for each page kind, how many rows a model matched exactly, how many
+  earned DARS credit, and how many of its clicks name an element that is not on the page at
+  all (a model that cannot copy a name from the page cannot learn to pick the right one).
+
+The page kind is read off the simulator's HTML (``env_server.data.pages``); rows of other
+data count as ``other``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from env_server.reward import ParsedOutput, RewardConfig, parse_output, score
+
+PAGE_KINDS = ("home", "results", "product", "cart", "checkout", "confirmation", "other")
+"""Page kinds in report order (``other``: a page the simulator did not render)."""
+
+_ELEMENT = re.compile(r'name="([^"]+)"')
+
+
+def page_kind(html: str) -> str:
+    """The simulator page ``html`` is (by the elements only that page has)."""
+    names = set(_ELEMENT.findall(html))
+    if "place_order" in names:
+        return "checkout"
+    if "proceed_to_checkout" in names:
+        return "cart"
+    if "add_to_cart" in names:
+        return "product"
+    if "<h1>Results for " in html:
+        return "results"
+    if "<h1>Thank you! Order #" in html:
+        return "confirmation"
+    if "<h2>Today's deals</h2>" in html:
+        return "home"
+    return "other"
+
+
+def _completion_text(action: Mapping[str, Any]) -> str:
+    return json.dumps({"rationale": "-", "action": dict(action)})
+
+
+def _dars_credit(text: str, gold: Mapping[str, Any], cfg: RewardConfig) -> float:
+    r = score(text, dict(gold), cfg)
+    return r.name_similarity if gold["type"] == "click" else r.text_similarity
+
+
+def prediction_breakdown(
+    rows: Sequence[Mapping[str, Any]], completions: Sequence[str]
+) -> dict[str, Counter[str]]:
+    """Per page kind: ``rows``, ``exact``, ``dars_hits`` (rows with DARS credit under the
+    paper's reward), ``reward`` (its sum), ``invalid``, ``pred_<type>`` counts and
+    ``click_off_page`` (clicks naming an element the page does not have)."""
+    if len(rows) != len(completions):
+        raise ValueError(f"{len(completions)} completions for {len(rows)} rows")
+    cfg = RewardConfig()
+    out: dict[str, Counter[str]] = {k: Counter() for k in PAGE_KINDS}
+    for row, text in zip(rows, completions, strict=True):
+        html = row["pages"][-1]
+        c = out[page_kind(html)]
+        gold = json.loads(row["action"])
+        r = score(text, gold, cfg)
+        c["rows"] += 1
+        c["exact"] += r.exact_match
+        c["reward"] += r.total
+        c["dars_hits"] += _dars_credit(text, gold, cfg) > 0
+        parsed = parse_output(text)
+        if not isinstance(parsed, ParsedOutput):
+            c["invalid"] += 1
+            continue
+        c[f"pred_{parsed.action['type']}"] += 1
+        if parsed.action["type"] == "click" and parsed.action["name"] not in _ELEMENT.findall(html):
+            c["click_off_page"] += 1
+    return {k: c for k, c in out.items() if c["rows"]}
+
+
+def oracle_policies(
+    rows: Sequence[Mapping[str, Any]], train_reward: RewardConfig | None = None
+) -> dict[str, dict[str, tuple[float, float, int]]]:
+    """Expected (exact matches, paper reward, rows) per page kind (and ``all``) of three
+    policies that know each row's gold distribution: ``exact_optimal`` (the most likely
+    action), ``reward_optimal`` (highest expected paper reward) and ``train_optimal``
+    (highest expected ``train_reward``, default the paper's ``no_dars`` ablation)."""
+    paper = RewardConfig()
+    train = train_reward or RewardConfig.variant("no_dars")
+    totals: dict[str, dict[str, list[float]]] = {
+        p: {} for p in ("exact_optimal", "reward_optimal", "train_optimal")
+    }
+    for row in rows:
+        alts = [(json.loads(a), p) for a, p in json.loads(row["alternatives"])]
+        if not alts:
+            raise ValueError(f"row {row.get('session_id')}/{row.get('step')}: no alternatives")
+        cands = []
+        for action, prob in alts:
+            text = _completion_text(action)
+            paper_r = sum(q * score(text, g, paper).total for g, q in alts)
+            train_r = sum(q * score(text, g, train).total for g, q in alts)
+            cands.append((prob, paper_r, train_r))
+        picks = {
+            "exact_optimal": max(cands, key=lambda c: c[0]),
+            "reward_optimal": max(cands, key=lambda c: c[1]),
+            "train_optimal": max(cands, key=lambda c: c[2]),
+        }
+        kind = page_kind(row["pages"][-1])
+        for policy, (prob, paper_r, _) in picks.items():
+            for key in (kind, "all"):
+                acc = totals[policy].setdefault(key, [0.0, 0.0, 0])
+                acc[0] += prob
+                acc[1] += paper_r
+                acc[2] += 1
+    return {p: {k: (v[0], v[1], int(v[2])) for k, v in d.items()} for p, d in totals.items()}
+
+
+def format_breakdown(name: str, b: Mapping[str, Counter[str]]) -> str:
+    lines = [
+        f"### {name}",
+        "",
+        "| page | rows | exact | DARS hits | mean reward | invalid | click / type / terminate "
+        "| clicks naming no element of the page |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for kind, c in b.items():
+        types = f"{c['pred_click']} / {c['pred_type_and_submit']} / {c['pred_terminate']}"
+        lines.append(
+            f"| {kind} | {c['rows']} | {c['exact']} | {c['dars_hits']} | "
+            f"{c['reward'] / c['rows']:.1f} | {c['invalid']} | {types} | {c['click_off_page']} |"
+        )
+    total = sum(b.values(), Counter())
+    lines.append(
+        f"| **all** | {total['rows']} | {total['exact']} ({100 * total['exact'] / total['rows']:.1f}%)"
+        f" | {total['dars_hits']} | {total['reward'] / total['rows']:.1f} | {total['invalid']} | "
+        f"{total['pred_click']} / {total['pred_type_and_submit']} / {total['pred_terminate']} | "
+        f"{total['click_off_page']} |"
+    )
+    return "\n".join(lines)
+
+
+def format_oracle(o: Mapping[str, Mapping[str, tuple[float, float, int]]]) -> str:
+    kinds = [k for k in (*PAGE_KINDS, "all") if k in o["exact_optimal"]]
+    head = " | ".join(kinds)
+    lines = [
+        f"| policy (expected exact matches / mean paper reward) | {head} |",
+        "|---|" + "---|" * len(kinds),
+    ]
+    for policy, d in o.items():
+        cells = [f"{d[k][0]:.1f} / {d[k][1] / d[k][2]:.0f}" for k in kinds]
+        lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    lines.append("| rows | " + " | ".join(str(o["exact_optimal"][k][2]) for k in kinds) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from env_server.data.dataset import load_or_build
+    from env_server.evaluate import read_predictions
+    from launch.paths import DATA_DIR
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("predictions", nargs="*", type=Path, help="predictions.jsonl of evaluations")
+    ap.add_argument("--oracle", action="store_true", help="also the oracle policies' table")
+    ap.add_argument("--data-dir", type=Path, default=DATA_DIR, help="dataset folder")
+    ap.add_argument("--split", default="test", choices=["train", "validation", "test"])
+    ap.add_argument("--limit", type=int, default=512, help="first N steps (as run_all's eval)")
+    ap.add_argument("--num-sessions", type=int, default=3000, help="sessions if it must build")
+    args = ap.parse_args(argv)
+    if not args.predictions and not args.oracle:
+        ap.error("give predictions files, --oracle, or both")
+    rows = load_or_build(args.data_dir, args.num_sessions)[args.split].to_list()[: args.limit]
+    if args.oracle:
+        print(format_oracle(oracle_policies(rows)), end="\n\n")
+    for path in args.predictions:
+        print(format_breakdown(str(path), prediction_breakdown(rows, read_predictions(path, rows))))
+        print()
+
+
+if __name__ == "__main__":
+    main()
