@@ -128,6 +128,45 @@ def major_faults() -> int:
     return 0
 
 
+class FreezeProbe:
+    """An idle process that sleeps 10 ms at a time and keeps the longest it overslept since
+    the last :meth:`reset`: a freeze of the whole box (every process stopped, timers
+    included, as this VM does now and then for seconds without counting it as steal time)
+    shows up here at full length, while a busy CPU delays a 10 ms sleep by milliseconds.
+    Recorded around every sync, so a stall that the bench sees is told apart from one that
+    the bridge or vLLM caused."""
+
+    def __init__(self) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._largest = ctx.Value("d", 0.0)
+        self._proc = ctx.Process(target=_oversleep_loop, args=(self._largest,), daemon=True)
+        self._proc.start()
+
+    def reset(self) -> None:
+        with self._largest.get_lock():
+            self._largest.value = 0.0
+
+    def largest(self) -> float:
+        """The longest oversleep, in seconds, since the last reset."""
+        time.sleep(0.02)  # let the probe wake once more, so a freeze that just ended counts
+        return self._largest.value
+
+    def close(self) -> None:
+        self._proc.terminate()
+        self._proc.join(5)
+
+
+def _oversleep_loop(largest) -> None:
+    while True:
+        t0 = time.monotonic()
+        time.sleep(0.01)
+        over = time.monotonic() - t0 - 0.01
+        with largest.get_lock():
+            largest.value = max(largest.value, over)
+
+
 def _stream_tokens(url: str, body: dict, stop_at, started, out) -> None:
     """Child process of :class:`StreamWatch`: stream, timestamp every token, send the times."""
     import httpx
@@ -346,6 +385,7 @@ def bench_mode(
     rows = []
     n_rounds = restart_rounds if key == "restart" else rounds + 1  # + warm-up round
     bridge = make_bridge(mode, [server.base_url], token=token, **bridge_kw)
+    freeze = FreezeProbe()
     try:
         for version in range(1, n_rounds + 1):
             model(input_ids=x, labels=x).loss.backward()
@@ -357,6 +397,7 @@ def bench_mode(
             watch = StreamWatch(server.base_url, served, ids, n=2000)
             watch.wait_streaming()
             time.sleep(0.1)
+            freeze.reset()
             faults0, steal0, t0 = major_faults(), steal_s(), time.perf_counter()
             stats = bridge.sync(model, version)
             t1, steal1, faults1 = time.perf_counter(), steal_s(), major_faults()
@@ -365,7 +406,8 @@ def bench_mode(
             gap, median_gap = watch.gap_during(t0, t1)
             row = {"version": version, **_breakdown(stats, mode), "client_gap_s": gap,
                    "median_token_gap_s": median_gap, "steal_s": steal1 - steal0,
-                   "major_faults": faults1 - faults0}  # fmt: skip
+                   "major_faults": faults1 - faults0,
+                   "box_freeze_s": freeze.largest()}  # fmt: skip
             if key == "restart":
                 # no tokens at all while the server is down: the stall is the restart
                 row["client_gap_s"] = row["server_pause_s"]
@@ -374,6 +416,7 @@ def bench_mode(
         if key == "restart":
             holder[0] = bridge.server
         bridge.close()
+        freeze.close()
     served_now = httpx.get(f"{server.base_url}/bridge/health").json()["weight_version"]
     assert served_now == str(n_rounds), (served_now, n_rounds)
     steady = rows if key == "restart" else rows[1:]
@@ -410,20 +453,27 @@ def table(results: dict) -> str:
         "| transfer / memcpy | sync / (memcpy + apply) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    other_floors = []
     for name, res in results.items():
-        floor = res["memcpy_s"] + res["apply_floor_s"]
         for m in res["modes"]:
             med, best = m["median"], m["best"]
+            fl = m.get("floors") or _floors(res)
+            memcpy, apply = fl.get("memcpy_s"), fl.get("apply_floor_s")
+            if fl != _floors(res) and m["key"] != "lora":  # LoRA has no ratio
+                other_floors.append(
+                    f"{name} {m['label']}: memcpy {_ms(memcpy)}, apply {_ms(apply)}"
+                )
             full = m["key"] in FULL_WEIGHT
-            ratio_t = f"{med['transfer_s'] / res['memcpy_s']:.1f}x" if full else "-"
-            ratio_s = f"{med['sync_s'] / floor:.2f}x" if m["key"] != "lora" else "-"
+            ratio_t = f"{med['transfer_s'] / memcpy:.1f}x" if full and memcpy else "-"
+            has_floor = m["key"] != "lora" and memcpy and apply
+            ratio_s = f"{med['sync_s'] / (memcpy + apply):.2f}x" if has_floor else "-"
             pause = (
                 "no pause"
                 if m["key"] == "lora"
                 else (f"{_ms(best['server_pause_s'])} / {_ms(med['server_pause_s'])}")
             )
             lines.append(
-                f"| {name} ({res['params'] / 1e6:.0f}M) | {m['label']} "
+                f"| {name} ({res.get('params', 0) / 1e6:.0f}M) | {m['label']} "
                 f"| {_ms(best['sync_s'])} / {_ms(med['sync_s'])} "
                 f"| {_ms(med['transfer_s']) if full else '-'} | {pause} "
                 f"| {_ms(med['client_gap_s'])} ({_ms(med['median_token_gap_s'])}) "
@@ -433,8 +483,54 @@ def table(results: dict) -> str:
     lines.append("| model | memcpy floor, ms | apply floor (load_weights + repack + lm_head), ms |")
     lines.append("|---|---|---|")
     for name, res in results.items():
-        lines.append(f"| {name} | {_ms(res['memcpy_s'])} | {_ms(res['apply_floor_s'])} |")
+        lines.append(f"| {name} | {_ms(res.get('memcpy_s'))} | {_ms(res.get('apply_floor_s'))} |")
+    notes = [
+        f"- {name} {m['label']}: {note}"
+        for name, res in results.items()
+        for m in res["modes"]
+        if (note := freeze_note(m))
+    ]
+    if notes:
+        lines += ["", *notes]
+    if other_floors:
+        lines.append("")
+        lines.append(
+            "Measured in an earlier run, against that run's floors (ms): "
+            + "; ".join(other_floors)
+            + "."
+        )
     return "\n".join(lines) + "\n"
+
+
+FREEZE_S = 0.5
+"""A round whose idle probe overslept longer than this hit a freeze of the whole box."""
+
+
+def freeze_note(m: dict) -> str | None:
+    """One line on the rounds of mode ``m`` that a box freeze hit, and the medians of the
+    others (None when no round was hit, or the rounds predate the probe)."""
+    steady = m.get("rounds", [])[0 if m["key"] == "restart" else 1 :]
+    hit = [r for r in steady if (r.get("box_freeze_s") or 0.0) > FREEZE_S]
+    if not hit:
+        return None
+    rest = [r for r in steady if r not in hit]
+    lengths = sorted(r["box_freeze_s"] for r in hit)
+    note = (
+        f"{len(hit)} of {len(steady)} rounds hit a box freeze (an idle probe process stopped "
+        f"{lengths[0]:.1f}-{lengths[-1]:.1f} s: the whole machine, not the bridge)"
+    )
+    if not rest:
+        return note + "."
+    sync = _median([r["sync_s"] for r in rest])
+    gap = _median([r["client_gap_s"] for r in rest])
+    return (
+        note + f"; the other rounds: sync median {_ms(sync)} ms, largest token gap {_ms(gap)} ms."
+    )
+
+
+def _floors(res: dict) -> dict:
+    """The memcpy and apply floors a result was measured against (those it has)."""
+    return {k: res[k] for k in ("memcpy_s", "apply_floor_s") if k in res}
 
 
 def breakdown_table(results: dict) -> str:
@@ -534,8 +630,14 @@ def main() -> None:
         for k in ("apply_floor", "apply_floor_s", "memcpy_s", "params", "bytes"):
             if k in old:
                 entry[k] = old[k]
+        for m in entry["modes"]:  # kept from an earlier run: its ratios stay on that run's floors
+            m.setdefault("floors", _floors(old))
 
-        def add(r: dict, entry: dict = entry, name: str = name) -> None:
+        run: dict = {"keys": set(), "memcpy": False}
+        """What this run measured for the model: its modes, and whether it has taken its own
+        memcpy floor yet (modes kept from an earlier run keep that run's floors)."""
+
+        def add(r: dict, entry: dict = entry, name: str = name, run: dict = run) -> None:
             """Store one mode's result and rewrite every output (a cut run keeps its modes)."""
             if "apply_floor" in r:
                 entry["apply_floor"] = r.pop("apply_floor")
@@ -544,11 +646,17 @@ def main() -> None:
                 [m for m in entry["modes"] if m["key"] != r["key"]] + [r],
                 key=lambda m: keys_order(m["key"]),
             )
+            run["keys"].add(r["key"])
             if r["key"] in (*FULL_WEIGHT, "reload"):
                 entry["params"] = r["params"]
-                if entry.get("bytes") != r["median"]["bytes"] or "memcpy_s" not in entry:
+                if not run["memcpy"] or entry.get("bytes") != r["median"]["bytes"]:
                     entry["bytes"] = r["median"]["bytes"]
                     entry["memcpy_s"] = memcpy_floor(int(entry["bytes"]))
+                    run["memcpy"] = True
+            # ratios compare a mode with the floors of the run that measured it
+            for m in entry["modes"]:
+                if m["key"] in run["keys"]:
+                    m["floors"] = _floors(entry)
             results[name] = entry
             if "apply_floor_s" in entry and "memcpy_s" in entry:
                 save(results, args.out, args.plot)

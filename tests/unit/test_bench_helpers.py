@@ -95,3 +95,57 @@ def test_atropos_and_native_payloads_carry_the_same_content() -> None:
     # every group is distinct, so content-hash group ids never collapse two of them
     assert atropos_group(1, 2, 8) != atropos_group(2, 2, 8)
     assert len(encode_bodies("atropos", 10, 2, 8, per_push=4)) == 3
+
+
+def test_bridge_table_compares_each_mode_with_the_floors_of_its_own_run() -> None:
+    from bench.bridge_sync import table
+
+    def mode(key: str, label: str, sync_s: float, floors: dict | None) -> dict:
+        med = {"sync_s": sync_s, "transfer_s": 0.002, "server_pause_s": 0.01,
+               "client_gap_s": 0.02, "median_token_gap_s": 0.002, "bytes": 2**20}  # fmt: skip
+        m = {"key": key, "label": label, "median": med, "best": med}
+        return m | ({"floors": floors} if floors is not None else {})
+
+    old = {"memcpy_s": 0.001, "apply_floor_s": 0.019}  # an earlier run: floor 20 ms
+    res = {
+        "params": 4e6,
+        "memcpy_s": 0.002,  # the latest run: floor 40 ms
+        "apply_floor_s": 0.038,
+        "modes": [
+            mode("broadcast", "kept", 0.030, old),
+            mode("reload", "new", 0.060, {"memcpy_s": 0.002, "apply_floor_s": 0.038}),
+            mode("single_copy", "no floors recorded", 0.080, None),
+        ],
+    }
+    text = table({"tiny": res})
+    rows = {ln.split(" | ")[1]: ln for ln in text.splitlines() if ln.startswith("| tiny (")}
+    assert rows["kept"].endswith("| 2.0x | 1.50x |")  # 2 ms / 1 ms; 30 ms / 20 ms
+    assert rows["new"].endswith("| - | 1.50x |")  # 60 / 40
+    assert rows["no floors recorded"].endswith("| 1.0x | 2.00x |")  # falls back to the latest
+    assert "earlier run, against that run's floors (ms): tiny kept: memcpy 1.0, apply 19.0" in text
+    # a run that measured LoRA only has no memcpy floor: no ratio, no crash
+    lora_only = {"params": 4e6, "apply_floor_s": 0.02, "modes": [mode("lora", "LoRA", 0.05, None)]}
+    assert table({"tiny": lora_only}).count("| - | - |") == 1
+
+
+def test_bridge_table_names_the_rounds_a_box_freeze_hit() -> None:
+    from bench.bridge_sync import freeze_note, table
+
+    def rnd(sync_s: float, gap_s: float, freeze_s: float | None) -> dict:
+        r = {"sync_s": sync_s, "client_gap_s": gap_s}
+        return r | ({"box_freeze_s": freeze_s} if freeze_s is not None else {})
+
+    med = {"sync_s": 0.1, "transfer_s": None, "server_pause_s": 0.0, "client_gap_s": 0.02,
+           "median_token_gap_s": 0.002, "bytes": 2**20}  # fmt: skip
+    rounds = [rnd(9.0, 9.0, 8.9), rnd(0.04, 0.02, 0.001), rnd(3.0, 2.9, 2.8),
+              rnd(0.06, 0.03, 0.002), rnd(0.05, 0.01, None)]  # fmt: skip
+    m = {"key": "lora", "label": "LoRA", "median": med, "best": med, "rounds": rounds}
+    # the first round is the warm-up: not counted
+    assert freeze_note(m) == (
+        "1 of 4 rounds hit a box freeze (an idle probe process stopped 2.8-2.8 s: the whole "
+        "machine, not the bridge); the other rounds: sync median 50.0 ms, largest token gap "
+        "20.0 ms."
+    )
+    assert freeze_note(m | {"rounds": rounds[:2]}) is None
+    res = {"params": 4e6, "memcpy_s": 0.001, "apply_floor_s": 0.02, "modes": [m]}
+    assert "\n- tiny LoRA: 1 of 4 rounds hit a box freeze" in table({"tiny": res})
