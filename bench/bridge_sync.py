@@ -129,42 +129,45 @@ def major_faults() -> int:
 
 
 class FreezeProbe:
-    """An idle process that sleeps 10 ms at a time and keeps the longest it overslept since
-    the last :meth:`reset`: a freeze of the whole box (every process stopped, timers
-    included, as this VM does now and then for seconds without counting it as steal time)
-    shows up here at full length, while a busy CPU delays a 10 ms sleep by milliseconds.
-    Recorded around every sync, so a stall that the bench sees is told apart from one that
-    the bridge or vLLM caused."""
+    """An idle process that sleeps 10 ms at a time and keeps the longest it overslept inside
+    the window opened by the last :meth:`reset`: a freeze of the whole box (every process
+    stopped, timers included, as this VM does now and then for seconds without counting it
+    as steal time) shows up here at full length, while a busy CPU delays a 10 ms sleep by
+    milliseconds. Recorded around every sync, so a stall that the bench sees is told apart
+    from one that the bridge or vLLM caused."""
 
     def __init__(self) -> None:
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
-        self._largest = ctx.Value("d", 0.0)
-        self._proc = ctx.Process(target=_oversleep_loop, args=(self._largest,), daemon=True)
+        # [window start (monotonic s), longest oversleep inside the window (s)]
+        self._state = ctx.Array("d", [time.monotonic(), 0.0])
+        self._proc = ctx.Process(target=_oversleep_loop, args=(self._state,), daemon=True)
         self._proc.start()
 
     def reset(self) -> None:
-        with self._largest.get_lock():
-            self._largest.value = 0.0
+        """Open a new window now."""
+        with self._state.get_lock():
+            self._state[0], self._state[1] = time.monotonic(), 0.0
 
     def largest(self) -> float:
-        """The longest oversleep, in seconds, since the last reset."""
+        """The longest oversleep since :meth:`reset`, in seconds (the part of a freeze that
+        began before the reset does not count)."""
         time.sleep(0.02)  # let the probe wake once more, so a freeze that just ended counts
-        return self._largest.value
+        return self._state[1]
 
     def close(self) -> None:
         self._proc.terminate()
         self._proc.join(5)
 
 
-def _oversleep_loop(largest) -> None:
+def _oversleep_loop(state) -> None:
     while True:
-        t0 = time.monotonic()
+        due = time.monotonic() + 0.01
         time.sleep(0.01)
-        over = time.monotonic() - t0 - 0.01
-        with largest.get_lock():
-            largest.value = max(largest.value, over)
+        woke = time.monotonic()
+        with state.get_lock():
+            state[1] = max(state[1], woke - max(due, state[0]))
 
 
 def _stream_tokens(url: str, body: dict, stop_at, started, out) -> None:

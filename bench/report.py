@@ -286,7 +286,7 @@ def step_plot(d: dict[str, Any], png: Path) -> None:
     plt.close(fig)
 
 
-def memcpy_floor(mode: dict[str, Any], res: dict[str, Any]) -> float:
+def _mode_memcpy_floor(mode: dict[str, Any], res: dict[str, Any]) -> float:
     """The memcpy floor of the run that measured ``mode`` (bench/bridge_sync.py keeps each
     mode's floors; older results have the model's only)."""
     return mode.get("floors", {}).get("memcpy_s", res.get("memcpy_s", float("nan")))
@@ -306,7 +306,7 @@ def bridge_summary(d: dict[str, Any]) -> str:
             rows.append(f"| {name} ({m.get('params', res.get('params', 0)) / 1e6:.0f}M) | {m.get('label')} | "
                         f"{1e3 * med.get('sync_s', float('nan')):.0f} | "
                         f"{'-' if pause is None else f'{1e3 * pause:.0f}'} | "
-                        f"{1e3 * memcpy_floor(m, res):.1f} |")  # fmt: skip
+                        f"{1e3 * _mode_memcpy_floor(m, res):.1f} |")  # fmt: skip
     return "\n".join(rows)
 
 

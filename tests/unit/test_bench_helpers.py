@@ -149,3 +149,31 @@ def test_bridge_table_names_the_rounds_a_box_freeze_hit() -> None:
     assert freeze_note(m | {"rounds": rounds[:2]}) is None
     res = {"params": 4e6, "memcpy_s": 0.001, "apply_floor_s": 0.02, "modes": [m]}
     assert "\n- tiny LoRA: 1 of 4 rounds hit a box freeze" in table({"tiny": res})
+
+
+def test_freeze_probe_counts_a_stop_inside_its_window_only() -> None:
+    import os
+    import signal
+    import time
+
+    from bench.bridge_sync import FreezeProbe
+
+    probe = FreezeProbe()
+    try:
+        time.sleep(0.5)  # the spawned probe is up and looping
+        probe.reset()
+        time.sleep(0.2)
+        assert probe.largest() < 0.1  # an idle box: milliseconds at most
+        # the probe process stopped for ~1.3 s, 0.3 s of it after the window opened (what a
+        # freeze of the whole VM looks like to it): only the part inside the window counts
+        os.kill(probe._proc.pid, signal.SIGSTOP)
+        time.sleep(1.0)
+        probe.reset()
+        time.sleep(0.3)
+        os.kill(probe._proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10  # a loaded box may take a while to run it again
+        while probe.largest() < 0.25 and time.monotonic() < deadline:
+            pass
+        assert 0.25 < probe.largest() < 1.0
+    finally:
+        probe.close()
