@@ -8,7 +8,9 @@ tokenizer) and each mode, start a real patched vLLM server on CPU, then per roun
 optimizer step on the trainer's model, ``sync`` while a streaming completion runs, and record
 the sync latency, its breakdown (trainer: pack / control calls / send; server: pause, apply
 rpc, resume; worker: receive, load_weights, finalize, lm_head), the server-side pause and the
-largest gap between streamed tokens during the sync (the stall a client actually sees).
+largest gap between streamed tokens during the sync (the stall a client actually sees), and
+what the box did meanwhile (steal time, major faults, and the longest an idle probe process
+overslept: a freeze of the whole VM, which the table then names instead of blaming the bridge).
 
 Floors, measured in the same run on the same machine:
 - ``memcpy``: one single-threaded in-memory copy of the same number of bytes;
