@@ -28,7 +28,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from env_server.reward import ParsedOutput, RewardConfig, parse_output, score
+from env_server.evaluate import reward_components
+from env_server.reward import RewardConfig, parse_output, score
 
 PAGE_KINDS = ("home", "results", "product", "cart", "checkout", "confirmation", "other")
 """Page kinds in report order (``other``: a page the simulator did not render)."""
@@ -58,11 +59,6 @@ def _completion_text(action: Mapping[str, Any]) -> str:
     return json.dumps({"rationale": "-", "action": dict(action)})
 
 
-def _dars_credit(text: str, gold: Mapping[str, Any], cfg: RewardConfig) -> float:
-    r = score(text, dict(gold), cfg)
-    return r.name_similarity if gold["type"] == "click" else r.text_similarity
-
-
 def prediction_breakdown(
     rows: Sequence[Mapping[str, Any]], completions: Sequence[str]
 ) -> dict[str, Counter[str]]:
@@ -81,14 +77,14 @@ def prediction_breakdown(
         c["rows"] += 1
         c["exact"] += r.exact_match
         c["reward"] += r.total
-        c["dars_hits"] += _dars_credit(text, gold, cfg) > 0
-        parsed = parse_output(text)
-        if not isinstance(parsed, ParsedOutput):
+        c["dars_hits"] += reward_components(r, gold["type"], cfg)["dars"] > 0
+        if not r.valid:
             c["invalid"] += 1
             continue
-        c[f"pred_{parsed.action['type']}"] += 1
-        if parsed.action["type"] == "click" and parsed.action["name"] not in _ELEMENT.findall(html):
-            c["click_off_page"] += 1
+        c[f"pred_{r.pred_type}"] += 1
+        if r.pred_type == "click":
+            name = parse_output(text).action["name"]  # type: ignore[union-attr]  # valid
+            c["click_off_page"] += name not in _ELEMENT.findall(html)
     return {k: c for k, c in out.items() if c["rows"]}
 
 
