@@ -1,7 +1,9 @@
 """Process helpers shared by the launcher, the tests and the benchmarks.
 
 Every process we start is started in its own process group and stopped by the PID we got
-back from ``Popen`` -- never by pattern (``pkill -f`` would hit a neighbour's run).
+back from ``Popen`` -- never by pattern (``pkill -f`` would hit a neighbour's run). It also
+dies with the process that started it, however that one dies (SIGKILL included): a
+parent-death signal and a reaper that stops its process group (``launch.lifeline``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
+
+from launch.lifeline import die_with_parent, lifeline, signal_group
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,7 +40,8 @@ def tail(path: Path | str, n: int = 40) -> str:
 
 
 class ManagedProcess:
-    """A child process with its own log file, stopped by its PID (process group)."""
+    """A child process with its own log file, stopped by its PID (process group), that dies
+    with us (``launch.lifeline``)."""
 
     def __init__(
         self,
@@ -69,9 +74,12 @@ class ManagedProcess:
                 env=self.env,
                 cwd=self.cwd,
                 start_new_session=True,  # own process group: stop() reaches its children
+                preexec_fn=die_with_parent(),  # SIGKILL when we die (the direct child only)
             )
         finally:
             log.close()
+        # If we die, the reaper stops the whole group (vLLM's engine core, workers, ...).
+        lifeline().register(self.popen.pid, self.name, self.log_path)
         return self
 
     def alive(self) -> bool:
@@ -82,22 +90,24 @@ class ManagedProcess:
         if self.popen is None:
             return None
         if self.popen.poll() is None:
-            _signal_group(self.popen.pid, signal.SIGTERM)
+            signal_group(self.popen.pid, signal.SIGTERM)
             try:
                 self.popen.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                _signal_group(self.popen.pid, signal.SIGKILL)
+                signal_group(self.popen.pid, signal.SIGKILL)
                 self.popen.wait(timeout=timeout)
-        else:
-            # The leader exited; children it left in the group may still run.
-            _signal_group(self.popen.pid, signal.SIGKILL)
+        # The leader exited; children it left in the group (an engine core that outlived
+        # its shutdown) may still run.
+        signal_group(self.popen.pid, signal.SIGKILL)
+        lifeline().unregister(self.popen.pid)
         return self.popen.returncode
 
     def kill9(self) -> None:
         """Hard kill (fault-injection tests)."""
         if self.popen is not None and self.popen.poll() is None:
-            _signal_group(self.popen.pid, signal.SIGKILL)
+            signal_group(self.popen.pid, signal.SIGKILL)
             self.popen.wait(timeout=30)
+            lifeline().unregister(self.popen.pid)
 
     def wait_http(self, url: str, timeout: float = 300.0, interval: float = 0.5) -> None:
         """Wait until ``url`` answers 200, failing early (with the log tail) if we die."""
@@ -121,12 +131,3 @@ class ManagedProcess:
             f"{self.name} did not answer {url} within {timeout:.0f}s ({last_err}); "
             f"read {self.log_path}:\n{tail(self.log_path)}"
         )
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass
-    except PermissionError:
-        os.kill(pid, sig)

@@ -6,7 +6,9 @@ the SFT-vs-RL evaluation table and the reward curve.
     launch/run_all.sh --num-inference-servers 2        # one trainer broadcast feeds both
 
 Every process is a ``ManagedProcess`` (own process group, own log under the run dir) and is
-stopped by its PID on Ctrl-C / SIGTERM, when a service dies, or when the trainer is done.
+stopped by its PID on Ctrl-C / SIGTERM, when a service dies, or when the trainer is done; if
+the launcher itself dies (SIGKILL included), they die with it (``launch.lifeline``). Each
+gets a share of the cores (``launch.threads``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from launch.placement import (
 )
 from launch.presets import PRESETS, Preset
 from launch.procs import ManagedProcess, free_port, tail
+from launch.threads import ThreadPlan, available_cores, light_env, plan_threads
 from vllm_patching.launcher import BridgeServer
 
 PY = sys.executable
@@ -198,10 +201,10 @@ def _raise_interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run_step(name: str, argv: list[str], log: Path) -> None:
+def run_step(name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
     """A preparation command in the foreground (stopped by PID if we are interrupted)."""
     print(f"[run_all] {name}: {' '.join(argv[1:])}  (log: {log})", flush=True)
-    proc = ManagedProcess(name, argv, log).start()
+    proc = ManagedProcess(name, argv, log, env=env).start()
     try:
         rc = proc.popen.wait()
     finally:
@@ -246,7 +249,7 @@ def evaluate(label: str, vllm_url: str, cfg: RunAllConfig, run_dir: Path, model:
             "--inference-url", vllm_url, "--data-dir", str(DATA_DIR), "--tokenizer", model,
             "--max-prompt-tokens", str(preset.max_prompt_tokens),
             "--max-tokens", str(preset.max_tokens), "--out-dir", str(out)]  # fmt: skip
-    run_step(f"eval_{label}", argv, run_dir / f"eval_{label}.log")
+    run_step(f"eval_{label}", argv, run_dir / f"eval_{label}.log", {**os.environ, **light_env()})
     return json.loads((out / "metrics.json").read_text())
 
 
@@ -413,7 +416,8 @@ def trainer_argv(cfg: RunAllConfig, preset: Preset, model: str, api_url: str,
 
 
 def start_vllm_servers(cfg: RunAllConfig, preset: Preset, place: Placement, model: str,
-                       token: str, stack: Stack, run_dir: Path) -> list[BridgeServer]:  # fmt: skip
+                       token: str, stack: Stack, run_dir: Path,
+                       threads: ThreadPlan | None = None) -> list[BridgeServer]:  # fmt: skip
     """Start every vLLM server side by side (recorded in the stack at once), then wait for
     each health check."""
     from vllm_patching.launcher import server_env, spawn_bridge_server
@@ -423,6 +427,7 @@ def start_vllm_servers(cfg: RunAllConfig, preset: Preset, place: Placement, mode
     for i, name in enumerate(vllm_names(cfg.num_inference_servers)):
         port = cfg.vllm_port if (i == 0 and cfg.vllm_port) else free_port()
         env = server_env(token, device, place.server_gpus[i])
+        env.update(threads.for_server(i) if threads else {})
         server = spawn_bridge_server(
             model, cfg.weight_bridge_mode, run_dir / f"{name}.log", token=token,
             single_copy=cfg.single_copy, extra=[*recipe_args(cfg), *vllm_extra(cfg, preset)], port=port,
@@ -479,6 +484,9 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     preset = PRESETS[cfg.preset]
     model = cfg.model or preset.model
     place = placement(cfg, preset)
+    device = "cuda" if place.trainer_device.startswith("cuda") else "cpu"
+    threads = plan_threads(available_cores(), cfg.num_inference_servers, device)
+    light = {**os.environ, **threads.light_env}
     if preset.build_embedded and cfg.model is None:
         prepare_embedded(cfg, run_dir)
     if (warning := context_warning(model, preset)) is not None:
@@ -492,16 +500,17 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     names = ["api", *vllm_names(cfg.num_inference_servers), "env", "trainer"]
     logs = " ".join(str(run_dir / f"{n}.log") for n in names)
     print(f"[run_all] run dir {run_dir}\n[run_all] follow it: tail -f {logs}", flush=True)
+    print(f"[run_all] {threads.describe()} (launch/threads.py)", flush=True)
 
     api = stack.start("api", [PY, "-m", "api", *recipe_args(cfg), "--port", str(api_port),
-                              "--db-path", str(run_dir / "api.sqlite")])  # fmt: skip
+                              "--db-path", str(run_dir / "api.sqlite")], light)  # fmt: skip
     wait_http(api, f"{api_url}/health", 60)
     print(f"[run_all] api up at {api_url} (pid {api.pid})", flush=True)
 
     print(f"[run_all] starting {cfg.num_inference_servers} vLLM server(s) "
           f"({cfg.weight_bridge_mode}{', single copy' if cfg.single_copy else ''}) on {model}...",
           flush=True)  # fmt: skip
-    servers = start_vllm_servers(cfg, preset, place, model, token, stack, run_dir)
+    servers = start_vllm_servers(cfg, preset, place, model, token, stack, run_dir, threads)
     server = servers[0]  # the evaluations ask the first one
     urls = [s.base_url for s in servers]
 
@@ -520,12 +529,12 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     if cfg.keep_constant_groups:
         env_argv.append("--no-drop-constant-groups")
     env_argv += shlex.split(cfg.env_args or "")  # last: the env takes the last value
-    stack.start("env", env_argv)
+    stack.start("env", env_argv, light)
     save = run_dir / "trainer"
     trainer = stack.start(
         "trainer",
         trainer_argv(cfg, preset, model, api_url, urls, token, save, place.trainer_device),
-        env=trainer_env(place),
+        env={**trainer_env(place), **threads.trainer_env},
     )
     where = f" on GPU {','.join(place.trainer_gpus)}" if place.trainer_gpus else ""
     print(f"[run_all] env + trainer{where} started; training {cfg.steps} steps", flush=True)
