@@ -275,13 +275,11 @@ def reap(stream: IO[bytes], owner: int, grace: float = DEFAULT_GRACE_S) -> list[
         else:
             groups.pop(pgid, None)
     live = [g for g in groups if group_members(g)]
-    for g in live:
-        name = groups[g].get("name")
-        _note(
-            groups[g],
-            f"pid {owner}, which started {name}, is gone: stopping process group "
-            f"{g} (SIGTERM, SIGKILL after {grace:g} s)",
-        )
+    for g, msg in groups.items():
+        what = f"process group {g} has ended already"
+        if g in live:
+            what = f"stopping process group {g} (SIGTERM, SIGKILL after {grace:g} s)"
+        _note(msg, f"pid {owner}, which started {msg.get('name')}, is gone: {what}")
     killed = stop_groups(live, grace)
     for g in killed:
         _note(groups[g], f"process group {g} outlived SIGTERM by {grace:g} s: SIGKILLed")

@@ -1,11 +1,15 @@
 """launch/run_all.sh end to end on the CPU preset with a tiny budget, in every bridge mode
 (shared_vllm runs with two inference servers), in one isolated artifacts folder shared by the
 session (the fixture builds the tiny model, the dataset and a 3-step SFT once, through
-``--prepare-only``); plus a service that will not start, and Ctrl-C.
+``--prepare-only``); plus a service that will not start, Ctrl-C, and a launcher that is
+SIGKILLed (nothing it started outlives it).
 
 Each run: the services start in order and log, the trainer syncs its weights into every vLLM
 server (the weight version advances with every step), and every process it started is gone
 afterwards (checked by the PIDs it recorded). One run also writes the evaluation table.
+
+The launcher is waited on by its progress, not by one wall-clock budget
+(tests/integration/launcher_harness.py), and cleaned up however a test ends.
 """
 
 from __future__ import annotations
@@ -13,39 +17,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from launch.procs import REPO_ROOT, free_port
+from launch.lifeline import descendants, is_running
+from launch.procs import free_port
+from tests.integration.launcher_harness import LauncherRun, gone, start_launcher
 
 pytestmark = pytest.mark.integration
 STEPS = 2
-RUN_ALL = str(REPO_ROOT / "launch" / "run_all.sh")
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
-def _stop_recorded(run_dir: Path) -> None:
-    """SIGKILL the process group of every PID the launcher recorded (its services each run
-    in their own group), so a failed test leaves nothing running."""
-    try:
-        pids = json.loads((run_dir / "pids.json").read_text())
-    except (OSError, ValueError):
-        return
-    for p in pids.values():
-        try:
-            os.killpg(p["pid"], signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 @pytest.fixture(scope="session")
@@ -56,22 +39,39 @@ def artifacts_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     for name in ("NUM_INFERENCE_NODES", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # the runs below set what they test
     prep = root / "prepare"
-    argv = [RUN_ALL, "--prepare-only", "--sft-steps", "3", "--num-sessions", "200",
-            "--run-dir", str(prep)]  # fmt: skip
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    run = start_launcher(prep, env, "--prepare-only", "--sft-steps", "3", "--num-sessions", "200")
+    try:
+        assert run.wait() == 0, run.tails()
+    finally:
+        run.cleanup()
     assert (prep / "sft.log").stat().st_size > 0
     assert (root / "artifacts" / "models" / "tiny-qwen2-sft" / "model.safetensors").exists()
     return env
 
 
-def run_all(run_dir: Path, env: dict[str, str], *args: str) -> str:
-    argv = [RUN_ALL, "--steps", str(STEPS), "--keep-constant-groups", "--run-dir", str(run_dir),
-            *args]  # fmt: skip
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-4000:]
-    return out
+@pytest.fixture
+def launcher() -> Iterator[Callable[..., LauncherRun]]:
+    """``launcher(run_dir, env, *args)`` starts ``run_all.sh``; however the test ends, every
+    launcher it started and every process group they recorded in pids.json is gone after."""
+    runs: list[LauncherRun] = []
+
+    def start(run_dir: Path, env: dict[str, str], *args: str) -> LauncherRun:
+        runs.append(start_launcher(run_dir, env, *args))
+        return runs[-1]
+
+    try:
+        yield start
+    finally:
+        for run in runs:
+            run.cleanup()
+
+
+def run_all(
+    launcher: Callable[..., LauncherRun], run_dir: Path, env: dict[str, str], *args: str
+) -> str:
+    run = launcher(run_dir, env, "--steps", str(STEPS), "--keep-constant-groups", *args)
+    assert run.wait() == 0, run.tails()
+    return run.output()
 
 
 def check_run(run_dir: Path, out: str, vllm: list[str]) -> None:
@@ -94,8 +94,9 @@ def check_run(run_dir: Path, out: str, vllm: list[str]) -> None:
     pids = json.loads((run_dir / "pids.json").read_text())
     assert set(pids) == set(names)
     assert not any(p["alive"] for p in pids.values()), pids
-    assert all(_gone(p["pid"]) for p in pids.values()), pids
+    assert all(gone(p["pid"]) for p in pids.values()), pids
     assert "[run_all] stopped" in out
+    assert "[run_all] threads on " in out  # the thread plan is logged
 
 
 @pytest.mark.parametrize(
@@ -107,10 +108,13 @@ def check_run(run_dir: Path, out: str, vllm: list[str]) -> None:
     ],
 )
 def test_run_all_bridge_modes(
-    artifacts_env: dict[str, str], tmp_path: Path, flags: list[str]
+    artifacts_env: dict[str, str],
+    launcher: Callable[..., LauncherRun],
+    tmp_path: Path,
+    flags: list[str],
 ) -> None:
     run_dir = tmp_path / "run"
-    out = run_all(run_dir, artifacts_env, *flags, "--eval-samples", "0")
+    out = run_all(launcher, run_dir, artifacts_env, *flags, "--eval-samples", "0")
     check_run(run_dir, out, ["vllm"])
     if "--single-copy" in flags:
         assert "backend=shm" in (run_dir / "vllm.log").read_text()
@@ -118,16 +122,21 @@ def test_run_all_bridge_modes(
         assert (run_dir / "trainer" / "bridge" / f"v{STEPS}").is_dir()
 
 
-def test_run_all_two_inference_servers(artifacts_env: dict[str, str], tmp_path: Path) -> None:
+def test_run_all_two_inference_servers(
+    artifacts_env: dict[str, str], launcher: Callable[..., LauncherRun], tmp_path: Path
+) -> None:
     """shared_vllm (gloo broadcast) and the CPU proof of the multi-server path:
     NUM_INFERENCE_NODES=2 starts two vLLM servers, the env spreads rollouts over both, one
     trainer broadcast (rendezvous pinned by MASTER_ADDR/MASTER_PORT) feeds both; then the
     SFT-vs-RL evaluation table and the reward curve."""
     run_dir = tmp_path / "run"
     port = free_port()
-    env = dict(artifacts_env, NUM_INFERENCE_NODES="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port))  # fmt: skip
-    out = run_all(run_dir, env, "--weight-bridge-mode", "shared_vllm", "--eval-samples", "4")
+    env = dict(
+        artifacts_env, NUM_INFERENCE_NODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    out = run_all(
+        launcher, run_dir, env, "--weight-bridge-mode", "shared_vllm", "--eval-samples", "4"
+    )
     check_run(run_dir, out, ["vllm", "vllm1"])
     for name in ("vllm", "vllm1"):
         assert "backend=gloo_bcast" in (run_dir / f"{name}.log").read_text()
@@ -149,49 +158,103 @@ def test_run_all_two_inference_servers(artifacts_env: dict[str, str], tmp_path: 
 
 
 def test_run_all_names_the_log_of_a_service_that_will_not_start(
-    artifacts_env: dict[str, str], tmp_path: Path
+    artifacts_env: dict[str, str], launcher: Callable[..., LauncherRun], tmp_path: Path
 ) -> None:
     """vLLM cannot load the model: a clear failure naming vllm.log, nothing left running."""
     run_dir = tmp_path / "run"
-    argv = [RUN_ALL, "--model", str(tmp_path / "no-such-model"), "--run-dir", str(run_dir),
-            "--eval-samples", "0", "--health-timeout", "300"]  # fmt: skip
-    done = subprocess.run(argv, env=artifacts_env, capture_output=True, text=True, timeout=400)
-    out = done.stdout + done.stderr
-    assert done.returncode == 1, out[-4000:]
+    run = launcher(
+        run_dir,
+        artifacts_env,
+        "--model",
+        str(tmp_path / "no-such-model"),
+        "--eval-samples",
+        "0",
+        "--health-timeout",
+        "300",
+    )
+    out = run.output() if run.wait() == 1 else pytest.fail(run.tails())
     assert "[run_all] FAILED: vllm did not come up: vllm exited with" in out
     assert f"read {run_dir / 'vllm.log'}" in out
     pids = json.loads((run_dir / "pids.json").read_text())
     assert set(pids) == {"api", "vllm"}  # the env and the trainer were never started
-    assert all(_gone(p["pid"]) for p in pids.values()), pids
+    assert all(gone(p["pid"]) for p in pids.values()), pids
 
 
 def test_run_all_ctrl_c_stops_what_it_started(
-    artifacts_env: dict[str, str], tmp_path: Path
+    artifacts_env: dict[str, str], launcher: Callable[..., LauncherRun], tmp_path: Path
 ) -> None:
     """SIGINT while vLLM starts: exit 130, every recorded PID gone."""
     run_dir = tmp_path / "run"
-    argv = [RUN_ALL, "--run-dir", str(run_dir), "--eval-samples", "0"]
-    proc = subprocess.Popen(argv, env=artifacts_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if "vllm" in json.loads((run_dir / "pids.json").read_text()):
-                    break
-            except (OSError, ValueError):  # not written yet, or caught mid-write
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail("the launcher never started vLLM")
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:  # the launcher ignored SIGINT: clean up what it started
-            proc.kill()
-            _stop_recorded(run_dir)
-    assert proc.returncode == 130, out[-4000:]
-    assert "interrupted; stopping the services" in out
-    pids = json.loads((run_dir / "pids.json").read_text())
+    run = launcher(run_dir, artifacts_env, "--eval-samples", "0")
+    run.wait_until(lambda: "vllm" in run.pids(), "the launcher to start vLLM")
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait() == 130, run.tails()
+    assert "interrupted; stopping the services" in run.output()
+    pids = run.pids()
     assert {"api", "vllm"} <= set(pids)
-    assert all(_gone(p["pid"]) for p in pids.values()), pids
+    assert all(gone(p["pid"]) for p in pids.values()), pids
+
+
+SERVICES = ("api", "vllm", "env", "trainer")
+
+
+def _all_four_run(run: LauncherRun) -> bool:
+    """Every service recorded and running, vLLM with its engine core under it, and the
+    trainer past its start-up (its log has lines)."""
+    pids = run.pids()
+    if set(pids) != set(SERVICES) or not all(is_running(pids[n]["pid"]) for n in SERVICES):
+        return False
+    trainer_log = run.run_dir / "trainer.log"
+    return (
+        bool(descendants(pids["vllm"]["pid"]))
+        and trainer_log.exists()
+        and (trainer_log.stat().st_size > 0)
+    )
+
+
+@pytest.mark.parametrize(
+    "victim",
+    [
+        pytest.param("launcher", id="sigkill_run_all_sh"),
+        pytest.param("group", id="sigkill_launcher_process_group"),
+    ],
+)
+def test_run_all_sigkilled_leaves_no_process_behind(
+    artifacts_env: dict[str, str],
+    launcher: Callable[..., LauncherRun],
+    tmp_path: Path,
+    victim: str,
+) -> None:
+    """SIGKILL of ``run_all.sh`` (it execs the launcher: same PID) -- or of the launcher's
+    whole process group, as a CI job timeout or a closed terminal does -- once all four
+    services run: every process under the launcher (the services, vLLM's engine core and
+    worker, the reaper itself) is gone soon after, and the reaper said so in the logs."""
+    run_dir = tmp_path / "run"
+    run = launcher(
+        run_dir, artifacts_env, "--steps", "1000", "--eval-samples", "0", "--keep-constant-groups"
+    )
+    run.wait_until(lambda: _all_four_run(run), "all four services to run")
+    pids = run.pids()
+    tree = descendants(run.pid)
+    in_tree = {p.pid for p in tree}
+    assert {p["pid"] for p in pids.values()} <= in_tree, (pids, tree)
+    vllm_children = [p for p in tree if p.ppid == pids["vllm"]["pid"]]
+    assert vllm_children, "vLLM has no child process (engine core) to check"
+
+    if victim == "launcher":
+        os.kill(run.pid, signal.SIGKILL)
+    else:
+        os.killpg(run.pid, signal.SIGKILL)  # the launcher leads its own session (harness)
+    run.proc.wait()
+
+    def left() -> list[str]:
+        return [f"{p.pid} (parent {p.ppid})" for p in tree if is_running(p.pid, p.starttime)]
+
+    # Generous: the reaper waits up to 5 s between SIGTERM and SIGKILL; the box may be busy.
+    deadline = time.monotonic() + 120
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left(), f"outlived the launcher: {left()}\n{run.tails()}"
+    for name in SERVICES:
+        text = (run_dir / f"{name}.log").read_text(errors="replace")
+        assert f"[lifeline] pid {run.pid}, which started {name}, is gone" in text, name
