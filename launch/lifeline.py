@@ -7,7 +7,8 @@
    main thread (a worker thread that ends would take the child with it). It reaches the
    direct child only, not the processes a service starts itself (vLLM's engine core and its
    worker, a multiprocessing resource tracker): vLLM 0.32's engine core does not watch its
-   API server and keeps running when that one is SIGKILLed.
+   API server and keeps running when that one is SIGKILLed (with its worker and resource
+   tracker: still there 30 s later, docs/TESTING.md).
 2. **A reaper.** One small process per starting process (``python -m launch.lifeline``), in
    its own session (a signal to the starter's process group or terminal does not reach it),
    reads a pipe whose only write end the starter holds. Every service runs in its own
@@ -163,7 +164,8 @@ class Lifeline:
     def __init__(self, grace: float = DEFAULT_GRACE_S) -> None:
         self.grace = grace
         self.reaper: subprocess.Popen[bytes] | None = None
-        self._write: IO[bytes] | None = None
+        self._fd: int | None = None
+        """Our end of the reaper's pipe (a bare fd: a forked child closes it lock-free)."""
         self._groups: dict[int, dict[str, object]] = {}
         self._lock = threading.Lock()
 
@@ -181,32 +183,36 @@ class Lifeline:
                 self._send({"op": "del", "pgid": pgid})
 
     def close(self) -> None:
-        """Close our end now (what our death does): the reaper stops what is registered."""
+        """Close our end now (what our death does): the reaper stops what is registered,
+        and we forget it (a later registration starts a new reaper)."""
         with self._lock:
-            if self._write is not None:
-                with contextlib.suppress(OSError):
-                    self._write.close()
-            self._write = None
+            self._close_fd()
+            self._groups.clear()
+
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+        self._fd = None
 
     def _send(self, msg: dict[str, object]) -> None:
         line = _encode(msg)
         for _ in range(2):  # a reaper that died (someone killed it) is replaced once
-            if self._write is None or self.reaper is None or self.reaper.poll() is not None:
+            if self._fd is None or self.reaper is None or self.reaper.poll() is not None:
                 self._start_reaper()
                 line = b"".join(_encode(m) for m in self._groups.values())  # all we hold
             try:
-                assert self._write is not None
-                self._write.write(line)
-                self._write.flush()
+                assert self._fd is not None
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(self._fd, view) :]
                 return
             except OSError:  # EPIPE: the reaper is gone
-                self._write = None
+                self._close_fd()
         raise RuntimeError("the lifeline reaper (python -m launch.lifeline) keeps dying")
 
     def _start_reaper(self) -> None:
-        if self._write is not None:
-            with contextlib.suppress(OSError):
-                self._write.close()
+        self._close_fd()
         read, write = os.pipe()  # both non-inheritable: no other child holds the write end
         try:
             owner = ["--owner", str(os.getpid()), "--grace", str(self.grace)]
@@ -223,15 +229,13 @@ class Lifeline:
             raise
         finally:
             os.close(read)
-        self._write = os.fdopen(write, "wb")
+        self._fd = write
 
     def _forget_in_fork(self) -> None:
         """A forked child must not hold our write end (it would keep the reaper waiting),
         nor think it started our services."""
-        if self._write is not None:
-            with contextlib.suppress(OSError):
-                self._write.close()
-        self.reaper, self._write, self._groups = None, None, {}
+        self._close_fd()
+        self.reaper, self._groups = None, {}
         self._lock = threading.Lock()
 
 

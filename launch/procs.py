@@ -109,6 +109,28 @@ class ManagedProcess:
             self.popen.wait(timeout=30)
             lifeline().unregister(self.popen.pid)
 
+    def wait_exit(self, stall: float = 600.0, limit: float = 3600.0) -> int:
+        """Wait until the process exits and return its exit code. A busy machine makes this
+        slower, not a failure: it gives up (``TimeoutError`` naming the log, with its tail)
+        only when the log has not grown for ``stall`` seconds, or after ``limit`` in all."""
+        assert self.popen is not None, f"{self.name} was not started"
+        start = last_change = time.monotonic()
+        size = -1
+        while self.popen.poll() is None:
+            now = time.monotonic()
+            current = self.log_path.stat().st_size if self.log_path.exists() else 0
+            if current != size:
+                size, last_change = current, now
+            if now - last_change > stall or now - start > limit:
+                why = f"its log did not grow for {stall:.0f} s"
+                if now - start > limit:
+                    why = f"it ran past {limit:.0f} s"
+                raise TimeoutError(
+                    f"{self.name} is stuck ({why}); read {self.log_path}:\n{tail(self.log_path)}"
+                )
+            time.sleep(0.5)
+        return int(self.popen.returncode)
+
     def wait_http(self, url: str, timeout: float = 300.0, interval: float = 0.5) -> None:
         """Wait until ``url`` answers 200, failing early (with the log tail) if we die."""
         deadline = time.monotonic() + timeout

@@ -72,7 +72,7 @@ def test_synthesis_resumes_after_sigkill(vllm_server, tiny_model_dir, tmp_path: 
     # Run 2: resumes; only the rows that were not cached are requested.
     second = ManagedProcess("synth-2", _cmd(src, out, base_url), tmp_path / "synth-2.log").start()
     try:
-        rc = second.popen.wait(timeout=300)
+        rc = second.wait_exit()
     finally:
         second.stop()
     log2 = (tmp_path / "synth-2.log").read_text()
@@ -91,7 +91,7 @@ def test_synthesis_resumes_after_sigkill(vllm_server, tiny_model_dir, tmp_path: 
     third = ManagedProcess("synth-3", _cmd(src, out, "http://127.0.0.1:9/v1"),
                            tmp_path / "synth-3.log").start()  # fmt: skip
     try:
-        assert third.popen.wait(timeout=120) == 0, (tmp_path / "synth-3.log").read_text()[-2000:]
+        assert third.wait_exit() == 0, (tmp_path / "synth-3.log").read_text()[-2000:]
     finally:
         third.stop()
     assert json.loads((out / "summary.json").read_text())["requests"] == 0

@@ -174,3 +174,27 @@ def test_stop_unregisters_and_no_pdeathsig_off_the_main_thread(tmp_path: Path) -
     assert got == [None]  # a thread that ends would take the child with it
     if sys.platform.startswith("linux"):
         assert callable(die_with_parent())
+
+
+def test_a_forked_child_does_not_hold_the_lifeline_open() -> None:
+    """A child forked without exec (multiprocessing's fork) closes its copy of our end:
+    otherwise the reaper would wait for that child too."""
+    from launch.lifeline import lifeline
+
+    group = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    line = lifeline()
+    line.register(group.pid, "sleeper")
+    reaper = line.reaper
+    holder = os.fork()
+    if holder == 0:  # pragma: no cover - the forked child lives on with what it inherited
+        time.sleep(600)
+        os._exit(0)
+    try:
+        line.close()
+        assert reaper is not None and reaper.wait(timeout=LIMIT_S) == 0
+        assert group.wait(timeout=LIMIT_S) == -signal.SIGTERM
+    finally:
+        os.kill(holder, signal.SIGKILL)
+        os.waitpid(holder, 0)
+        group.kill()
+        group.wait()

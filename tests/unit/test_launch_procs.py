@@ -1,0 +1,45 @@
+"""ManagedProcess.wait_exit: waits while the process makes progress (its log grows), gives
+up with the log's tail when it does not, and returns the exit code otherwise."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.procs import ManagedProcess
+
+pytestmark = pytest.mark.unit
+
+
+def _proc(tmp_path: Path, code: str) -> ManagedProcess:
+    return ManagedProcess("p", [sys.executable, "-u", "-c", code], tmp_path / "p.log").start()
+
+
+def test_exit_code_of_a_process_that_ends(tmp_path: Path) -> None:
+    proc = _proc(tmp_path, "import sys; print('bye'); sys.exit(3)")
+    try:
+        assert proc.wait_exit(stall=120) == 3
+    finally:
+        proc.stop()
+
+
+def test_a_silent_process_is_stuck_and_the_error_shows_its_log(tmp_path: Path) -> None:
+    proc = _proc(tmp_path, "import time; print('started, now silent'); time.sleep(600)")
+    try:
+        with pytest.raises(TimeoutError, match="log did not grow for 1 s") as err:
+            proc.wait_exit(stall=1.0)
+        assert "started, now silent" in str(err.value) and str(proc.log_path) in str(err.value)
+    finally:
+        proc.stop()
+
+
+def test_a_process_that_keeps_logging_hits_the_backstop(tmp_path: Path) -> None:
+    code = "import time\nwhile True:\n    print('still here', flush=True)\n    time.sleep(0.1)"
+    proc = _proc(tmp_path, code)
+    try:
+        with pytest.raises(TimeoutError, match="ran past 2 s"):
+            proc.wait_exit(stall=60.0, limit=2.0)
+    finally:
+        proc.stop()
