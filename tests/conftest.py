@@ -1,6 +1,7 @@
 """Shared fixtures: the embedded tiny model and a real vLLM server on a free port.
 
-Servers are started as child processes in their own process group and stopped by PID.
+Servers are started as child processes in their own process group and stopped by PID; they
+die with the test process however it ends (``launch.lifeline``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Start/stop a patched vLLM server as a child process (tests, benchmarks, restart mode).
 
-The process runs in its own process group and is stopped by its PID (launch.procs).
+The process runs in its own process group, is stopped by its PID, and dies with the process
+that started it, engine core and worker included (launch.procs, launch.lifeline).
 """
 
 from __future__ import annotations
