@@ -252,13 +252,26 @@ def _skipped(api: Any, run: Run, batch_id: str, groups: list[Any], stats: dict[s
     state.skipped_updates += 1
     api.skip(batch_id)
     group_ids = [str(_field(g, "group_id")) for g in groups]
-    run.metrics.log(state.step, {**stats, "skipped_update": True, "batch_id": batch_id,
-                                 "group_ids": group_ids, "policy_version": state.policy_version,
-                                 "skipped_updates": state.skipped_updates})  # fmt: skip
-    log.warning("batch %s: non-finite gradient (norm %s, loss %s); update skipped, batch marked "
-                "skipped at the API, version stays %d (%d skipped so far)", batch_id,
-                stats["grad_norm"], stats["loss"], state.policy_version,
-                state.skipped_updates)  # fmt: skip
+    run.metrics.log(
+        state.step,
+        {
+            **stats,
+            "skipped_update": True,
+            "batch_id": batch_id,
+            "group_ids": group_ids,
+            "policy_version": state.policy_version,
+            "skipped_updates": state.skipped_updates,
+        },
+    )
+    log.warning(
+        "batch %s: non-finite gradient (norm %s, loss %s); update skipped, batch marked "
+        "skipped at the API, version stays %d (%d skipped so far)",
+        batch_id,
+        stats["grad_norm"],
+        stats["loss"],
+        state.policy_version,
+        state.skipped_updates,
+    )
 
 
 def _staleness(current_version: int, items: list[Any]) -> dict[str, float]:

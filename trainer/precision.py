@@ -82,8 +82,10 @@ def cpu_native_bf16(source: CpuBf16Source | None = None) -> tuple[bool, str]:
     )
     if bf16_s < fp32_s:
         return True, f"native bf16 ({'+'.join(native)}; {where}); {measured}"
-    return False, (f"the CPU reports {'+'.join(native)} ({where}) but bf16 is not faster: "
-                   f"{measured} (oneDNN limited, e.g. ONEDNN_MAX_CPU_ISA?)")  # fmt: skip
+    return False, (
+        f"the CPU reports {'+'.join(native)} ({where}) but bf16 is not faster: "
+        f"{measured} (oneDNN limited, e.g. ONEDNN_MAX_CPU_ISA?)"
+    )
 
 
 def choose_precision(

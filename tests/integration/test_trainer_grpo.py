@@ -20,8 +20,9 @@ from vllm_patching.launcher import start_bridge_server
 pytestmark = pytest.mark.integration
 
 
-def _groups(model_dir: Path, n: int, version: int, scores: tuple[float, float] = (1.0, 0.5)
-            ) -> list[dict]:  # fmt: skip
+def _groups(
+    model_dir: Path, n: int, version: int, scores: tuple[float, float] = (1.0, 0.5)
+) -> list[dict]:
     from transformers import AutoTokenizer
 
     from env_server.prompts import format_target
@@ -105,8 +106,9 @@ def test_a_batch_with_a_non_finite_gradient_is_skipped_not_trained(
         client.push_groups(_groups(tiny_model_dir, 2, version=0))
         server = start_bridge_server(tiny_model_dir, "none", tmp_path / "vllm.log", token=TOKEN)
         save = tmp_path / "run"
-        log = run_trainer(tiny_model_dir, save, api_url, server.base_url, 1,
-                          "--no-scale-advantages")  # fmt: skip
+        log = run_trainer(
+            tiny_model_dir, save, api_url, server.base_url, 1, "--no-scale-advantages"
+        )
         assert "update skipped" in log
         rows = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
         skipped, trained = rows

@@ -55,7 +55,10 @@ def test_skip_route_marks_a_batch_not_trained(client: TestClient) -> None:
     client.post("/groups", json={"groups": [grp("s1"), grp("s2")]})
     bid = client.post("/batches/lease", json={"max_sequences": 2}).json()["batch_id"]
     assert client.post(f"/batches/{bid}/skip").json() == {
-        "batch_id": bid, "status": "skipped", "groups_skipped": 1}  # fmt: skip
+        "batch_id": bid,
+        "status": "skipped",
+        "groups_skipped": 1,
+    }
     assert client.post(f"/batches/{bid}/ack").json()["status"] == "already_skipped"
     status = client.get("/status").json()
     assert status["skipped_batches"] == 1 and status["acked_batches"] == 0

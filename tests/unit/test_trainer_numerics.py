@@ -44,8 +44,9 @@ def test_inference_logprob_minus_1e4_gives_a_finite_loss_and_gradient(
     logp = torch.tensor([[-2.0, -1.0, -0.5]], requires_grad=True)
     inference = torch.tensor([[-1e4, -1.1, -0.4]])
     mask = torch.ones(1, 3)
-    out = policy_loss(logp, inference, torch.tensor([advantage]), mask, normaliser=3.0,
-                      tis_cap=tis_cap)  # fmt: skip
+    out = policy_loss(
+        logp, inference, torch.tensor([advantage]), mask, normaliser=3.0, tis_cap=tis_cap
+    )
     out.loss.backward()
     assert math.isfinite(float(out.loss.detach())), out.loss
     assert torch.isfinite(logp.grad).all(), logp.grad
@@ -53,8 +54,9 @@ def test_inference_logprob_minus_1e4_gives_a_finite_loss_and_gradient(
     if tis_cap is None:
         assert logp.grad[0, 0] == 0.0  # beyond the bound: no gradient from that token
         alone = logp.detach()[:, 1:].clone().requires_grad_(True)
-        policy_loss(alone, inference[:, 1:], torch.tensor([advantage]), mask[:, 1:],
-                    normaliser=3.0).loss.backward()  # fmt: skip
+        policy_loss(
+            alone, inference[:, 1:], torch.tensor([advantage]), mask[:, 1:], normaliser=3.0
+        ).loss.backward()
         torch.testing.assert_close(logp.grad[:, 1:], alone.grad)
 
 

@@ -28,9 +28,11 @@ def _never() -> tuple[float, float]:
 
 
 def _source(flags: dict, timings: tuple[float, float] | None = None) -> CpuBf16Source:
-    return CpuBf16Source(flags=lambda: {"cpu_name": "Test CPU", **flags},
-                         dispatch=lambda: "AVX2",
-                         measure=(lambda: timings) if timings else _never)  # fmt: skip
+    return CpuBf16Source(
+        flags=lambda: {"cpu_name": "Test CPU", **flags},
+        dispatch=lambda: "AVX2",
+        measure=(lambda: timings) if timings else _never,
+    )
 
 
 def test_auto_without_native_bf16_is_fp32_and_measures_nothing() -> None:
@@ -76,12 +78,24 @@ def test_emulated_bf16_resolves_to_fp32_on_any_x86_cpu() -> None:
     """ONEDNN_MAX_CPU_ISA=AVX2 makes bf16 matmuls emulated, as on issue 21's AVX2-only CPU:
     auto must pick fp32 whether this CPU has the bf16 flags (caught by the measurement) or
     not (caught by the flags)."""
-    code = ("import torch; from trainer.precision import choose_precision; "
-            "d, why = choose_precision('auto', torch.device('cpu')); print(d, '|', why)")  # fmt: skip
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=300, check=True).stdout  # fmt: skip
+    code = (
+        "import torch; from trainer.precision import choose_precision; "
+        "d, why = choose_precision('auto', torch.device('cpu')); print(d, '|', why)"
+    )
+    env = {
+        **os.environ,
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
     assert out.startswith("torch.float32 |"), out
 
 
