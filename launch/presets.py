@@ -50,7 +50,7 @@ PRESETS: dict[str, Preset] = {
     # only by format credit push the policy onto `terminate`), 4 groups of 8 a step, lr 1e-4,
     # KL 0.05, 120 steps (run_all's --steps default), trainer precision `auto`: bf16 matmuls
     # (fp32 master weights; 1.5x faster steps, the same trainer/vLLM logprob mismatch) on a
-    # CPU with native bf16, fp32 on one without (emulated bf16 is 30-80x slower there;
+    # CPU with native bf16, fp32 on one without (emulated bf16 is 30-180x slower there;
     # trainer/precision.py, docs/TRAINER.md).
     # Recipe twin: recipes/tiny-qwen2/shop-r1/grpo_no_dars.yaml.
     "cpu-tiny": Preset(
