@@ -31,6 +31,7 @@ from api.protocol import (
     PushGroupsResponse,
     RegisterEnvResponse,
     ScoredGroup,
+    SkipResponse,
     Status,
 )
 
@@ -177,6 +178,11 @@ class ApiClient:
         """Mark a leased batch consumed (idempotent)."""
         r = self._request("POST", f"/batches/{batch_id}/ack")
         return AckResponse.model_validate_json(r.content)
+
+    def skip(self, batch_id: str) -> SkipResponse:
+        """Mark a leased batch consumed but not trained (idempotent; see ``Store.skip``)."""
+        r = self._request("POST", f"/batches/{batch_id}/skip")
+        return SkipResponse.model_validate_json(r.content)
 
     def set_policy_version(self, version: int) -> PolicyVersionResponse:
         """Report the weight version now live; too-stale queued groups are dropped."""

@@ -167,10 +167,20 @@ class Lease(BaseModel):
 
 class AckResponse(BaseModel):
     batch_id: str
-    status: Literal["acked", "already_acked", "acked_late"] = Field(
-        description="`acked_late`: the lease had expired; groups not re-leased were acked."
+    status: Literal["acked", "already_acked", "acked_late", "already_skipped"] = Field(
+        description="`acked_late`: the lease had expired; groups not re-leased were acked. "
+        "`already_skipped`: the trainer skipped the batch (not trained); it stays so."
     )
     groups_acked: int
+
+
+class SkipResponse(BaseModel):
+    batch_id: str
+    status: Literal["skipped", "skipped_late", "already_skipped", "already_acked"] = Field(
+        description="`skipped_late`: the lease had expired; groups not re-leased were skipped. "
+        "`already_acked`: the batch was acked as trained before; it stays so."
+    )
+    groups_skipped: int
 
 
 class PolicyVersionRequest(BaseModel):
@@ -197,6 +207,7 @@ class EnvStatus(BaseModel):
     leased_groups: int
     acked_groups: int
     dropped_groups: int = Field(description="Dropped for staleness (never served).")
+    skipped_groups: int = Field(0, description="Served, but the trainer skipped the update.")
     duplicate_groups: int
     min_queued_version: int | None
     max_queued_version: int | None
@@ -213,6 +224,7 @@ class Status(BaseModel):
     active_leases: int
     expired_leases: int
     acked_batches: int
+    skipped_batches: int = Field(0, description="Leased, not trained (non-finite gradient).")
     dropped_groups: int
     ingest_groups_per_s: float = Field(description="Over the last `rate_window_s` seconds.")
     serve_groups_per_s: float = Field(description="Over the last `rate_window_s` seconds.")

@@ -27,6 +27,7 @@ from api.protocol import (
     PushGroupsResponse,
     RegisterEnvRequest,
     RegisterEnvResponse,
+    SkipResponse,
     Status,
 )
 from api.store import Store, UnknownBatch
@@ -122,6 +123,17 @@ def ack(batch_id: str, request: Request) -> AckResponse:
     except UnknownBatch:
         raise HTTPException(404, f"unknown batch_id {batch_id!r}") from None
     return AckResponse(batch_id=batch_id, status=status, groups_acked=n)
+
+
+@router.post("/batches/{batch_id}/skip", response_model=SkipResponse, tags=["batches"])
+def skip(batch_id: str, request: Request) -> SkipResponse:
+    """Mark a leased batch consumed but not trained (the trainer skipped its update because
+    of a non-finite gradient): its groups are never served again nor counted as acked."""
+    try:
+        status, n = store_of(request).skip(batch_id)
+    except UnknownBatch:
+        raise HTTPException(404, f"unknown batch_id {batch_id!r}") from None
+    return SkipResponse(batch_id=batch_id, status=status, groups_skipped=n)
 
 
 @router.post("/policy_version", response_model=PolicyVersionResponse, tags=["versions"])

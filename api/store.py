@@ -5,6 +5,8 @@ before the HTTP reply that acknowledges it, so what a client was told survives `
 Groups move through ``queued -> leased -> acked`` (or ``queued -> dropped`` when too stale);
 an expired lease puts its groups back to ``queued``. Rows of acked/dropped groups stay (their
 ``group_id`` keeps deduplicating) but their payload is cleared to bound the file's growth.
+A batch the trainer could not train on (a non-finite gradient) is marked ``skipped``: its
+groups leave the queue, are never counted as acked, and keep their payload for inspection.
 
 Batch formation (``lease``) is a weighted fair share across environments by stride
 scheduling: each env has a ``pass`` that grows by ``sequences / weight`` whenever it is served,
@@ -39,7 +41,7 @@ CREATE TABLE IF NOT EXISTS groups (
     policy_version INTEGER NOT NULL,
     n_seqs INTEGER NOT NULL,
     n_tokens INTEGER NOT NULL,
-    state TEXT NOT NULL,                     -- queued | leased | acked | dropped
+    state TEXT NOT NULL,                     -- queued | leased | acked | dropped | skipped
     batch_id TEXT,                           -- last batch that leased it
     payload TEXT NOT NULL,                   -- the group's JSON ('' once acked or dropped)
     created REAL NOT NULL
@@ -59,7 +61,7 @@ CREATE TABLE IF NOT EXISTS envs (
 );
 CREATE TABLE IF NOT EXISTS batches (
     batch_id TEXT PRIMARY KEY,
-    state TEXT NOT NULL,                     -- leased | acked | expired
+    state TEXT NOT NULL,                     -- leased | acked | expired | skipped
     created REAL NOT NULL,
     deadline REAL NOT NULL,
     policy_version INTEGER NOT NULL,
@@ -473,8 +475,8 @@ class Store:
             row = db.execute("SELECT state FROM batches WHERE batch_id=?", (batch_id,)).fetchone()
             if row is None:
                 raise UnknownBatch(batch_id)
-            if row[0] == "acked":
-                return "already_acked", 0
+            if row[0] in ("acked", "skipped"):  # a skipped batch was not trained: stays so
+                return f"already_{row[0]}", 0
             from_state = "leased" if row[0] == "leased" else "queued"
             cur = db.execute(
                 "UPDATE groups SET state='acked', payload='' WHERE batch_id=? AND state=?",
@@ -482,6 +484,25 @@ class Store:
             )
             db.execute("UPDATE batches SET state='acked' WHERE batch_id=?", (batch_id,))
             return ("acked" if row[0] == "leased" else "acked_late"), cur.rowcount
+
+    def skip(self, batch_id: str) -> tuple[str, int]:
+        """Mark a batch consumed but NOT trained (the trainer skipped its update): its groups
+        go to ``skipped`` (payload kept) and leave the queue. Idempotent; a batch already acked
+        stays acked (``already_acked``); after an expired lease only the groups back in the
+        queue and not leased again are skipped (``skipped_late``)."""
+        with self._tx() as db:
+            row = db.execute("SELECT state FROM batches WHERE batch_id=?", (batch_id,)).fetchone()
+            if row is None:
+                raise UnknownBatch(batch_id)
+            if row[0] in ("acked", "skipped"):
+                return f"already_{row[0]}", 0
+            from_state = "leased" if row[0] == "leased" else "queued"
+            cur = db.execute(
+                "UPDATE groups SET state='skipped' WHERE batch_id=? AND state=?",
+                (batch_id, from_state),
+            )
+            db.execute("UPDATE batches SET state='skipped' WHERE batch_id=?", (batch_id,))
+            return ("skipped" if row[0] == "leased" else "skipped_late"), cur.rowcount
 
     # -- backpressure and status ---------------------------------------------------------
 
@@ -563,6 +584,7 @@ class Store:
                         "leased_groups": c.get("leased", 0),
                         "acked_groups": c.get("acked", 0),
                         "dropped_groups": c.get("dropped", 0),
+                        "skipped_groups": c.get("skipped", 0),
                         "duplicate_groups": dups,
                         "min_queued_version": lo,
                         "max_queued_version": hi,
@@ -582,6 +604,7 @@ class Store:
                 "active_leases": batch_counts.get("leased", 0),
                 "expired_leases": batch_counts.get("expired", 0),
                 "acked_batches": batch_counts.get("acked", 0),
+                "skipped_batches": batch_counts.get("skipped", 0),
                 "dropped_groups": sum(e["dropped_groups"] for e in envs),
                 "ingest_groups_per_s": self.ingest_rate.per_s(now),
                 "serve_groups_per_s": self.serve_rate.per_s(now),

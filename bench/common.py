@@ -75,6 +75,8 @@ def machine() -> dict[str, Any]:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 info["cpu"] = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):  # what bf16 numbers depend on
+                info["bf16_flags"] = sorted({f for f in line.split() if "bf16" in f})
                 break
         mem = Path("/proc/meminfo").read_text().splitlines()[0].split()[1]
         info["mem_gib"] = round(int(mem) / 2**20, 1)

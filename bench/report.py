@@ -46,16 +46,22 @@ def _plt():
     return plt
 
 
-def _load_note(points: list[dict[str, Any]]) -> str:
+def _load_note(points: list[dict[str, Any]], locked: bool = True) -> str:
     loads = [p["machine"]["loadavg"][0] for p in points if "machine" in p]
     loads += [p[k]["loadavg"][0] for p in points for k in ("machine_before", "machine_after")
               if k in p]  # fmt: skip
     if not loads:
         return ""
     m = next((p.get("machine") or p.get("machine_before") for p in points), {})
-    return (f"Machine: {m.get('cpus')} CPUs ({m.get('cpu', '?')}), {m.get('mem_gib', '?')} GiB; "
+    flags = m.get("bf16_flags")
+    cpu = m.get("cpu", "?") + (
+        f"; bf16 flags: {' '.join(flags) or 'none'}" if flags is not None else ""
+    )
+    return (f"Machine: {m.get('cpus')} CPUs ({cpu}), {m.get('mem_gib', '?')} GiB; "
             f"1-min load average during the runs {min(loads):.1f}..{max(loads):.1f} "
-            f"(shared box; everything ran under `flock /tmp/heavy.lock`).")  # fmt: skip
+            + ("(shared box; everything ran under `flock /tmp/heavy.lock`)." if locked else
+               "(shared box; not under the heavy-job lock: the wall times include waiting for "
+               "a core, the CPU seconds much less so)."))  # fmt: skip
 
 
 # -- API ----------------------------------------------------------------------------------
@@ -249,6 +255,35 @@ def step_table(d: dict[str, Any]) -> str:
     return "\n".join(rows) + "\n\n" + _load_note(list(d.values()))
 
 
+def precision_table(d: dict[str, Any]) -> str:
+    """GRPO step per ``--precision`` (bench/precision_step.py), native and with oneDNN held to
+    AVX2 (``ONEDNN_MAX_CPU_ISA=AVX2``: bf16 emulated, as on a CPU without native bf16)."""
+    if not d:
+        return "_not measured yet_"
+    rows = [
+        "| oneDNN ISA | batch x tokens | precision | resolved to | wall s (median) "
+        "| CPU s (median) | CPU s vs fp32 | 512x512 matmul GFLOP/s fp32 / bf16 (1 thread) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    order = {"fp32": 0, "auto": 1, "bf16": 2}
+
+    def run(p: dict[str, Any]) -> tuple:
+        return (p["onednn_max_cpu_isa"] or "", p["batch_sequences"], p["seq_len"])
+
+    fp32 = {run(p): p["cpu_median_s"] for p in d.values() if p["precision"] == "fp32"}
+    for p in sorted(d.values(), key=lambda p: (*run(p), order[p["precision"]])):
+        base = fp32.get(run(p))
+        ratio = f"x{p['cpu_median_s'] / base:.2f}" if base else "-"
+        mm = p.get("matmul_512_gflops_1_thread")
+        mm_cell = f"{mm['fp32']} / {mm['bf16']}" if mm else "-"
+        rows.append(
+            f"| {p['onednn_max_cpu_isa'] or 'native'} | {p['batch_sequences']} x {p['seq_len']} "
+            f"| {p['precision']} | {p['compute_dtype']} | {p['wall_median_s']:.2f} "
+            f"| {p['cpu_median_s']:.2f} | {ratio} | {mm_cell} |"
+        )
+    return "\n".join(rows) + "\n\n" + _load_note(list(d.values()), locked=False)
+
+
 def step_plot(d: dict[str, Any], png: Path) -> None:
     if not d:
         return
@@ -334,6 +369,7 @@ def main() -> None:
     api_main, api_sweep = api_tables(api)
     tables = {"api": api_main, "api_sweep": api_sweep, "rollout": rollout_table(ro),
               "breakdown": breakdown_table(tb), "step": step_table(ts),
+              "precision": precision_table(load("trainer_precision.json")),
               "bridge": bridge_summary(load("bridge_bench.json"))}  # fmt: skip
     doc = args.doc.read_text() if args.doc.exists() else ""
     for name, body in tables.items():

@@ -48,8 +48,10 @@ PRESETS: dict[str, Preset] = {
     # temperature 0.7 (at 1.0 the tiny model's sampled element names almost never hit),
     # Dr. GRPO advantages (centred, not divided by the group's std, which let groups differing
     # only by format credit push the policy onto `terminate`), 4 groups of 8 a step, lr 1e-4,
-    # KL 0.05, 120 steps (run_all's --steps default) with the trainer's matmuls in bf16 (fp32
-    # master weights; 1.5x faster steps on this CPU, the same trainer/vLLM logprob mismatch).
+    # KL 0.05, 120 steps (run_all's --steps default), trainer precision `auto`: bf16 matmuls
+    # (fp32 master weights; 1.5x faster steps, the same trainer/vLLM logprob mismatch) on a
+    # CPU with native bf16, fp32 on one without (emulated bf16 is 30-180x slower there;
+    # trainer/precision.py, docs/TRAINER.md).
     # Recipe twin: recipes/tiny-qwen2/shop-r1/grpo_no_dars.yaml.
     "cpu-tiny": Preset(
         model=str(SFT_MODEL_DIR),
@@ -69,7 +71,7 @@ PRESETS: dict[str, Preset] = {
             "0.7",
             "--no-scale-advantages",
             "--precision",
-            "bf16",
+            "auto",
         ],  # fmt: skip
         env_extra=["--temperature", "0.7", "--reward-variant", "no_dars"],
     ),  # fmt: skip

@@ -230,6 +230,10 @@ def prepare_embedded(cfg: RunAllConfig, run_dir: Path) -> None:
                 "--save-path", str(SFT_MODEL_DIR), "--data-dir", str(DATA_DIR),
                 "--no-tensorboard", "--eval-generate", "0",
                 "--resume" if resume else "--overwrite"]  # fmt: skip
+        if not cfg.recipe:  # a recipe decides its own precision
+            # fp32 on every CPU: the SFT checkpoint docs/results/ start from was trained in
+            # fp32 (`auto` would make it a bf16-trained, different model on CPUs with bf16).
+            argv += ["--precision", "fp32"]
         if cfg.sft_steps:
             argv += ["--training-steps", str(cfg.sft_steps)]
         run_step("sft", argv, run_dir / "sft.log")

@@ -44,6 +44,8 @@ class TrainerState:
     recent_batches: list[dict[str, Any]] = field(default_factory=list)
     """GRPO: the last batches trained into this lineage, ``{"batch_id", "group_ids"}``, so a
     batch re-leased after a crash (trained and checkpointed, ack lost) is acked, not retrained."""
+    skipped_updates: int = 0
+    """GRPO: leased batches whose update was skipped (non-finite gradient), never trained."""
 
 
 def checkpoints_dir(save_path: str | Path) -> Path:

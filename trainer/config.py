@@ -48,7 +48,9 @@ class CommonConfig(_Config):
     """``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     """Compute precision. Weights and optimizer state are always fp32 (master copy); ``bf16``
-    runs the forward/backward under bf16 autocast. ``auto``: bf16 on CUDA, fp32 on CPU."""
+    runs the forward/backward under bf16 autocast. ``auto``: bf16 where the device runs it
+    natively (CUDA with bf16; a CPU with avx512_bf16/amx_bf16 whose bf16 matmul measures faster
+    than fp32), else fp32; the choice and its reason are logged (trainer/precision.py)."""
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     """Attention kernel. ``auto``: FlashAttention 2 if it is installed and we are on CUDA with
     bf16, else PyTorch SDPA. Asking for ``flash_attention_2`` without it falls back to SDPA

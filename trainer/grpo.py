@@ -1,5 +1,8 @@
 """GRPO: lease a batch -> step -> checkpoint -> sync weights -> report version -> ack -> log.
 
+A batch whose gradient is not finite is not trained: no step, no new version, no sync; the API
+marks it ``skipped`` (not acked) and ``skipped_updates`` counts it (see ``_skipped``).
+
 A batch is acked only once a checkpoint holds its update, and the checkpoint records the
 batch and group ids it trained on: a crash before the ack makes the API lease the batch
 again, and the resumed trainer recognises it and acks it without training it twice (and a
@@ -16,6 +19,7 @@ trainer could wait forever for fresh rollouts that only a sync would bring.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -69,6 +73,9 @@ def train(cfg: GrpoConfig) -> Run:
             bonus, gail_stats = gail(groups, items) if gail is not None else (None, {})
             stats = {**grpo_step(ctx, items, extra_reward=bonus), **gail_stats}
             staleness = _staleness(state.policy_version, items)
+            if not math.isfinite(stats["grad_norm"]):  # the update was skipped: say so
+                _skipped(api, run, batch_id, groups, {**stats, **staleness})
+                continue
             state.step += 1
             state.policy_version = state.step  # one optimizer step = one policy version
             _remember(state, batch_id, groups)
@@ -87,6 +94,7 @@ def train(cfg: GrpoConfig) -> Run:
                 **stats, **staleness, "policy_version": state.policy_version,
                 "batch_id": batch_id, "dropped_sequences": dropped, "wait_s": t1 - t0,
                 "step_s": t2 - t1, "checkpoint_s": t3 - t2, "sync_s": t4 - t3,
+                "skipped_updates": state.skipped_updates,
             })  # fmt: skip
             log.info("step %d loss %.4f score %.3f kl %.2e clip %.3f wait %.1fs sync %.1fs",
                      state.step, stats["loss"], stats["score_mean"], stats["kl"],
@@ -232,6 +240,38 @@ def _remember(state: Any, batch_id: str, groups: list[Any]) -> None:
         {"batch_id": batch_id, "group_ids": [str(_field(g, "group_id")) for g in groups]}
     )
     del state.recent_batches[:-RECENT_BATCHES]
+
+
+def _skipped(api: Any, run: Run, batch_id: str, groups: list[Any], stats: dict[str, Any]) -> None:
+    """A batch whose gradient was not finite: the optimizer did not step (trainer/optim.py),
+    so nothing is counted as trained. The step counter, the policy version, the checkpoint
+    lineage and the inference weights stay as they are (no sync for nothing), the API marks
+    the batch ``skipped`` (never acked as trained, never served again: the same weights would
+    skip it again), and the skip is counted in ``skipped_updates`` and logged with its ids."""
+    state = run.state
+    state.skipped_updates += 1
+    api.skip(batch_id)
+    group_ids = [str(_field(g, "group_id")) for g in groups]
+    run.metrics.log(
+        state.step,
+        {
+            **stats,
+            "skipped_update": True,
+            "batch_id": batch_id,
+            "group_ids": group_ids,
+            "policy_version": state.policy_version,
+            "skipped_updates": state.skipped_updates,
+        },
+    )
+    log.warning(
+        "batch %s: non-finite gradient (norm %s, loss %s); update skipped, batch marked "
+        "skipped at the API, version stays %d (%d skipped so far)",
+        batch_id,
+        stats["grad_norm"],
+        stats["loss"],
+        state.policy_version,
+        state.skipped_updates,
+    )
 
 
 def _staleness(current_version: int, items: list[Any]) -> dict[str, float]:

@@ -79,7 +79,7 @@ def grpo_step(
     if not mbs:
         raise ValueError("batch has no trainable sequence (all too long or malformed)")
     certainty, ref_lps, scoring = _scoring_pass(ctx, mbs, len(items))
-    scores = torch.tensor([i.score for i in items])
+    scores = torch.tensor([i.score for i in items], dtype=torch.float64)  # exact group stats
     total = scores + cfg.self_certainty_alpha * certainty
     group_ids = torch.tensor([i.group for i in items])
     extra: dict[str, float] = {}

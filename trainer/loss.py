@@ -19,6 +19,19 @@ import torch.nn.functional as F
 
 Aggregation = Literal["token", "sequence"]
 
+LOG_RATIO_BOUND = 20.0
+"""Bound on every log importance ratio before ``exp`` (verl's bound, too): e^20 ~ 4.9e8 is far
+outside any clip range, so an ordinary token never reaches it, and stays finite in fp32
+(times an advantage of 1e3 and 1e6 tokens it is still ~1e-21 of fp32's maximum). A token
+beyond it -- e.g. one whose inference logprob was the -1e4 that env_server/inference.py puts
+for -inf -- gets a finite loss term and no gradient (``clamp`` passes none), instead of
+exp overflowing to inf: an inf loss (A < 0) or a NaN gradient (A > 0, 0 * inf)."""
+
+
+def _safe_exp(log_ratio: torch.Tensor) -> torch.Tensor:
+    """``exp`` of a log ratio clamped to +-LOG_RATIO_BOUND (finite value, finite gradient)."""
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+
 
 def shift_aligned(x: torch.Tensor) -> torch.Tensor:
     """Per-token data aligned to ``tokens`` (``[B, L]``) -> aligned to predictions (``[B, L-1]``)."""
@@ -74,36 +87,42 @@ def self_certainty(entropy: torch.Tensor, span_mask: torch.Tensor, vocab_size: i
 def group_advantages(
     scores: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-6, scale: bool = True
 ) -> torch.Tensor:
-    """GRPO advantages: (score - group mean) / (group population std + eps).
+    """GRPO advantages: (score - group mean) / (group population std + eps), returned as fp32.
 
-    ``scores`` is ``[N]`` (fp32), ``group_index`` ``[N]`` int labels (any values). A group whose
-    scores are all equal gets advantage 0 for every member (no learning signal), never NaN.
+    ``scores`` is ``[N]``, ``group_index`` ``[N]`` int labels (any values). A group whose
+    scores are all equal gets advantage exactly 0 for every member (no learning signal), never
+    NaN and never the rounding residue of its mean blown up by the division: the statistics are
+    computed in float64 (the mean of equal fp32 values is then exact), and a group whose
+    minimum equals its maximum is set to 0 explicitly, whatever the dtype of ``scores``.
     ``scale=False`` leaves out the division (Dr. GRPO, Liu et al. 2025): each group then
     counts in proportion to how much its rewards differ, not equally.
     """
     if scores.shape != group_index.shape or scores.dim() != 1:
         raise ValueError(f"scores {tuple(scores.shape)} and group_index must both be [N]")
-    scores = scores.float()
+    x = scores.detach().to(torch.float64)
     _, inverse = torch.unique(group_index, return_inverse=True)
     n_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
-    counts = torch.zeros(n_groups, dtype=scores.dtype).index_add_(
-        0, inverse, torch.ones_like(scores)
-    )
-    mean = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, inverse, scores) / counts
-    centred = scores - mean[inverse]
-    if not scale:
-        return centred
-    var = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, inverse, centred**2) / counts
-    return centred / (var.sqrt()[inverse] + eps)
+    zeros = torch.zeros(n_groups, dtype=torch.float64)
+    counts = zeros.index_add(0, inverse, torch.ones_like(x))
+    mean = zeros.index_add(0, inverse, x) / counts
+    hi = zeros.scatter_reduce(0, inverse, x, "amax", include_self=False)
+    lo = zeros.scatter_reduce(0, inverse, x, "amin", include_self=False)
+    constant = (hi == lo)[inverse]
+    centred = torch.where(constant, torch.zeros_like(x), x - mean[inverse])
+    if scale:
+        var = zeros.index_add(0, inverse, centred**2) / counts
+        centred = centred / (var.sqrt()[inverse] + eps)
+    return centred.float()
 
 
 def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(pi || ref) per token: exp(r) - r - 1 with r = ref - pi.
 
     Unbiased for samples drawn from pi, always >= 0, and its gradient pulls pi towards ref.
+    ``exp(r)`` is taken of r clamped to +-LOG_RATIO_BOUND, so it cannot overflow.
     """
     r = ref_logprobs - logprobs
-    return torch.exp(r) - r - 1.0
+    return _safe_exp(r) - r - 1.0
 
 
 @dataclass
@@ -147,6 +166,10 @@ def policy_loss(
       importance weight that corrects the inference/trainer numerical mismatch without letting
       a few tokens with tiny inference probability blow up the gradient.
 
+    Every log ratio is clamped to +-``LOG_RATIO_BOUND`` before ``exp``, so a token the
+    inference server gave a logprob of -1e4 (its stand-in for -inf) yields a finite loss and
+    no gradient rather than an inf loss or a NaN gradient.
+
     ``advantages`` is per sequence (``[B]``); ``logprobs``/``inference_logprobs``/``mask``/
     ``ref_logprobs`` are per prediction (``[B, T]``). ``normaliser`` makes gradient
     accumulation exact: the total number of masked tokens in the whole optimizer step
@@ -165,10 +188,10 @@ def policy_loss(
         raw_iw = iw
     else:
         old = lp.detach()
-        raw_iw = torch.exp(old - inf_lp)
+        raw_iw = _safe_exp(old - inf_lp)
         iw = raw_iw.clamp(max=tis_cap)
     log_ratio = torch.where(m, lp - old, torch.zeros_like(lp))
-    ratio = torch.exp(log_ratio)
+    ratio = _safe_exp(log_ratio)  # clamped in log space: see LOG_RATIO_BOUND
     adv = advantages.float().unsqueeze(-1)
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv

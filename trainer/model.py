@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from trainer.config import CommonConfig
+from trainer.precision import choose_precision
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +29,11 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
-    """The compute dtype: bf16 (autocast) or fp32. Weights stay fp32 either way."""
-    if precision == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return torch.bfloat16 if precision == "bf16" else torch.float32
+    """The compute dtype: bf16 (autocast) or fp32, logged with its reason (``auto``: bf16 only
+    where the device runs it natively, trainer/precision.py). Weights stay fp32 either way."""
+    dtype, why = choose_precision(precision, device)
+    log.info("compute precision %s (%s)", "bf16" if dtype == torch.bfloat16 else "fp32", why)
+    return dtype
 
 
 def resolve_attention(requested: str, device: torch.device, compute_dtype: torch.dtype) -> str:

@@ -64,12 +64,14 @@ def clip_and_step(
     max_grad_norm: float,
 ) -> float:
     """Clip the global grad norm, step, advance the schedule, zero grads. Returns the norm
-    before clipping (inf/nan norms skip the update instead of poisoning the weights)."""
+    before clipping. A non-finite norm (an inf/NaN gradient) skips the update instead of
+    poisoning the weights: neither the optimizer nor the schedule moves (the caller sees the
+    skip as ``not math.isfinite(norm)`` and must not count it as a step)."""
     params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
     limit = max_grad_norm if max_grad_norm > 0 else float("inf")
     norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
     if math.isfinite(norm):
         optimizer.step()
-    scheduler.step()
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return norm

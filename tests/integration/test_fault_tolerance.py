@@ -1,6 +1,8 @@
 """Fault tolerance of the whole stack on loopback: API + patched vLLM (``shared_vllm``, gloo) +
-Shop-R1 environment service + GRPO trainer on the tiny model, each SIGKILLed in turn mid-run
-and restarted with the same arguments (the trainer with ``--resume``).
+Shop-R1 environment service + GRPO trainer on the tiny model, SIGKILLed mid-run and restarted
+with the same arguments (the trainer with ``--resume``): each in turn, then the API, vLLM and
+the env a second time while the resumed trainer runs (7 kills, each service but the trainer
+restarted twice).
 
 Checks (docs/FAULT_TOLERANCE.md records the figures this test prints):
 - the run reaches its step target; the env service and the trainer ride out the API and vLLM
@@ -12,7 +14,12 @@ Checks (docs/FAULT_TOLERANCE.md records the figures this test prints):
   re-sync on seeing a new run_id: without it, it would wait for fresh rollouts forever (the
   restarted server's are labelled version 0 and dropped as stale);
 - exactly once: every group the API acknowledged to the env is in its database; the groups the
-  API marks acked are exactly the groups the trainer's checkpoint lineage trained, each once.
+  API marks acked are exactly the groups the trainer's checkpoint lineage trained, each once,
+  and every acked batch is a batch of the lineage (by batch id and group ids);
+- the final weights hold no NaN/inf, and vLLM serves them: its greedy completion equals
+  transformers' greedy generation from the final checkpoint, token for token;
+- no process is left behind: none of any session the test started (every restart included)
+  is alive at the end.
 """
 
 from __future__ import annotations
@@ -29,17 +36,23 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from api.client import ApiClient
 from launch.procs import ManagedProcess, free_port, tail
+from tests.integration.test_bridge_modes import hf_greedy, vllm_greedy
 from vllm_patching.launcher import BridgeServer, start_bridge_server
 
 pytestmark = pytest.mark.integration
 TOKEN = "fault-tolerance-token"
-STEPS = 12
+STEPS = 20
+KILLS = ("api", "vllm", "env", "trainer", "api", "vllm", "env")
 GROUP = 4
 MAX_STALENESS = 2
 WAIT_S = 300.0
+GREEDY_PROMPT = "Click the search button to find running shoes"
 """Longest wait for any one thing (a step, a restart); the whole test stays far below."""
 
 
@@ -57,17 +70,24 @@ class Stack:
         self.procs: dict[str, ManagedProcess] = {}
         self.vllm: BridgeServer | None = None
         self.starts: Counter[str] = Counter()
+        self.history: list[ManagedProcess] = []
 
     # -- starting ------------------------------------------------------------------------
     def _log(self, name: str) -> Path:
         self.starts[name] += 1
         return self.tmp / f"{name}.{self.starts[name]}.log"
 
+    @property
+    def sessions(self) -> list[int]:
+        """The session of every process started (restarts included): its leader's PID."""
+        return [p.pid for p in self.history]
+
     def start_api(self) -> None:
         argv = [sys.executable, "-m", "api", "--port", str(self.api_port), "--db-path",
                 str(self.db), "--token", TOKEN, "--max-staleness", str(MAX_STALENESS)]  # fmt: skip
         proc = ManagedProcess("api", argv, self._log("api")).start()
         self.procs["api"] = proc
+        self.history.append(proc)
         client = ApiClient(self.api_url, token=TOKEN, retries=0)
         _wait(lambda: _healthy(client), f"API health; {proc.log_path}", proc)
 
@@ -77,6 +97,7 @@ class Stack:
             timeout=WAIT_S,
         )  # fmt: skip
         self.procs["vllm"] = self.vllm.proc
+        self.history.append(self.vllm.proc)
 
     def start_env(self) -> None:
         argv = [
@@ -89,6 +110,7 @@ class Stack:
             "--metrics-path", str(self.env_metrics),
         ]  # fmt: skip
         self.procs["env"] = ManagedProcess("env", argv, self._log("env")).start()
+        self.history.append(self.procs["env"])
 
     def start_trainer(self) -> None:
         resume = "--resume" if self.starts["trainer"] else "--overwrite"
@@ -102,6 +124,7 @@ class Stack:
             "--reconnect-timeout", str(WAIT_S), "--save-every", "1", "--no-tensorboard", resume,
         ]  # fmt: skip
         self.procs["trainer"] = ManagedProcess("trainer", argv, self._log("trainer")).start()
+        self.history.append(self.procs["trainer"])
 
     def start(self, name: str) -> None:
         getattr(self, f"start_{name}")()
@@ -232,6 +255,34 @@ def _db_groups(db: Path) -> dict[str, tuple[str, int]]:
     return {gid: (state, version) for gid, state, version in rows}
 
 
+def _db_batches(db: Path) -> tuple[dict[str, tuple[str, int, set[str]]], int]:
+    """{batch_id: (state, groups leased in it, groups whose last batch it is)}, and how many
+    groups were ever leased (the difference of the sums: groups served again)."""
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        out = {
+            b: (state, n, set())
+            for b, state, n in conn.execute("SELECT batch_id, state, n_groups FROM batches")
+        }
+        for gid, b in conn.execute("SELECT group_id, batch_id FROM groups WHERE batch_id NOT NULL"):
+            out[b][2].add(gid)
+    return out, sum(len(g) for _, _, g in out.values())
+
+
+def _left_behind(sessions: list[int]) -> list[str]:
+    """Processes still alive in any session the test started (each service is a session
+    leader, ManagedProcess's start_new_session; its children inherit the session)."""
+    wanted, left = set(sessions), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # exited meanwhile
+            continue
+        fields = text[text.rindex(")") + 2 :].split()  # state ppid pgrp session ...
+        if int(fields[3]) in wanted and fields[0] != "Z":
+            left.append(f"pid {stat.parent.name} session {fields[3]}: {text[:80]}")
+    return left
+
+
 def test_kill9_each_service_in_turn(tiny_model_dir: Path, tmp_path: Path) -> None:
     t0 = time.monotonic()
     stack = Stack(tiny_model_dir, tmp_path)
@@ -245,7 +296,7 @@ def test_kill9_each_service_in_turn(tiny_model_dir: Path, tmp_path: Path) -> Non
         _wait(lambda: stack.last_step() >= 2, "the first two steps", *stack.procs.values())
         report["startup_to_step2_s"] = round(time.monotonic() - t0, 1)
 
-        for name in ("api", "vllm", "env", "trainer"):
+        for name in KILLS:
             report["kills"].append(_kill_and_restart(stack, name))
             stack.check_alive()
 
@@ -280,11 +331,33 @@ def test_kill9_each_service_in_turn(tiny_model_dir: Path, tmp_path: Path) -> Non
         assert len(pushed_ids) == len(set(pushed_ids))
         # Every stored group is accounted for: trained, dropped as stale, or still waiting.
         assert set(by_state) <= {"acked", "dropped", "queued", "leased"}, by_state
+        batches, ever_leased = _db_batches(stack.db)
+        acked_batches = {b: gids for b, (state, _, gids) in batches.items() if state == "acked"}
+        lineage_batches = {b["batch_id"]: set(b["group_ids"]) for b in lineage}
+        # Every batch of the lineage is acked, holding only groups it trained (the DB keeps
+        # each group's last batch); an acked batch outside the lineage is one re-served after
+        # the trainer's crash whose groups the lineage had trained: acked, not trained again.
+        assert set(lineage_batches) <= set(acked_batches), (acked_batches, lineage_batches)
+        assert all(acked_batches[b] <= lineage_batches[b] for b in lineage_batches)
+        acked_again = {b: g for b, g in acked_batches.items() if b not in lineage_batches}
+        assert all(g <= set(trained) for g in acked_again.values()), acked_again
+
+        # -- no NaN in the weights; vLLM serves exactly them ------------------------------
+        final_model = final.parent / "model"
+        weights = load_file(final_model / "model.safetensors")
+        assert all(torch.isfinite(t).all() for t in weights.values()), "NaN/inf in the weights"
+        hf = AutoModelForCausalLM.from_pretrained(final_model, dtype=torch.float32).eval()
+        ids = AutoTokenizer.from_pretrained(final_model)(GREEDY_PROMPT)["input_ids"]
+        served = stack.vllm.served_model_name
+        got_ids, _, header = vllm_greedy(stack.vllm_url, served, ids)
+        assert header == str(STEPS) and got_ids == hf_greedy(hf, ids)[0]
 
         # -- who recovered by themselves --------------------------------------------------
         env_log, trainer_log = _log_text(stack, "env"), _log_text(stack, "trainer")
         assert "retry" in env_log  # the env retried the API and vLLM while they were down
         assert "re-syncing version" in trainer_log  # the vLLM restart, seen while idle
+        kills = Counter(k["service"] for k in report["kills"])
+        assert kills == {"api": 2, "vllm": 2, "env": 2, "trainer": 1}
         report.update(
             steps=STEPS,
             groups_stored=len(db),
@@ -293,6 +366,15 @@ def test_kill9_each_service_in_turn(tiny_model_dir: Path, tmp_path: Path) -> Non
             groups_trained=len(trained),
             groups_trained_twice=len(trained) - len(set(trained)),
             batches_trained=len(lineage),
+            kill_counts=dict(kills),
+            restarts={n: stack.starts[n] - 1 for n in ("api", "vllm", "env", "trainer")},
+            batches_leased=len(batches),
+            batches_acked=len(acked_batches),
+            batches_acked_as_already_trained=len(acked_again),
+            batches_by_state=dict(Counter(state for state, _, _ in batches.values())),
+            groups_redelivered=sum(n for _, n, _ in batches.values()) - ever_leased,
+            weights_finite=True,
+            greedy_tokens_equal=len(got_ids),
             staleness_max=max(r["staleness_max"] for r in rows),
             versions_pushed=dict(
                 Counter(r["policy_version"] for r in pushed if r.get("kind") == "group")
@@ -306,7 +388,10 @@ def test_kill9_each_service_in_turn(tiny_model_dir: Path, tmp_path: Path) -> Non
         )
     finally:
         stack.stop_all()
+        left = _left_behind(stack.sessions)
+        report["processes_left_behind"] = len(left)
         print("FAULT_TOLERANCE_REPORT " + json.dumps(report))
         out = os.environ.get("SHOP_R1_FT_REPORT")
         if out:
             Path(out).write_text(json.dumps(report, indent=1) + "\n")
+    assert not left, f"processes outlived the test: {left}"

@@ -20,10 +20,12 @@ STEPS = 4
 
 
 def _cfg(model_dir: Path, data_dir: Path, save: Path, **kw: object) -> SftConfig:
+    # fp32 on every CPU (`auto` would pick bf16 on CPUs with native bf16 only)
     base = dict(model_name=str(model_dir), data_dir=str(data_dir), save_path=str(save),
                 num_sessions=12, training_steps=STEPS, batch_size=2, micro_batch_size=1,
                 max_seq_len=640, latest_only=True, lr=3e-3, warmup_steps=1, save_every=1,
-                eval_every=STEPS, eval_examples=2, eval_generate=0, tensorboard=False)  # fmt: skip
+                eval_every=STEPS, eval_examples=2, eval_generate=0, tensorboard=False,
+                precision="fp32")  # fmt: skip
     return SftConfig(**(base | kw))
 
 

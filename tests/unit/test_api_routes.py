@@ -51,6 +51,20 @@ def test_push_lease_ack_roundtrip(client: TestClient) -> None:
     assert client.post("/batches/nope/ack").status_code == 404
 
 
+def test_skip_route_marks_a_batch_not_trained(client: TestClient) -> None:
+    client.post("/groups", json={"groups": [grp("s1"), grp("s2")]})
+    bid = client.post("/batches/lease", json={"max_sequences": 2}).json()["batch_id"]
+    assert client.post(f"/batches/{bid}/skip").json() == {
+        "batch_id": bid,
+        "status": "skipped",
+        "groups_skipped": 1,
+    }
+    assert client.post(f"/batches/{bid}/ack").json()["status"] == "already_skipped"
+    status = client.get("/status").json()
+    assert status["skipped_batches"] == 1 and status["acked_batches"] == 0
+    assert client.post("/batches/nope/skip").status_code == 404
+
+
 @pytest.mark.parametrize(
     "bad, fragment",
     [
@@ -122,7 +136,7 @@ def test_token_guards_every_route(tmp_path: Path) -> None:
 def test_openapi_lists_the_native_and_atropos_routes(client: TestClient) -> None:
     paths = client.get("/openapi.json").json()["paths"]
     for p in ["/groups", "/envs/register", "/backpressure", "/batches/lease",
-              "/batches/{batch_id}/ack", "/policy_version", "/status", "/health",
+              "/batches/{batch_id}/ack", "/batches/{batch_id}/skip", "/policy_version", "/status", "/health",
               "/register", "/register-env", "/scored_data", "/scored_data_list", "/batch",
               "/status-env", "/info", "/wandb_info", "/disconnect-env", "/latest_example"]:  # fmt: skip
         assert p in paths, p

@@ -156,6 +156,30 @@ def test_ack_is_idempotent_and_unknown_batches_raise(store: Store) -> None:
         store.ack("nope")
 
 
+def test_skip_marks_a_batch_untrained_and_never_serves_it_again(store: Store, clock: Clock) -> None:
+    """A batch the trainer could not train on (non-finite gradient): skipped, not acked, gone
+    from the queue, counted apart; skipping is idempotent and cannot undo an ack."""
+    store.ingest([group("g0"), group("g1")])
+    batch = store.lease(None, 2, 60)
+    assert store.skip(batch.batch_id) == ("skipped", 1)
+    assert store.skip(batch.batch_id) == ("already_skipped", 0)
+    assert store.ack(batch.batch_id) == ("already_skipped", 0)  # never turned into trained
+    status = store.status()
+    assert status["skipped_batches"] == 1 and status["envs"][0]["skipped_groups"] == 1
+    assert status["acked_batches"] == 0 and status["envs"][0]["acked_groups"] == 0
+    nxt = store.lease(None, 2, 60)
+    assert served_ids(nxt) == ["g1"]  # g0 is never served again
+    assert store.ack(nxt.batch_id) == ("acked", 1)
+    assert store.skip(nxt.batch_id) == ("already_acked", 0)  # an ack stays an ack
+    store.ingest([group("g2")])
+    late = store.lease(None, 2, lease_seconds=5)
+    clock.t += 6
+    assert store.status()["expired_leases"] == 1  # applied by the next lease/status call
+    assert store.skip(late.batch_id) == ("skipped_late", 1)
+    with pytest.raises(UnknownBatch):
+        store.skip("nope")
+
+
 def test_backpressure_bounds_the_queue_by_staleness(store: Store) -> None:
     store.register_env("a", 1.0, group_size=4)
     store.register_env("b", 1.0, group_size=4)

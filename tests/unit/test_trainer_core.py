@@ -114,8 +114,9 @@ def test_flatten_microbatch_collate() -> None:
 
 
 def _grpo_cfg(model_dir: Path, save: Path, **kw) -> GrpoConfig:
+    # fp32 unless a test asks for bf16: `auto` would pick bf16 on CPUs with native bf16 only
     base = dict(model_name=str(model_dir), save_path=str(save), lr=1e-3, warmup_steps=0,
-                micro_batch_tokens=24, tensorboard=False, kl_beta=0.1)  # fmt: skip
+                micro_batch_tokens=24, tensorboard=False, kl_beta=0.1, precision="fp32")  # fmt: skip
     return GrpoConfig(**(base | kw))
 
 

@@ -1,0 +1,109 @@
+"""``--precision auto``: bf16 compute where the hardware runs it natively, else fp32.
+
+On a CPU without native bf16 (e.g. an AVX2-only AMD EPYC) PyTorch still runs bf16 matmuls,
+but oneDNN emulates them: 30-180x slower than fp32 (issue 21: 1.2 against 65.6 GFLOP/s, and
+a default GRPO step that took minutes instead of seconds). So on the CPU ``auto`` is bf16 only
+when both hold:
+
+1. the CPU reports native bf16 instructions (``torch.cpu.get_capabilities()``, i.e. cpuinfo:
+   ``avx512_bf16`` or ``amx_bf16`` on x86, ``bf16`` or ``sve_bf16`` on Arm), and
+2. a one-off 256x256 matmul, timed single-threaded (best of 7, so the other processes of a
+   shared box do not decide it), is faster in bf16 than in fp32. The flags describe the
+   chip, not what the libraries use: ``ONEDNN_MAX_CPU_ISA=AVX2`` (or a VM hiding part of the
+   ISA from oneDNN) keeps the flags but makes bf16 as slow as on an AVX2-only CPU, and the
+   measurement catches that. It costs a few milliseconds (about 0.5 s where bf16 turns out
+   emulated: 69 ms a bf16 matmul against 0.4 in fp32) and runs only when the flags say yes.
+
+Without the flags the answer is fp32 at once (nothing is measured), so on a CPU without
+native bf16 ``auto`` is exactly fp32 and its steps cost what fp32 steps cost. On CUDA ``auto``
+is bf16 when ``torch.cuda.is_bf16_supported()``, else fp32. ``bf16``/``fp32`` are taken as
+asked. The choice and its reason are logged (trainer.model.load_model).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16", "sve_bf16")
+"""cpuinfo flags (``torch.cpu.get_capabilities()`` keys) of bf16 arithmetic in hardware."""
+PROBE_SIZE = 256
+PROBE_REPEATS = 7
+
+
+def measure_matmul(size: int = PROBE_SIZE, repeats: int = PROBE_REPEATS) -> tuple[float, float]:
+    """Best-of-``repeats`` seconds of one ``size`` x ``size`` matmul in (fp32, bf16), one thread
+    (the thread count is put back afterwards)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
+        best = []
+        for x, y in ((a, b), (a.bfloat16(), b.bfloat16())):
+            x @ y  # warm-up: oneDNN builds its kernel on the first call
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                x @ y
+                times.append(time.perf_counter() - t0)
+            best.append(min(times))
+        return best[0], best[1]
+    finally:
+        torch.set_num_threads(threads)
+
+
+@dataclass(frozen=True)
+class CpuBf16Source:
+    """Where ``auto`` learns what the CPU can do; tests pass their own to cover every branch."""
+
+    flags: Callable[[], Mapping[str, Any]] = torch.cpu.get_capabilities
+    dispatch: Callable[[], str] = torch.backends.cpu.get_cpu_capability
+    measure: Callable[[], tuple[float, float]] = measure_matmul
+
+
+def cpu_native_bf16(source: CpuBf16Source | None = None) -> tuple[bool, str]:
+    """(bf16 is native and fast on this CPU, the reason in words)."""
+    source = source or CpuBf16Source()
+    flags = source.flags()
+    native = [f for f in NATIVE_BF16_FLAGS if flags.get(f)]
+    where = f"{flags.get('cpu_name', 'CPU')}, ATen dispatch {source.dispatch()}"
+    if not native:
+        return (
+            False,
+            f"no native bf16 on this CPU ({where}; none of {', '.join(NATIVE_BF16_FLAGS)})",
+        )
+    fp32_s, bf16_s = source.measure()
+    measured = (
+        f"{PROBE_SIZE}x{PROBE_SIZE} matmul bf16 {bf16_s * 1e3:.3f} ms, fp32 {fp32_s * 1e3:.3f} ms"
+    )
+    if bf16_s < fp32_s:
+        return True, f"native bf16 ({'+'.join(native)}; {where}); {measured}"
+    return False, (
+        f"the CPU reports {'+'.join(native)} ({where}) but bf16 is not faster: "
+        f"{measured} (oneDNN limited, e.g. ONEDNN_MAX_CPU_ISA?)"
+    )
+
+
+def choose_precision(
+    precision: str, device: torch.device, source: CpuBf16Source | None = None
+) -> tuple[torch.dtype, str]:
+    """The compute dtype for ``--precision`` on ``device``, and why."""
+    if precision == "bf16":
+        return torch.bfloat16, "--precision bf16"
+    if precision == "fp32":
+        return torch.float32, "--precision fp32"
+    if precision != "auto":
+        raise ValueError(f"precision must be auto, bf16 or fp32 (got {precision!r})")
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "auto: CUDA device with bf16 support"
+        return torch.float32, "auto: this CUDA device has no bf16 support"
+    if device.type != "cpu":
+        return torch.float32, f"auto: fp32 on {device.type}"
+    native, why = cpu_native_bf16(source)
+    return (torch.bfloat16 if native else torch.float32), f"auto: {why}"
