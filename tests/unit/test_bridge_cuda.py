@@ -324,3 +324,25 @@ def test_dora_is_refused_with_the_alternative() -> None:
     )
     with pytest.raises(ValueError, match="DoRA.*lora_only"):
         hf_tensors(model)
+
+
+def test_a_failed_nccl_set_up_is_raised_at_once(servers, monkeypatch) -> None:
+    """A worker that fails its init never joins the rendezvous: the trainer must not wait in
+    it (the fake, like NCCL's TCPStore, would wait until its own timeout)."""
+    from trainer.bridge.http import BridgeHTTPError
+
+    model = tiny_model()
+    (srv,) = servers("nccl", [1], model)
+    engine = srv.workers[0].weight_transfer_engine
+    monkeypatch.setattr(engine, "init_transfer_engine", _raiser("injected: no NCCL here"))
+    with bridge_for([srv], trainer_device="cuda:1") as bridge:
+        with pytest.raises(BridgeHTTPError, match="injected: no NCCL here"):
+            bridge.sync(model, version=1)
+        assert srv.sequence() == ["init"] and bridge.engine is None  # nothing paused
+
+
+def _raiser(message: str):
+    def fail(*args, **kwargs):
+        raise RuntimeError(message)
+
+    return fail

@@ -26,8 +26,8 @@ pause(keep) -> start -> update (NCCL broadcast / IPC handles) -> finish(version)
   which the trainer would take for a server restart). The next sync starts a new engine.
 - **Wire dtype**: tensors are cast to the served dtype (bf16) as they are sent, not the fp32
   master copy (half the bytes); LoRA adapters are merged (``params.hf_parameters``).
-- ``torch.cuda.set_device(trainer_device)`` before the engine is built: NCCL joins from, and
-  IPC keys handles by, the current device.
+- ``torch.cuda.set_device(trainer_device)`` in every thread that runs the engine (the current
+  device is per thread): NCCL joins from, and IPC keys handles by, the current device.
 
 Every vLLM name used is imported when the bridge is built (``vllm_compat.load``), and only
 vLLM 0.32.0 is accepted. Proven without a GPU by tests/unit/test_bridge_cuda.py (docs/BRIDGE.md).
@@ -71,7 +71,10 @@ class _FanOutClient:
     def __init__(
         self, servers: list[ServerClient], offsets: list[int], json_safe: Callable[[Any], Any]
     ) -> None:
-        self.servers, self.offsets, self.json_safe = servers, offsets, json_safe
+        # Connections of its own: ``close`` ends requests still waiting on a stuck server
+        # (their threads would otherwise hold the trainer's exit until the HTTP timeout).
+        self.servers = [ServerClient(s.base_url, s.token, s.timeout) for s in servers]
+        self.offsets, self.json_safe = offsets, json_safe
         self.version: int | None = None
         self.first_error: BaseException | None = None
         self._lock = threading.Lock()
@@ -116,6 +119,8 @@ class _FanOutClient:
         self._each(lambda k, s: s.post("/finish_weight_update", json=body))
 
     def close(self) -> None:
+        for s in self.servers:
+            s.close()
         self._pool.shutdown(wait=False)
 
 
@@ -188,9 +193,13 @@ class NativeCudaBridge(WeightBridge):
         self.offsets = [1 + sum(sizes[:k]) for k in range(len(sizes))]
 
     # -- engine lifecycle ------------------------------------------------------------------
-    def _open(self, model: torch.nn.Module) -> None:
+    def _bind_device(self) -> None:
+        """Make the trainer's GPU current in this thread (CUDA keeps one per host thread)."""
         if self.trainer_device is not None and self.trainer_device.type == "cuda":
             torch.cuda.set_device(self.trainer_device)
+
+    def _open(self, model: torch.nn.Module) -> None:
+        self._bind_device()
         for info in self.infos:
             check_against_server([n for n, _ in hf_shapes(model)], info["param_map"])
         self.client = _FanOutClient(self.servers, self.offsets, self.vllm.json_safe_update_payload)
@@ -207,7 +216,16 @@ class NativeCudaBridge(WeightBridge):
             engine_cls = self.vllm.NCCLTrainerEngine
         log.info("GPU weight transfer: %s engine, %d server(s), world size %d",
                  init.backend, len(self.servers), self.world_size)  # fmt: skip
-        self.engine = engine_cls.trainer_init(init, client=self.client, source=source)
+        client = self.client
+
+        def init_engine() -> Any:  # NCCL: the rendezvous waits for every worker to join
+            return engine_cls.trainer_init(init, client=client, source=source)
+
+        try:
+            self.engine = self._bounded(init_engine, self.send_timeout, "transfer setup")
+        except BaseException:
+            self._reset("its set-up failed")
+            raise
 
     def _reset(self, why: str) -> None:
         """Drop the trainer's engine (its NCCL communicator is aborted, so a broadcast stuck
@@ -245,9 +263,9 @@ class NativeCudaBridge(WeightBridge):
             first = self.client.first_error or e
             self._reset(f"the send of version {version} failed: {first!r}")
             self._resume_all(self.resume_timeout, quiet=True)
-            if first is e:
-                raise
-            raise first from e
+            if first is not e:
+                log.warning("after the first error, the send also failed with %r", e)
+            raise first from first.__cause__  # its own cause; ``e`` was logged above
         self._resume_all(None, quiet=False)
         end = time.perf_counter()
         stats = SyncStats(
@@ -261,31 +279,34 @@ class NativeCudaBridge(WeightBridge):
         self.last_stats = stats
         return stats
 
-    def _send_bounded(self) -> None:
-        """``engine.send_weights()`` in a thread, waited for at most ``send_timeout`` s, and
-        no longer once a server answered an error (see the module docstring)."""
+    def _bounded(self, fn: Callable[[], T], timeout: float, what: str) -> T:
+        """``fn()`` in a thread, waited for at most ``timeout`` s, and no longer once a server
+        answered an error (its workers will never join the NCCL call ``fn`` is waiting in)."""
         assert self.client is not None
-        done: Future[None] = Future()
-        engine, client = self.engine, self.client
+        client, done = self.client, Future()
 
         def run() -> None:
             try:
-                engine.send_weights()  # start -> update (+ broadcast) -> finish(version)
-                done.set_result(None)
+                self._bind_device()  # the current CUDA device is per thread
+                done.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 done.set_exception(e)
 
-        threading.Thread(target=run, name="bridge-send", daemon=True).start()
-        deadline = time.monotonic() + self.send_timeout
+        threading.Thread(target=run, name=f"bridge-{what}", daemon=True).start()
+        deadline = time.monotonic() + timeout
         while not wait([done], timeout=0.05).done:
             if client.first_error is not None:
                 raise client.first_error
             if time.monotonic() > deadline:
                 raise WeightSendError(
-                    f"the weight send did not finish within {self.send_timeout:g} s "
+                    f"the weight {what} did not finish within {timeout:g} s "
                     "(a worker is stuck or gone); the engine was reset"
                 )
-        done.result()
+        return done.result()
+
+    def _send_bounded(self) -> None:
+        # start -> update (+ the broadcast) -> finish(version), as vLLM's engine drives it
+        self._bounded(self.engine.send_weights, self.send_timeout, "send")
 
     def _resume_all(self, timeout: float | None, quiet: bool) -> None:
         """Resume every server; ``quiet``: after a failure, log (do not raise) resume errors,
