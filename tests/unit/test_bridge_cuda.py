@@ -31,13 +31,14 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
     return Qwen2ForCausalLM(cfg).float()
 
 
-def lora_model() -> torch.nn.Module:
+def lora_model(**kw) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(tiny_model(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    cfg = LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": "all-linear", **kw})
+    model = get_peft_model(tiny_model(), cfg)
     with torch.no_grad():  # B starts at zero (delta 0): make the merge matter
         for name, p in model.named_parameters():
-            if "lora_B" in name:
+            if any(k in name for k in ("lora_B", "lora_embedding_B", "modules_to_save")):
                 p.normal_(0, 0.5)
     return model
 
@@ -139,6 +140,9 @@ def test_nccl_round_as_vllm_parses_it(servers, fabric: Fabric, tps: list[int]) -
             assert s.sequence()[7:] == ["pause", "start", "update", "finish", "version", "resume"]
             check_loaded(s, served(model))
         assert len(fabric.joins) == world
+    for s in srv:  # close: the workers released their side of the group too
+        assert s.sequence()[-1] == "shutdown"
+    assert len(fabric.destroyed) == world
 
 
 def test_ipc_round_as_vllm_parses_it(servers) -> None:
@@ -299,10 +303,15 @@ def test_a_bridge_on_another_vllm_fails_at_build_time(monkeypatch: pytest.Monkey
         vllm_compat.load()
 
 
-def test_lora_merge_matches_peft_and_leaves_the_trainer_untouched() -> None:
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"target_modules": ["q_proj", "embed_tokens"]}, {"modules_to_save": ["norm"]}],
+    ids=["all-linear", "embedding", "modules-to-save"],
+)
+def test_lora_merge_matches_peft_and_leaves_the_trainer_untouched(kw: dict) -> None:
     from trainer.bridge.params import hf_parameters, hf_shapes, hf_tensors
 
-    model = lora_model()
+    model = lora_model(**kw)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     got = dict(hf_tensors(model))
     want = served(model)

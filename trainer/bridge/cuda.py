@@ -335,6 +335,15 @@ class NativeCudaBridge(WeightBridge):
                 log.error("resume of %s after a failed sync failed: %r", s.base_url, e)
 
     def close(self) -> None:
+        if self.engine is not None:
+            # The workers release their side too (best effort: a server may be gone).
+            for s in self.servers:
+                try:
+                    s.post("/shutdown_weight_transfer_engine", timeout=self.resume_timeout)
+                except Exception as e:  # noqa: BLE001
+                    log.info("%s kept its transfer engine (%r)", s.base_url, e)
+            self.engine.shutdown()
+            self.engine = None
         self._reset("closed")
         super().close()
 
