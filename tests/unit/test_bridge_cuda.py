@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -265,11 +266,18 @@ def test_a_hung_update_is_bounded(servers, fabric) -> None:
         b.sync(model, version=1)
         srv.calls.clear()
         release = _inject(srv)  # the worker never answers
+        before = _exit_blockers()
         try:
             with pytest.raises(WeightSendError, match="did not finish within 3"):
                 b.sync(model, version=2)
             assert ("resume", None) in srv.calls and b.engine is None
             assert (next(iter(fabric.groups)), 0) in fabric.destroyed
+            # Nothing left that would hold the trainer's exit (the /update_weights request
+            # still waits on the stuck server, in a daemon thread).
+            deadline = time.monotonic() + 60
+            while _exit_blockers() - before and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not _exit_blockers() - before
         finally:
             release.set()
             release.restore()
@@ -348,6 +356,11 @@ def test_a_failed_nccl_set_up_is_raised_at_once(servers, monkeypatch) -> None:
         with pytest.raises(BridgeHTTPError, match="injected: no NCCL here"):
             bridge.sync(model, version=1)
         assert srv.sequence() == ["init"] and bridge.engine is None  # nothing paused
+
+
+def _exit_blockers() -> set[threading.Thread]:
+    """Threads the interpreter would wait for at exit (non-daemon ones)."""
+    return {t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()}
 
 
 def _raiser(message: str):

@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import Any, TypeVar
 
 import httpx
@@ -71,31 +71,42 @@ class _FanOutClient:
     def __init__(
         self, servers: list[ServerClient], offsets: list[int], json_safe: Callable[[Any], Any]
     ) -> None:
-        # Connections of its own: ``close`` ends requests still waiting on a stuck server
-        # (their threads would otherwise hold the trainer's exit until the HTTP timeout).
+        # Connections of its own, and daemon threads: a request to a stuck server can neither
+        # be interrupted (closing the socket does not wake a blocked read) nor be allowed to
+        # hold the trainer's exit; ``close`` makes every caller stop waiting for it.
         self.servers = [ServerClient(s.base_url, s.token, s.timeout) for s in servers]
         self.offsets, self.json_safe = offsets, json_safe
         self.version: int | None = None
         self.first_error: BaseException | None = None
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=len(servers), thread_name_prefix="bridge-rpc")
+        self._closed = threading.Event()
 
     def _each(self, fn: Callable[[int, ServerClient], T]) -> list[T]:
-        futures = [self._pool.submit(self._call, fn, k, s) for k, s in enumerate(self.servers)]
+        futures: list[Future[T]] = []
+        for k, s in enumerate(self.servers):
+            f: Future[T] = Future()
+            threading.Thread(target=self._call, args=(f, fn, k, s), daemon=True,
+                             name=f"bridge-rpc-{k}").start()  # fmt: skip
+            futures.append(f)
+        while wait(futures, timeout=0.1).not_done:
+            if self._closed.is_set():  # reset: vLLM's engine thread waiting here returns
+                raise WeightSendError("the weight transfer was reset during a server call")
         return [f.result() for f in futures]
 
-    def _call(self, fn: Callable[[int, ServerClient], T], k: int, s: ServerClient) -> T:
+    def _call(self, out: Future[T], fn: Callable[[int, ServerClient], T], k: int,
+              s: ServerClient) -> None:  # fmt: skip
         try:
-            return fn(k, s)
+            out.set_result(fn(k, s))
+            return
         except httpx.TimeoutException as e:  # the server hangs: not a restart (see module doc)
             err: BaseException = WeightSendError(f"{s.base_url}: no answer in time ({e!r})")
             err.__cause__ = e
-        except BaseException as e:  # noqa: BLE001 - recorded, re-raised
+        except BaseException as e:  # noqa: BLE001 - recorded, re-raised by the caller
             err = e
         with self._lock:
             if self.first_error is None:
                 self.first_error = err
-        raise err
+        out.set_exception(err)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         def init(k: int, s: ServerClient) -> None:
@@ -119,9 +130,9 @@ class _FanOutClient:
         self._each(lambda k, s: s.post("/finish_weight_update", json=body))
 
     def close(self) -> None:
+        self._closed.set()
         for s in self.servers:
             s.close()
-        self._pool.shutdown(wait=False)
 
 
 def _source(vllm: vllm_compat.VllmNames, model_ref: list[torch.nn.Module], dtype: torch.dtype):
