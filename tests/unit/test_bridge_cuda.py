@@ -368,3 +368,15 @@ def _raiser(message: str):
         raise RuntimeError(message)
 
     return fail
+
+
+def test_grpo_hands_the_trainers_gpu_to_the_cuda_bridge_only() -> None:
+    from trainer.grpo import _bridge_kwargs
+
+    cfg = SimpleNamespace(inference_device="auto", single_copy=False, bridge_token="t",
+                          vllm_restart_interval=1, save_path="s")  # fmt: skip
+    kw = _bridge_kwargs(cfg, "cuda:1")
+    assert kw["device"] == "cuda" and kw["trainer_device"] == "cuda:1"
+    assert "trainer_device" not in _bridge_kwargs(cfg, "cpu")  # the CPU bridges take none
+    cfg.inference_device = "cuda"  # a CPU trainer feeding CUDA servers
+    assert _bridge_kwargs(cfg, "cpu")["trainer_device"] == "cpu"
