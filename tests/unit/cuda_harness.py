@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-HANG_S = 20.0
+HANG_S = 120.0
 """How long a fake NCCL call waits for a peer that never comes before it raises (real NCCL
 waits forever; the fake gives up so that a broken bridge fails a test instead of hanging it)."""
 
@@ -340,7 +340,7 @@ class StandInServer:
         self._uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._uvicorn.run, daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300  # generous: a busy box
         while not self._uvicorn.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"stand-in server on port {self.port} did not start")
