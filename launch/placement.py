@@ -4,8 +4,9 @@ On CPU everything shares the machine. On CUDA every vLLM server gets its own GPU
 ``CUDA_VISIBLE_DEVICES`` (``tensor_parallel_size`` of them) and the trainer gets:
 - broadcast (``shared_vllm``): a GPU of its own, after the servers' -- NCCL refuses two ranks
   on one GPU ("Duplicate GPU detected : rank 0 and rank 1 both on CUDA device");
-- single copy (``shared_vllm --single-copy``): the server's first GPU (CUDA IPC needs the
-  same device);
+- single copy (``shared_vllm --single-copy``): the server's GPU (CUDA IPC needs the same
+  device); refused with tensor parallelism > 1 or several servers (vLLM's ipc worker only
+  opens handles of its own GPU, and the trainer's weights live on one);
 - ``lora_only`` / ``none``: a GPU of its own when one is left, else the first server's.
 Inside its own ``CUDA_VISIBLE_DEVICES`` the trainer's device is always ``cuda:0``.
 """
@@ -83,18 +84,19 @@ def plan_placement(
         return Placement(server_gpus=[[] for _ in range(num_servers)], trainer_gpus=[],
                          trainer_device="cpu", shares_gpu=False)  # fmt: skip
     broadcast = mode == "shared_vllm" and not single_copy
-    if mode == "shared_vllm" and num_servers > 1:
-        # vLLM's native nccl/ipc trainer engines hand out one rank_offset: one server each.
-        raise PlacementError(
-            "shared_vllm on CUDA drives one vLLM server (vLLM's native nccl/ipc engines); "
-            "scale it with --tensor-parallel-size, or use --weight-bridge-mode lora_only/none "
-            f"for {num_servers} servers"
-        )
     tp = tensor_parallel_size
+    if mode == "shared_vllm" and single_copy and num_servers * tp > 1:
+        # vLLM's ipc worker rebuilds each tensor from the handle stored under its own GPU's
+        # UUID; the trainer can only export memory of its own GPU (trainer/bridge/cuda.py).
+        raise PlacementError(
+            f"--single-copy (CUDA IPC) needs every vLLM worker on the trainer's GPU, but "
+            f"{num_servers} server(s) x tensor-parallel {tp} use {num_servers * tp} GPUs: "
+            "drop --single-copy (NCCL broadcast) for tensor-parallel-size > 1 or several servers"
+        )
     need = num_servers * tp + (1 if broadcast else 0)
     if len(gpus) < need:
         why = " + 1 for the trainer (NCCL broadcast needs its own GPU)" if broadcast else ""
-        hint = "; or --single-copy to share the server's GPU" if broadcast else ""
+        hint = "; or --single-copy to share the server's GPU" if broadcast and need == 2 else ""
         raise PlacementError(
             f"{num_servers} server(s) x tensor-parallel {tp}{why} need {need} GPU(s), "
             f"found {len(gpus)} ({','.join(gpus) or 'none'}){hint}"

@@ -47,7 +47,7 @@ def train(cfg: GrpoConfig) -> Run:
     api = ApiClient(cfg.api_url, token=cfg.api_token, give_up_s=cfg.reconnect_timeout)
     bridge = _retrying(cfg, "connect to the inference servers", lambda: make_bridge(
         cfg.weight_bridge_mode, cfg.inference_urls(),
-        **_bridge_kwargs(cfg, run.loaded.device.type)))  # fmt: skip
+        **_bridge_kwargs(cfg, str(run.loaded.device))))  # fmt: skip
     weights = WeightSync(bridge, run.loaded.model, cfg)
     state, pending_acks = run.state, []
     try:
@@ -281,8 +281,12 @@ def _staleness(current_version: int, items: list[Any]) -> dict[str, float]:
 
 
 def _bridge_kwargs(cfg: GrpoConfig, trainer_device: str) -> dict[str, Any]:
-    device = trainer_device if cfg.inference_device == "auto" else cfg.inference_device
+    """``trainer_device``: the trainer's torch device (``cpu``, ``cuda:N``)."""
+    own = trainer_device.split(":")[0]
+    device = own if cfg.inference_device == "auto" else cfg.inference_device
+    extra = {"trainer_device": trainer_device} if device == "cuda" else {}
     return {
+        **extra,
         "device": device,
         "single_copy": cfg.single_copy,
         "token": cfg.bridge_token,

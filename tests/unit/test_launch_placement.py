@@ -83,9 +83,23 @@ def test_single_copy_shares_the_servers_gpu() -> None:
     assert p.server_gpus == [["0"]] and p.trainer_gpus == ["0"] and p.shares_gpu
 
 
-def test_native_cuda_engines_drive_one_server() -> None:
-    with pytest.raises(PlacementError, match="one vLLM server.*lora_only/none"):
-        plan_placement("cuda", "shared_vllm", False, 2, 1, ["0", "1", "2"])
+def test_nccl_broadcast_feeds_several_servers_from_its_own_gpu() -> None:
+    p = plan_placement("cuda", "shared_vllm", False, 2, 2, [str(i) for i in range(5)])
+    assert p.server_gpus == [["0", "1"], ["2", "3"]] and p.trainer_gpus == ["4"]
+    assert not p.shares_gpu
+    with pytest.raises(PlacementError, match=r"NCCL broadcast needs its own GPU\) need 5 GPU") as e:
+        plan_placement("cuda", "shared_vllm", False, 2, 2, ["0", "1", "2", "3"])
+    assert "--single-copy" not in str(e.value)  # IPC would be refused here
+
+
+@pytest.mark.parametrize(("servers", "tp"), [(1, 2), (2, 1)])
+def test_single_copy_beyond_one_gpu_is_refused_at_start_up(servers: int, tp: int) -> None:
+    with pytest.raises(PlacementError, match="--single-copy .*trainer's GPU.*drop --single-copy"):
+        plan_placement("cuda", "shared_vllm", True, servers, tp, ["0", "1", "2", "3"])
+    cfg = RunAllConfig(preset="gpu-0.5b", gpus="0,1,2", single_copy=True,
+                       tensor_parallel_size=tp, num_inference_servers=servers)  # fmt: skip
+    with pytest.raises(ServiceFailed, match="gpu-0.5b.*single-copy"):
+        placement(cfg, PRESETS[cfg.preset])
 
 
 def test_several_servers_each_get_their_own_gpus() -> None:

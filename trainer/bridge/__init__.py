@@ -49,13 +49,16 @@ def make_bridge(
     device: str = "cpu",
     save_dir: str | None = None,
     restart_interval: int = 1,
+    trainer_device: str | None = None,
     **kwargs: Any,
 ) -> WeightBridge:
     """Build the bridge client for ``mode`` (``shared_vllm``, ``lora_only``, ``none``).
 
     ``device`` is where the *servers'* workers run (``cpu`` or ``cuda``); ``save_dir`` is where
     lora_only/none write adapters/checkpoints; ``restart_interval`` (mode none) applies the
-    weights every N-th sync. ``kwargs`` go to the mode's class (e.g. ``bucket_bytes`` for the
+    weights every N-th sync. ``trainer_device`` (CUDA only) is the trainer's own GPU, made
+    current before the native engine is built (NCCL joins from it, IPC keys its handles by
+    it). ``kwargs`` go to the mode's class (e.g. ``bucket_bytes`` for the
     broadcast, ``restart=True, server=...`` for none's restart-the-server variant). The
     broadcast's rendezvous comes from ``MASTER_ADDR``/``MASTER_PORT`` when they are set
     (``rendezvous_from_env``) unless ``kwargs`` name it.
@@ -72,7 +75,8 @@ def make_bridge(
         if device == "cuda":
             from trainer.bridge.cuda import NativeCudaBridge
 
-            return NativeCudaBridge(server_urls, token=token, single_copy=single_copy, **kwargs)
+            return NativeCudaBridge(server_urls, token=token, single_copy=single_copy,
+                                    trainer_device=trainer_device, **kwargs)  # fmt: skip
         from trainer.bridge.shared_vllm import GlooBroadcastBridge, SharedMemoryBridge
 
         if single_copy:

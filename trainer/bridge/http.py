@@ -29,6 +29,7 @@ class ServerClient:
         self, base_url: str, token: str | None = None, timeout: float = 600.0, retries: int = 3
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.token, self.timeout = token, timeout
         headers = {TOKEN_HEADER: token} if token else {}
         self.http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
         self.retries = retries

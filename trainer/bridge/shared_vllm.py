@@ -248,8 +248,8 @@ class ResidentWeights:
         for p, view in zip(params, packer.slot_views(), strict=True):
             if p.device != view.device or p.dtype != view.dtype or p.shape != view.shape:
                 continue
-            if not p.is_contiguous():
-                continue
+            if not p.is_contiguous() or not isinstance(p, torch.nn.Parameter):
+                continue  # (a LoRA-merged weight is a new tensor each sync: copied)
             view.copy_(p.data)
             p.data = view
             moved.append(p)
