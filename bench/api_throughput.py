@@ -26,6 +26,7 @@ Serve: one trainer asks for batches of ``batch size`` sequences until the queue 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import gzip
 import json
 import subprocess
@@ -47,10 +48,11 @@ from bench.common import (  # noqa: E402
     stop_on_sigterm,
     write_result,
 )
+from launch.paths import ARTIFACTS  # noqa: E402
 from launch.procs import ManagedProcess, free_port  # noqa: E402
 
 ATROPOS_VERSION = "0.4.0"
-ATROPOS_VENV = REPO / "artifacts" / "venvs" / "atropos"
+ATROPOS_VENV = ARTIFACTS / "venvs" / "atropos"
 TARGETS = ("atropos", "ours-atropos", "ours-native")
 
 
@@ -90,18 +92,24 @@ def encode_bodies(target: str, n_groups: int, group_size: int, seq_len: int,
     return bodies
 
 
-def ensure_atropos(python: Path | None) -> Path:
-    """The Python of a virtualenv with atroposlib (created with pip if missing)."""
+def ensure_atropos(python: Path | None = None) -> Path:
+    """The Python of a virtualenv with atroposlib (created with pip from PyPI if missing,
+    under ``$SHOP_R1_ARTIFACTS/venvs/atropos``; a file lock lets parallel test workers share
+    one build)."""
     if python is not None:
         return python
     py = ATROPOS_VENV / "bin" / "python"
-    check = [str(py), "-c", "import atroposlib.api"]
-    if py.exists() and subprocess.run(check, capture_output=True).returncode == 0:
-        return py
-    base = Path(getattr(sys, "_base_executable", sys.executable))
-    subprocess.run([str(base), "-m", "venv", str(ATROPOS_VENV)], check=True)
-    subprocess.run([str(py), "-m", "pip", "install", "-q", f"atroposlib=={ATROPOS_VERSION}"],
-                   check=True)  # fmt: skip
+    check = [str(py), "-c", f"import atroposlib.api; import importlib.metadata as m; "
+             f"assert m.version('atroposlib') == '{ATROPOS_VERSION}'"]  # fmt: skip
+    ATROPOS_VENV.parent.mkdir(parents=True, exist_ok=True)
+    with open(ATROPOS_VENV.parent / "atropos.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if py.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+            return py
+        base = Path(getattr(sys, "_base_executable", sys.executable))
+        subprocess.run([str(base), "-m", "venv", "--clear", str(ATROPOS_VENV)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", f"atroposlib=={ATROPOS_VERSION}"],
+                       check=True)  # fmt: skip
     return py
 
 
