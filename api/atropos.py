@@ -166,8 +166,9 @@ async def batch(request: Request) -> Response:
     """Ack what this trainer was served before; serve the next ``batch_size`` sequences
     (with a ``batch_id``, which ``POST /batches/{batch_id}/ack`` also accepts)."""
     book = _book(request)
-    lease_s = _config(request).atropos_lease_seconds
-    got = await run_in_threadpool(book.next_batch, lease_s)
+    cfg = _config(request)
+    ack_previous = cfg.atropos_ack == "next_batch"
+    got = await run_in_threadpool(book.next_batch, cfg.atropos_lease_seconds, ack_previous)
     if got is None or isinstance(got, dict):
         return JSONResponse(got or {"batch": None})
     batch_id, payloads = got

@@ -112,7 +112,9 @@ class AtroposBook:
 
     # -- batches ------------------------------------------------------------------------
 
-    def next_batch(self, lease_seconds: float) -> tuple[str, list[str]] | dict | None:
+    def next_batch(
+        self, lease_seconds: float, ack_previous: bool = True
+    ) -> tuple[str, list[str]] | dict | None:
         """Ack what the trainer was served before, then serve the next formed batch (forming
         them all first if none is left). ``None``: the queue cannot fill a batch; a dict:
         Atropos's error reply (no trainer registered)."""
@@ -125,11 +127,15 @@ class AtroposBook:
             s._set_meta("started", True)
             s._expire_leases(db, now)  # a trainer that went away: its batch goes back
             s._drop_stale(db)
-            db.execute(
-                "UPDATE groups SET state='acked', payload='' WHERE state='leased' AND batch_id "
-                "IN (SELECT batch_id FROM batches WHERE kind='atropos' AND state='leased')"
-            )
-            db.execute("UPDATE batches SET state='acked' WHERE kind='atropos' AND state='leased'")
+            if ack_previous:
+                db.execute(
+                    "UPDATE groups SET state='acked', payload='' WHERE state='leased' AND "
+                    "batch_id IN (SELECT batch_id FROM batches WHERE kind='atropos' AND "
+                    "state='leased')"
+                )
+                db.execute(
+                    "UPDATE batches SET state='acked' WHERE kind='atropos' AND state='leased'"
+                )
             picked = self._last_formed(db)
             if picked is None:
                 self._form_all(db, int(reg["batch_size"]), now)

@@ -209,3 +209,18 @@ def test_packing_helpers() -> None:
     assert grab_exact([3, 3, 3], 6) == [0, 1]
     batches = form_batches([QueueItem(s, None) for s in (4, 8, 4)], 8, [])
     assert batches == [[1], [0, 2]]
+
+
+def test_explicit_ack_mode_keeps_batches_until_acked(tmp_path: Path) -> None:
+    cfg = ApiConfig(db_path=tmp_path / "api.sqlite", synchronous="NORMAL", atropos_ack="explicit")
+    with TestClient(create_app(cfg)) as c:
+        started(c, batch_size=2)
+        for tag in (1, 2):
+            c.post("/scored_data", json=item(2, tag)).raise_for_status()
+        first = c.get("/batch").json()
+        second = c.get("/batch").json()  # does not ack the first
+        assert c.get("/status").json()["active_leases"] == 2
+        assert c.post(f"/batches/{first['batch_id']}/ack").json()["status"] == "acked"
+        c.post("/register", json=REG).raise_for_status()  # restart: the unacked one again
+        assert c.get("/batch").json()["batch"] == second["batch"]
+        c.app.state.store.close()
