@@ -109,6 +109,8 @@ def prepare(item: Any, missing_logprobs: MissingLogprobs) -> PreparedGroup:
             g = msgspec.convert(item, AtroposItem)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise ItemError(str(e)) from None
+    if g.env_id is not None and not 0 <= g.env_id <= VERSION_MAX:
+        raise ItemError(f"env_id must be an integer in 0..{VERSION_MAX} (got {g.env_id})")
     n = len(g.tokens)
     if n == 0:
         raise ItemError("tokens is empty: a group needs at least one sequence")

@@ -236,6 +236,33 @@ def run_point(target: str, gs: int, batch: int, args: argparse.Namespace, work: 
     }  # fmt: skip
 
 
+def status_env_point(target: str, history: int, args: argparse.Namespace, work: Path) -> dict:
+    """``/status-env`` latency (300 sequential calls, as a ``BaseEnv`` polls it) after
+    ``history`` groups (8 x 16 tokens) were posted and served through the Atropos routes."""
+    import httpx
+
+    bodies = encode_bodies("atropos", history, 8, 16, 64)
+    proc, url = start_server(target, work, args)
+    try:
+        register(url, target, 64)
+        with httpx.Client(base_url=url, timeout=120) as c:
+            c.get("/batch").raise_for_status()  # the trainer has started
+            env = {"max_token_length": 4096, "desired_name": "bench", "weight": 1.0,
+                   "group_size": 8}  # fmt: skip
+            eid = c.post("/register-env", json=env).json()["env_id"]
+            ingest(url, target, bodies, args.pushers)
+            serve(url, target, 64)
+            lat = []
+            for _ in range(300):
+                t = time.perf_counter()
+                c.request("GET", "/status-env", json={"env_id": eid}).raise_for_status()
+                lat.append(time.perf_counter() - t)
+    finally:
+        proc.stop()
+    return {"target": target, "history_groups": history, "p50_ms": 1e3 * pct(lat, 50),
+            "p99_ms": 1e3 * pct(lat, 99), "machine": machine()}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument(
@@ -262,12 +289,26 @@ def main() -> None:
         default=None,
         help=f"python of a venv with atroposlib (default: {ATROPOS_VENV}, created)",
     )
+    ap.add_argument(
+        "--status-env-history",
+        default="",
+        help="instead: /status-env latency after this many groups served, comma list",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "api_compare.json")
     args = ap.parse_args()
     stop_on_sigterm()
     targets = {"both": TARGETS, "ours": TARGETS[1:]}.get(args.target, (args.target,))
     if "atropos" in targets:
         args.atropos_python = ensure_atropos(args.atropos_python)
+    if args.status_env_history:
+        with tempfile.TemporaryDirectory() as tmp:
+            for history in parse_list(args.status_env_history):
+                for target in (t for t in targets if t != "ours-native"):
+                    r = status_env_point(target, history, args, Path(tmp))
+                    write_result(args.out, f"status-env/{target}/h{history}", r)
+                    print(f"{target} history {history}: /status-env p50 {r['p50_ms']:.1f} ms, "
+                          f"p99 {r['p99_ms']:.1f} ms", flush=True)  # fmt: skip
+        return
     print(
         "| target | gs | batch | ingest seq/s | push p50/p99 ms | serve seq/s | batch p50/p99 ms |"
     )
