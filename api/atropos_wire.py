@@ -21,31 +21,48 @@ import msgspec
 
 from api.protocol import GROUP_ID_MAX, VERSION_MAX
 
+UNSET = msgspec.UNSET
 
-class AtroposItem(msgspec.Struct, forbid_unknown_fields=False):
-    """atroposlib 0.4.0's ``ScoredData`` (unknown fields are ignored, as its pydantic model
-    does). Encoded with every field, ``None`` included, as Atropos serves it."""
+
+class AtroposItem(msgspec.Struct, forbid_unknown_fields=True):
+    """atroposlib 0.4.0's ``ScoredData``. Optional fields left out of the JSON stay ``UNSET``
+    (explicit ``null``: ``None``), which lets a posted group be stored as its own bytes with
+    only the missing keys added as ``null`` (Atropos serves every field), without encoding
+    it again."""
 
     tokens: list[list[int]]
     masks: list[list[int]]
     scores: list[float]
-    advantages: list[list[float]] | None = None
-    ref_logprobs: list[list[float]] | None = None
-    messages: list[list[dict[str, Any]]] | None = None
-    generation_params: dict[str, Any] | None = None
-    inference_logprobs: list[list[float]] | None = None
-    overrides: list[dict[str, Any]] | None = None
-    group_overrides: dict[str, Any] | None = None
-    images: Any | None = None
-    env_id: int | None = None
-    distill_token_ids: list[list[list[int]]] | None = None
-    distill_logprobs: list[list[list[float]]] | None = None
+    advantages: list[list[float]] | None | msgspec.UnsetType = UNSET
+    ref_logprobs: list[list[float]] | None | msgspec.UnsetType = UNSET
+    messages: list[list[dict[str, Any]]] | None | msgspec.UnsetType = UNSET
+    generation_params: dict[str, Any] | None | msgspec.UnsetType = UNSET
+    inference_logprobs: list[list[float]] | None | msgspec.UnsetType = UNSET
+    overrides: list[dict[str, Any]] | None | msgspec.UnsetType = UNSET
+    group_overrides: dict[str, Any] | None | msgspec.UnsetType = UNSET
+    images: Any | msgspec.UnsetType = UNSET
+    env_id: int | None | msgspec.UnsetType = UNSET
+    distill_token_ids: list[list[list[int]]] | None | msgspec.UnsetType = UNSET
+    distill_logprobs: list[list[list[float]]] | None | msgspec.UnsetType = UNSET
+
+
+class AtroposItemLoose(AtroposItem, forbid_unknown_fields=False):
+    """The same, ignoring unknown fields (as Atropos's pydantic model does); such a group is
+    encoded again without them."""
 
 
 ATROPOS_FIELDS = AtroposItem.__struct_fields__
 _decode_list = msgspec.json.Decoder(list[msgspec.Raw])
 _decode_item = msgspec.json.Decoder(AtroposItem)
+_decode_loose = msgspec.json.Decoder(AtroposItemLoose)
 _encoder = msgspec.json.Encoder()
+
+
+def _get(g: AtroposItem, name: str) -> Any:
+    """A field's value, ``None`` when it was left out."""
+    v = getattr(g, name)
+    return None if v is UNSET else v
+
 
 MissingLogprobs = Literal["reject", "zeros"]
 
@@ -102,15 +119,20 @@ def prepare(item: Any, missing_logprobs: MissingLogprobs) -> PreparedGroup:
     """Decode and check one group. Checks (beyond Atropos's types): equal numbers of
     tokens/masks/scores (and logprobs, advantages, ...), masks and logprobs as long as their
     tokens, finite numbers, at least one sequence."""
+    raw = bytes(item).strip() if isinstance(item, msgspec.Raw) else None
     try:
-        if isinstance(item, msgspec.Raw):
-            g = _decode_item.decode(item)
-        else:
-            g = msgspec.convert(item, AtroposItem)
+        try:
+            g = _decode_item.decode(raw) if raw is not None else None
+        except msgspec.ValidationError:
+            raw = None  # unknown fields (or a type error, reported by the loose decode)
+            g = _decode_loose.decode(bytes(item))
+        if g is None:
+            g = msgspec.convert(item, AtroposItemLoose)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise ItemError(str(e)) from None
-    if g.env_id is not None and not 0 <= g.env_id <= VERSION_MAX:
-        raise ItemError(f"env_id must be an integer in 0..{VERSION_MAX} (got {g.env_id})")
+    env_id = _get(g, "env_id")
+    if env_id is not None and not 0 <= env_id <= VERSION_MAX:
+        raise ItemError(f"env_id must be an integer in 0..{VERSION_MAX} (got {env_id})")
     n = len(g.tokens)
     if n == 0:
         raise ItemError("tokens is empty: a group needs at least one sequence")
@@ -119,8 +141,8 @@ def prepare(item: Any, missing_logprobs: MissingLogprobs) -> PreparedGroup:
         raise ItemError(f"sequence {lengths.index(0)} has no tokens")
     per_seq = {"masks": g.masks, "scores": g.scores}
     for name in ("inference_logprobs", "advantages", "ref_logprobs", "overrides", "messages"):
-        if getattr(g, name) is not None:
-            per_seq[name] = getattr(g, name)
+        if _get(g, name) is not None:
+            per_seq[name] = _get(g, name)
     for name, values in per_seq.items():
         if len(values) != n:
             raise ItemError(
@@ -134,21 +156,25 @@ def prepare(item: Any, missing_logprobs: MissingLogprobs) -> PreparedGroup:
         for i, (v, length) in enumerate(zip(values, lengths, strict=True)):
             if len(v) != length:
                 raise ItemError(f"{name}[{i}] has {len(v)} entries, tokens[{i}] has {length}")
-    for seq in g.messages or ():
+    for seq in _get(g, "messages") or ():
         if any("role" not in m or "content" not in m for m in seq):
             raise ItemError("messages: every message needs 'role' and 'content'")
-    if g.inference_logprobs is None and missing_logprobs == "reject":
+    if _get(g, "inference_logprobs") is None and missing_logprobs == "reject":
         raise ItemError(
             "inference_logprobs are missing: the trainer's importance ratio needs them "
             "(start the API with --atropos-missing-logprobs zeros to accept such groups)"
         )
     if not isinstance(item, msgspec.Raw):  # Python's json lets NaN/Infinity through
         _check_finite(g)
-    overrides = g.group_overrides or {}
-    payload = _encoder.encode(g)
+    if raw is not None:  # the posted bytes, plus the keys it left out
+        absent = [f'"{k}":null,'.encode() for k in ATROPOS_FIELDS if getattr(g, k) is UNSET]
+        payload = b"{" + b"".join(absent) + raw[1:]
+    else:
+        payload = _encoder.encode({k: _get(g, k) for k in ATROPOS_FIELDS})
+    overrides = _get(g, "group_overrides") or {}
     group_id = overrides.get("group_id")
     if group_id is None:
-        group_id = "atropos-" + hashlib.blake2b(payload, digest_size=20).hexdigest()
+        group_id = "atropos-" + hashlib.sha256(payload).hexdigest()[:40]
     group_id = str(group_id)
     if not 1 <= len(group_id) <= GROUP_ID_MAX:
         raise ItemError(f"group_overrides.group_id must have 1..{GROUP_ID_MAX} characters")
@@ -157,14 +183,14 @@ def prepare(item: Any, missing_logprobs: MissingLogprobs) -> PreparedGroup:
         not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= VERSION_MAX
     ):
         raise ItemError(f"group_overrides.policy_version must be an integer in 0..{VERSION_MAX}")
-    return PreparedGroup(group_id, version, g.env_id, n, sum(lengths), payload.decode())
+    return PreparedGroup(group_id, version, env_id, n, sum(lengths), payload.decode())
 
 
 def _check_finite(g: AtroposItem) -> None:
     if not all(map(math.isfinite, g.scores)):
         raise ItemError("scores must be finite")
     for name in ("inference_logprobs", "advantages", "ref_logprobs"):
-        for i, row in enumerate(getattr(g, name) or ()):
+        for i, row in enumerate(_get(g, name) or ()):
             if not all(map(math.isfinite, row)):
                 raise ItemError(f"{name}[{i}] has a value that is not finite")
 

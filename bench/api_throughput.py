@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import gzip
+import hashlib
 import json
 import subprocess
 import sys
@@ -263,6 +264,56 @@ def status_env_point(target: str, history: int, args: argparse.Namespace, work: 
             "p99_ms": 1e3 * pct(lat, 99), "machine": machine()}  # fmt: skip
 
 
+def profile_ingest(args: argparse.Namespace, work: Path) -> dict[str, float]:
+    """Where the Atropos-route ingest time goes, stage by stage, in this process: ms per
+    request body of ``--per-push`` groups (``--group-sizes``' first x ``--seq-len``)."""
+    import msgspec
+
+    from api import atropos_wire
+    from api.store import Row, Store
+
+    gs = parse_list(args.group_sizes)[0]
+    body = encode_bodies("atropos", args.per_push, gs, args.seq_len, args.per_push)[0]
+    raw = gzip.decompress(body)
+    store = Store(work / "profile.sqlite", synchronous=args.synchronous)
+    n = [0]
+
+    def commit() -> None:
+        n[0] += 1
+        store.ingest_rows([Row(f"{n[0]}-{p.group_id}", None, None, p.n_seqs, p.n_tokens,
+                               p.payload, "atropos") for p in prepared])  # fmt: skip
+
+    items = atropos_wire.split_body(raw)
+    prepared = [atropos_wire.prepare(i, "reject") for i in items]
+    decoded = [atropos_wire._decode_item.decode(i) for i in items]
+    raws = [bytes(i) for i in items]
+    stages = {
+        "gunzip": lambda: gzip.decompress(body),
+        "split the list (msgspec)": lambda: atropos_wire.split_body(raw),
+        "typed decode + checks + payload + hash": lambda: [
+            atropos_wire.prepare(i, "reject") for i in items
+        ],
+        "  typed decode (msgspec)": lambda: [atropos_wire._decode_item.decode(i) for i in items],
+        "  hash of the posted bytes (sha256)": lambda: [hashlib.sha256(r).digest() for r in raws],
+        "  for scale: encoding again (avoided)": lambda: [
+            atropos_wire._encoder.encode(g) for g in decoded
+        ],
+        "  for scale: json.loads": lambda: json.loads(raw),
+        "  for scale: msgspec untyped": lambda: msgspec.json.decode(raw),
+        f"SQLite insert + commit ({args.synchronous})": commit,
+    }
+    out = {}
+    for name, fn in stages.items():
+        fn()
+        t = time.perf_counter()
+        for _ in range(50):
+            fn()
+        out[name] = 1e3 * (time.perf_counter() - t) / 50
+        print(f"{name:42s} {out[name]:7.2f} ms", flush=True)
+    store.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument(
@@ -289,6 +340,7 @@ def main() -> None:
         default=None,
         help=f"python of a venv with atroposlib (default: {ATROPOS_VENV}, created)",
     )
+    ap.add_argument("--profile", action="store_true", help="instead: ingest cost by stage")
     ap.add_argument(
         "--status-env-history",
         default="",
@@ -300,6 +352,12 @@ def main() -> None:
     targets = {"both": TARGETS, "ours": TARGETS[1:]}.get(args.target, (args.target,))
     if "atropos" in targets:
         args.atropos_python = ensure_atropos(args.atropos_python)
+    if args.profile:
+        with tempfile.TemporaryDirectory() as tmp:
+            r = {"stages_ms": profile_ingest(args, Path(tmp)), "per_push": args.per_push,
+                 "seq_len": args.seq_len, "machine": machine()}  # fmt: skip
+        write_result(args.out, "profile/ours-atropos", r)
+        return
     if args.status_env_history:
         with tempfile.TemporaryDirectory() as tmp:
             for history in parse_list(args.status_env_history):

@@ -224,3 +224,15 @@ def test_explicit_ack_mode_keeps_batches_until_acked(tmp_path: Path) -> None:
         c.post("/register", json=REG).raise_for_status()  # restart: the unacked one again
         assert c.get("/batch").json()["batch"] == second["batch"]
         c.app.state.store.close()
+
+
+def test_served_groups_have_every_atropos_key_and_no_unknown_one(client: TestClient) -> None:
+    started(client, batch_size=4)
+    client.post("/scored_data", json=item(2, 1)).raise_for_status()  # optional keys left out
+    client.post("/scored_data", json={**item(2, 2), "not_atropos": 1}).raise_for_status()
+    batch = client.get("/batch").json()["batch"]
+    keys = {"tokens", "masks", "scores", "advantages", "ref_logprobs", "messages",
+            "generation_params", "inference_logprobs", "overrides", "group_overrides", "images",
+            "env_id", "distill_token_ids", "distill_logprobs"}  # fmt: skip
+    assert [set(g) for g in batch] == [keys, keys]
+    assert sorted(tags(batch)) == [1, 2] and batch[0]["advantages"] is None
