@@ -166,6 +166,7 @@ async def batch(request: Request) -> Response:
     """Ack what this trainer was served before; serve the next ``batch_size`` sequences
     (with a ``batch_id``, which ``POST /batches/{batch_id}/ack`` also accepts)."""
     book = _book(request)
+    await request.body()  # consumed, so that is_disconnected() below sees the client's state
     cfg = _config(request)
     ack_previous = cfg.atropos_ack == "next_batch"
     got = await run_in_threadpool(book.next_batch, cfg.atropos_lease_seconds, ack_previous)

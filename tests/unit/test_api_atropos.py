@@ -236,3 +236,23 @@ def test_served_groups_have_every_atropos_key_and_no_unknown_one(client: TestCli
             "env_id", "distill_token_ids", "distill_logprobs"}  # fmt: skip
     assert [set(g) for g in batch] == [keys, keys]
     assert sorted(tags(batch)) == [1, 2] and batch[0]["advantages"] is None
+
+
+def test_a_batch_whose_trainer_left_before_the_reply_is_served_again(client: TestClient) -> None:
+    started(client, batch_size=2)
+    client.post("/scored_data", json=item(2, 1)).raise_for_status()
+    sent: list[dict] = []
+    messages = [{"type": "http.request", "body": b"", "more_body": False}]
+
+    async def receive() -> dict:  # the client hung up while the batch was being formed
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
+             "scheme": "http", "path": "/batch", "raw_path": b"/batch", "query_string": b"",
+             "headers": [], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}  # fmt: skip
+    client.portal.call(client.app, scope, receive, send)
+    assert sent[0]["status"] == 499
+    assert tags(client.get("/batch").json()["batch"]) == [1]  # not lost
