@@ -7,6 +7,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from api import atropos, routes
+from api.atropos_book import AtroposBook
 from api.config import ApiConfig
 from api.guard import RequestGuard
 from api.store import Store
@@ -32,6 +33,7 @@ def create_app(cfg: ApiConfig, store: Store | None = None) -> FastAPI:
         version="1.0",
     )
     app.state.store = store
+    app.state.atropos = AtroposBook(store)
     app.state.config = cfg
     app.include_router(routes.router)
     app.include_router(atropos.router)

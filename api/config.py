@@ -49,11 +49,17 @@ class ApiConfig(BaseModel):
     rate_window_s: float = Field(60.0, gt=0)
     """Window of the ingest/serve rates in /status."""
     atropos_lease_seconds: float = Field(600.0, gt=0)
-    """Atropos `GET /batch` has no ack: its batch is acked by the next `GET /batch`, or goes
-    back to the queue after this long if the trainer never asks again."""
+    """A batch served by Atropos `GET /batch` is a lease: if it is not acked within this long
+    (see `atropos_ack`), its groups go back to the queue and are served again."""
+    atropos_ack: Literal["next_batch", "explicit"] = "next_batch"
+    """How an Atropos `GET /batch` batch is acked: by the trainer's next `GET /batch` (what an
+    unmodified Atropos trainer gets), or only by `POST /batches/{batch_id}/ack` (trainers
+    that ack after training: at-least-once delivery across trainer crashes)."""
     atropos_missing_logprobs: Literal["reject", "zeros"] = "reject"
-    """Atropos groups without `inference_logprobs`: reject them (HTTP 422), or store 0.0
-    logprobs (only for trainers that ignore them, e.g. on-policy without importance ratios)."""
+    """Atropos groups without `inference_logprobs`: reject each such group alone (its index
+    and reason in the reply; the rest of the post is stored), or store it as posted (served
+    on `GET /batch` with `inference_logprobs: null`, as Atropos does; a native lease gets 0.0
+    logprobs and `extras.atropos.inference_logprobs_missing`)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level of the service and of uvicorn."""
 

@@ -256,12 +256,19 @@ class AtroposRegistration(BaseModel):
 class AtroposRegisterEnv(BaseModel):
     """Body of Atropos ``POST /register-env``."""
 
-    max_token_length: int = -1
+    max_token_length: int = Field(-1, ge=-(2**31), le=2**31)
     desired_name: str = Field(min_length=1, max_length=80)
-    weight: float = Field(1.0, ge=0)
+    weight: float = Field(
+        1.0,
+        allow_inf_nan=False,
+        description="Atropos inference weight; <= 0 (e.g. -1: 'ignore') gets the floor 0.01.",
+    )
     group_size: int = Field(1, ge=1, le=65536)
     min_batch_allocation: float | None = Field(
-        None, description="Accepted for compatibility; fair share uses `weight` only."
+        None,
+        ge=0,
+        le=1,
+        description="Least share of each `GET /batch` batch for this env (Atropos packing).",
     )
 
 
@@ -270,7 +277,8 @@ class AtroposEnvIdentifier(BaseModel):
 
 
 class AtroposScoredData(BaseModel):
-    """One group as Atropos envs post it: parallel lists, one entry per completion.
+    """One group as Atropos envs post it: parallel lists, one entry per completion (the
+    documented schema of ``/scored_data``; the route decodes with ``api.atropos_wire``).
 
     `masks` are Atropos labels: -100 on tokens not to train, the token id elsewhere."""
 
@@ -286,3 +294,5 @@ class AtroposScoredData(BaseModel):
     group_overrides: dict[str, Any] | None = None
     images: Any | None = None
     env_id: int | None = None
+    distill_token_ids: list[list[list[int]]] | None = None
+    distill_logprobs: list[list[list[float]]] | None = None

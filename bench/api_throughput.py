@@ -26,8 +26,11 @@ Serve: one trainer asks for batches of ``batch size`` sequences until the queue 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import gzip
+import hashlib
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,10 +50,11 @@ from bench.common import (  # noqa: E402
     stop_on_sigterm,
     write_result,
 )
+from launch.paths import ARTIFACTS  # noqa: E402
 from launch.procs import ManagedProcess, free_port  # noqa: E402
 
 ATROPOS_VERSION = "0.4.0"
-ATROPOS_VENV = REPO / "artifacts" / "venvs" / "atropos"
+ATROPOS_VENV = ARTIFACTS / "venvs" / "atropos"
 TARGETS = ("atropos", "ours-atropos", "ours-native")
 
 
@@ -90,18 +94,24 @@ def encode_bodies(target: str, n_groups: int, group_size: int, seq_len: int,
     return bodies
 
 
-def ensure_atropos(python: Path | None) -> Path:
-    """The Python of a virtualenv with atroposlib (created with pip if missing)."""
+def ensure_atropos(python: Path | None = None) -> Path:
+    """The Python of a virtualenv with atroposlib (created with pip from PyPI if missing,
+    under ``$SHOP_R1_ARTIFACTS/venvs/atropos``; a file lock lets parallel test workers share
+    one build)."""
     if python is not None:
         return python
     py = ATROPOS_VENV / "bin" / "python"
-    check = [str(py), "-c", "import atroposlib.api"]
-    if py.exists() and subprocess.run(check, capture_output=True).returncode == 0:
-        return py
-    base = Path(getattr(sys, "_base_executable", sys.executable))
-    subprocess.run([str(base), "-m", "venv", str(ATROPOS_VENV)], check=True)
-    subprocess.run([str(py), "-m", "pip", "install", "-q", f"atroposlib=={ATROPOS_VERSION}"],
-                   check=True)  # fmt: skip
+    check = [str(py), "-c", f"import atroposlib.api; import importlib.metadata as m; "
+             f"assert m.version('atroposlib') == '{ATROPOS_VERSION}'"]  # fmt: skip
+    ATROPOS_VENV.parent.mkdir(parents=True, exist_ok=True)
+    with open(ATROPOS_VENV.parent / "atropos.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if py.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+            return py
+        base = Path(getattr(sys, "_base_executable", sys.executable))
+        subprocess.run([str(base), "-m", "venv", "--clear", str(ATROPOS_VENV)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", f"atroposlib=={ATROPOS_VERSION}"],
+                       check=True)  # fmt: skip
     return py
 
 
@@ -228,6 +238,87 @@ def run_point(target: str, gs: int, batch: int, args: argparse.Namespace, work: 
     }  # fmt: skip
 
 
+def status_env_point(target: str, history: int, args: argparse.Namespace, work: Path) -> dict:
+    """``/status-env`` latency (300 sequential calls, as a ``BaseEnv`` polls it) after
+    ``history`` groups (8 x 16 tokens) were posted and served through the Atropos routes."""
+    import httpx
+
+    bodies = encode_bodies("atropos", history, 8, 16, 64)
+    proc, url = start_server(target, work, args)
+    try:
+        register(url, target, 64)
+        with httpx.Client(base_url=url, timeout=120) as c:
+            c.get("/batch").raise_for_status()  # the trainer has started
+            env = {"max_token_length": 4096, "desired_name": "bench", "weight": 1.0,
+                   "group_size": 8}  # fmt: skip
+            eid = c.post("/register-env", json=env).json()["env_id"]
+            ingest(url, target, bodies, args.pushers)
+            serve(url, target, 64)
+            lat = []
+            for _ in range(300):
+                t = time.perf_counter()
+                c.request("GET", "/status-env", json={"env_id": eid}).raise_for_status()
+                lat.append(time.perf_counter() - t)
+    finally:
+        proc.stop()
+    return {"target": target, "history_groups": history, "p50_ms": 1e3 * pct(lat, 50),
+            "p99_ms": 1e3 * pct(lat, 99), "machine": machine()}  # fmt: skip
+
+
+def profile_ingest(args: argparse.Namespace, work: Path) -> dict[str, float]:
+    """Where the Atropos-route ingest time goes, stage by stage, in this process: ms per
+    request body of ``--per-push`` groups (``--group-sizes``' first x ``--seq-len``), the
+    median of 9 rounds of 10 calls."""
+    import msgspec
+
+    from api import atropos_wire
+    from api.store import Row, Store
+
+    gs = parse_list(args.group_sizes)[0]
+    body = encode_bodies("atropos", args.per_push, gs, args.seq_len, args.per_push)[0]
+    raw = gzip.decompress(body)
+    store = Store(work / "profile.sqlite", synchronous=args.synchronous)
+    n = [0]
+
+    def commit() -> None:
+        n[0] += 1
+        store.ingest_rows([Row(f"{n[0]}-{p.group_id}", None, None, p.n_seqs, p.n_tokens,
+                               p.payload, "atropos") for p in prepared])  # fmt: skip
+
+    items = atropos_wire.split_body(raw)
+    prepared = [atropos_wire.prepare(i, "reject") for i in items]
+    decoded = [atropos_wire._decode_item.decode(i) for i in items]
+    raws = [bytes(i) for i in items]
+    stages = {
+        "gunzip": lambda: gzip.decompress(body),
+        "split the list (msgspec)": lambda: atropos_wire.split_body(raw),
+        "typed decode + checks + payload + hash": lambda: [
+            atropos_wire.prepare(i, "reject") for i in items
+        ],
+        "  typed decode (msgspec)": lambda: [atropos_wire._decode_item.decode(i) for i in items],
+        "  hash of the posted bytes (sha256)": lambda: [hashlib.sha256(r).digest() for r in raws],
+        "  for scale: encoding again (avoided)": lambda: [
+            atropos_wire._encoder.encode(g) for g in decoded
+        ],
+        "  for scale: json.loads": lambda: json.loads(raw),
+        "  for scale: msgspec untyped": lambda: msgspec.json.decode(raw),
+        f"SQLite insert + commit ({args.synchronous})": commit,
+    }
+    out = {}
+    for name, fn in stages.items():  # median of 9 rounds of 10 calls: load spikes hit rounds
+        fn()
+        rounds = []
+        for _ in range(9):
+            t = time.perf_counter()
+            for _ in range(10):
+                fn()
+            rounds.append(1e3 * (time.perf_counter() - t) / 10)
+        out[name] = statistics.median(rounds)
+        print(f"{name:42s} {out[name]:7.2f} ms", flush=True)
+    store.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument(
@@ -254,12 +345,33 @@ def main() -> None:
         default=None,
         help=f"python of a venv with atroposlib (default: {ATROPOS_VENV}, created)",
     )
+    ap.add_argument("--profile", action="store_true", help="instead: ingest cost by stage")
+    ap.add_argument(
+        "--status-env-history",
+        default="",
+        help="instead: /status-env latency after this many groups served, comma list",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "api_compare.json")
     args = ap.parse_args()
     stop_on_sigterm()
     targets = {"both": TARGETS, "ours": TARGETS[1:]}.get(args.target, (args.target,))
     if "atropos" in targets:
         args.atropos_python = ensure_atropos(args.atropos_python)
+    if args.profile:
+        with tempfile.TemporaryDirectory() as tmp:
+            r = {"stages_ms": profile_ingest(args, Path(tmp)), "per_push": args.per_push,
+                 "seq_len": args.seq_len, "machine": machine()}  # fmt: skip
+        write_result(args.out, "profile/ours-atropos", r)
+        return
+    if args.status_env_history:
+        with tempfile.TemporaryDirectory() as tmp:
+            for history in parse_list(args.status_env_history):
+                for target in (t for t in targets if t != "ours-native"):
+                    r = status_env_point(target, history, args, Path(tmp))
+                    write_result(args.out, f"status-env/{target}/h{history}", r)
+                    print(f"{target} history {history}: /status-env p50 {r['p50_ms']:.1f} ms, "
+                          f"p99 {r['p99_ms']:.1f} ms", flush=True)  # fmt: skip
+        return
     print(
         "| target | gs | batch | ingest seq/s | push p50/p99 ms | serve seq/s | batch p50/p99 ms |"
     )

@@ -80,7 +80,8 @@ def api_tables(d: dict[str, Any]) -> tuple[str, str]:
                         f"{i['sequences_per_s']:.0f} | {i['p50_ms']:.0f} / {i['p99_ms']:.0f} | "
                         f"{s['sequences_per_s']:.0f} | {s['p50_ms']:.0f} / {s['p99_ms']:.0f} / "
                         f"{s['max_ms']:.0f} |")  # fmt: skip
-    main = "\n".join(rows) + "\n\n" + _load_note(list(d.values()))
+    mains = [d[f"{t}/gs8/b64"] for t in TARGET_LABEL if f"{t}/gs8/b64" in d]
+    main = "\n".join(rows) + "\n\n" + _load_note(mains)
     rows = ["| server | sweep (values in this order) | ingest seq/s | serve seq/s |",
             "|---|---|---|---|"]  # fmt: skip
     for t in TARGET_LABEL:
@@ -97,6 +98,24 @@ def api_tables(d: dict[str, Any]) -> tuple[str, str]:
                         + " / ".join(f"{p['serve']['sequences_per_s']:.0f}" for p in srv)
                         + " |")  # fmt: skip
     return main, "\n".join(rows)
+
+
+def api_extra_tables(d: dict[str, Any]) -> tuple[str, str]:
+    """``/status-env`` latency vs history, and the ingest profile by stage."""
+    rows = ["| server | groups served before | /status-env p50 ms | p99 ms |", "|---|---|---|---|"]
+    points = sorted((v for k, v in d.items() if k.startswith("status-env/")),
+                    key=lambda p: (p["target"], p["history_groups"]))  # fmt: skip
+    for p in points:
+        rows.append(f"| {TARGET_LABEL[p['target']]} | {p['history_groups']} | "
+                    f"{p['p50_ms']:.1f} | {p['p99_ms']:.1f} |")  # fmt: skip
+    status_env = "\n".join(rows) + ("\n\n" + _load_note(points) if points else "")
+    prof = d.get("profile/ours-atropos")
+    if not prof:
+        return status_env, "_not measured yet_"
+    rows = [f"| stage (one request of {prof['per_push']} groups x {prof['seq_len']} tokens) | ms |",
+            "|---|---|"]  # fmt: skip
+    rows += [f"| {name.strip()} | {ms:.2f} |" for name, ms in prof["stages_ms"].items()]
+    return status_env, "\n".join(rows) + "\n\n" + _load_note([prof])
 
 
 def api_plot(d: dict[str, Any], png: Path) -> None:
@@ -367,7 +386,9 @@ def main() -> None:
     breakdown_plot(tb, RESULTS / "trainer_breakdown.png")
     step_plot(ts, RESULTS / "trainer_step.png")
     api_main, api_sweep = api_tables(api)
-    tables = {"api": api_main, "api_sweep": api_sweep, "rollout": rollout_table(ro),
+    api_status_env, api_profile = api_extra_tables(api)
+    tables = {"api": api_main, "api_sweep": api_sweep, "api_status_env": api_status_env,
+              "api_profile": api_profile, "rollout": rollout_table(ro),
               "breakdown": breakdown_table(tb), "step": step_table(ts),
               "precision": precision_table(load("trainer_precision.json")),
               "bridge": bridge_summary(load("bridge_bench.json"))}  # fmt: skip

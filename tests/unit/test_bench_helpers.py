@@ -82,16 +82,15 @@ def test_fill_replaces_only_the_marked_table() -> None:
 def test_atropos_and_native_payloads_carry_the_same_content() -> None:
     """What the API benchmark sends to the Atropos routes is, once our API converts it, what
     it sends to the native route: the two measure the same work."""
-    from api.atropos import _labels
-    from api.protocol import AtroposScoredData, ScoredGroup
+    from api import atropos_wire
+    from api.protocol import ScoredGroup
 
-    a = AtroposScoredData.model_validate(atropos_group(5, 4, 32))
-    n = ScoredGroup.model_validate(native_group(5, 4, 32))
-    for t, m, lp, s, seq in zip(a.tokens, a.masks, a.inference_logprobs, a.scores, n.sequences,
-                                strict=True):  # fmt: skip
-        assert seq.tokens == t and seq.logprobs == lp and seq.score == s
-        assert _labels(seq.tokens, seq.mask) == m
-        assert sum(seq.mask) == 16  # half the sequence is the completion
+    posted = atropos_wire.prepare(atropos_group(5, 4, 32), "reject")
+    converted = atropos_wire.to_native(posted.payload, "g", "bench", 0)
+    ours = ScoredGroup.model_validate_json(converted).sequences
+    native = ScoredGroup.model_validate(native_group(5, 4, 32)).sequences
+    assert [s.model_dump() for s in ours] == [s.model_dump() for s in native]
+    assert all(sum(seq.mask) == 16 for seq in native)  # half the sequence is the completion
     # every group is distinct, so content-hash group ids never collapse two of them
     assert atropos_group(1, 2, 8) != atropos_group(2, 2, 8)
     assert len(encode_bodies("atropos", 10, 2, 8, per_push=4)) == 3

@@ -1,0 +1,124 @@
+"""The API's SQLite schema, its in-place migration, and per-thread read connections.
+
+One write connection (behind the store's lock) makes every change; reads that must not wait
+for it (Atropos ``/status-env``, polled ~10 times a second by every environment) use their
+own connection per thread: in WAL mode a reader sees the last committed state and neither
+blocks nor is blocked by the writer.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import urllib.parse
+from typing import Literal
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS groups (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,   -- arrival order (FIFO within an env)
+    group_id TEXT NOT NULL UNIQUE,           -- idempotency key
+    env TEXT NOT NULL,
+    policy_version INTEGER NOT NULL,
+    n_seqs INTEGER NOT NULL,
+    n_tokens INTEGER NOT NULL,
+    state TEXT NOT NULL,                     -- buffered | queued | leased | acked | dropped | skipped
+    batch_id TEXT,                           -- last batch that leased it
+    payload TEXT NOT NULL,                   -- the group's JSON ('' once acked or dropped)
+    created REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS groups_queue ON groups (state, env, seq);
+CREATE INDEX IF NOT EXISTS groups_batch ON groups (batch_id);
+CREATE TABLE IF NOT EXISTS envs (
+    name TEXT PRIMARY KEY,
+    weight REAL NOT NULL,
+    group_size INTEGER NOT NULL,
+    connected INTEGER NOT NULL DEFAULT 1,
+    pass REAL NOT NULL DEFAULT 0,            -- stride-scheduling virtual time
+    duplicates INTEGER NOT NULL DEFAULT 0,
+    last_seen REAL NOT NULL,
+    atropos_id INTEGER UNIQUE,               -- id handed out by Atropos /register-env
+    max_token_length INTEGER NOT NULL DEFAULT -1
+);
+CREATE TABLE IF NOT EXISTS batches (
+    batch_id TEXT PRIMARY KEY,
+    state TEXT NOT NULL,                     -- formed | leased | acked | expired | skipped
+    created REAL NOT NULL,
+    deadline REAL NOT NULL,
+    policy_version INTEGER NOT NULL,
+    n_groups INTEGER NOT NULL,
+    n_seqs INTEGER NOT NULL,
+    n_tokens INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS batches_state ON batches (state, deadline);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+# Columns added after the first release: (table, column, declaration). A database written by
+# an older version gets them on open (ALTER TABLE ... ADD COLUMN keeps every row).
+COLUMNS = (
+    ("groups", "format", "TEXT NOT NULL DEFAULT 'native'"),  # native | atropos payload
+    ("groups", "atropos_env", "INTEGER"),  # env_id the Atropos group was posted with
+    ("groups", "qorder", "REAL"),  # Atropos queue order (arrival; promotion from the buffer)
+    ("envs", "desired_name", "TEXT"),  # Atropos desired_name (ids count per desired name)
+    ("envs", "atropos_weight", "REAL"),  # the weight as registered (may be -1)
+    ("envs", "min_batch_allocation", "REAL"),
+    ("batches", "kind", "TEXT NOT NULL DEFAULT 'native'"),  # native | atropos
+    ("batches", "form_idx", "INTEGER"),  # Atropos: order of formation (served last first)
+    ("batches", "members", "TEXT"),  # Atropos: the groups' seqs, in batch order (JSON)
+)
+INDEXES = """
+CREATE INDEX IF NOT EXISTS groups_aqueue ON groups (state, qorder);
+CREATE INDEX IF NOT EXISTS groups_qorder ON groups (qorder);
+CREATE INDEX IF NOT EXISTS groups_aenv ON groups (state, atropos_env, n_seqs);
+CREATE INDEX IF NOT EXISTS batches_kind ON batches (kind, state, form_idx);
+"""
+
+Synchronous = Literal["FULL", "NORMAL"]
+
+
+def connect(path: str, synchronous: Synchronous) -> sqlite3.Connection:
+    """The write connection: WAL, ``synchronous`` as asked, schema created or migrated."""
+    # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE ... COMMIT).
+    db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute(f"PRAGMA synchronous={synchronous}")
+    db.execute("PRAGMA busy_timeout=10000")
+    db.executescript(SCHEMA)
+    for table, column, decl in COLUMNS:
+        have = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+        if column not in have:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+    db.execute("UPDATE groups SET qorder=seq WHERE qorder IS NULL")
+    db.executescript(INDEXES)
+    return db
+
+
+class Readers:
+    """One read-only connection per thread (file databases); ``None`` for ``:memory:``, whose
+    contents only the write connection can see."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._local = threading.local()
+        self._all: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+
+    def get(self) -> sqlite3.Connection | None:
+        if self.path == ":memory:":
+            return None
+        db = getattr(self._local, "db", None)
+        if db is None:
+            uri = "file:" + urllib.parse.quote(self.path) + "?mode=ro"
+            db = sqlite3.connect(uri, uri=True, check_same_thread=False)
+            db.execute("PRAGMA busy_timeout=10000")
+            self._local.db = db
+            with self._lock:
+                self._all.append(db)
+        return db
+
+    def close(self) -> None:
+        with self._lock:
+            for db in self._all:
+                db.close()
+            self._all.clear()
+        self._local = threading.local()

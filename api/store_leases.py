@@ -1,0 +1,222 @@
+"""Batch formation of the native routes (weighted fair share by stride scheduling, never
+splitting a group), leases and acks; a mixin of :class:`api.store.Store` (it uses the
+store's connection, lock and meta helpers)."""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from api import atropos_wire
+
+
+class UnknownBatch(KeyError):
+    """Ack of a batch id the store never leased."""
+
+
+@dataclass
+class LeasedBatch:
+    batch_id: str
+    deadline: float
+    policy_version: int
+    payloads: list[str]
+    """The groups' JSON, in batch order, exactly as stored."""
+
+
+@dataclass
+class _Candidate:
+    seq: int
+    env: str
+    n_seqs: int
+    n_tokens: int
+
+
+class LeaseMixin:
+    """``lease`` / ``ack`` and the helpers the Atropos book shares (``_payloads``,
+    ``_bump_step``)."""
+
+    def lease(
+        self,
+        max_tokens: int | None,
+        max_sequences: int | None,
+        lease_seconds: float,
+        allow_partial: bool = False,
+    ) -> LeasedBatch | None:
+        """Form and lease the next batch, or ``None`` when the queue cannot fill one."""
+        now = self.clock()
+        with self._tx() as db:
+            self._set_meta("started", True)
+            self._remember_batch_size(db, max_tokens, max_sequences)
+            self._expire_leases(db, now)
+            self._drop_stale(db)
+            chosen = self._form(
+                db, max_tokens or math.inf, max_sequences or math.inf, allow_partial
+            )
+            if not chosen:
+                return None  # the transaction commits the expiries/drops, no pass change
+            batch_id = uuid.uuid4().hex
+            version = int(self._meta("policy_version", 0))
+            deadline = now + lease_seconds
+            seqs = [c.seq for c in chosen]
+            db.executemany(
+                "UPDATE groups SET state='leased', batch_id=? WHERE seq=?",
+                [(batch_id, s) for s in seqs],
+            )
+            db.execute(
+                "INSERT INTO batches(batch_id, state, created, deadline, policy_version, "
+                "n_groups, n_seqs, n_tokens) VALUES(?, 'leased', ?, ?, ?, ?, ?, ?)",
+                (
+                    batch_id,
+                    now,
+                    deadline,
+                    version,
+                    len(chosen),
+                    sum(c.n_seqs for c in chosen),
+                    sum(c.n_tokens for c in chosen),
+                ),
+            )
+            payloads = self._payloads(db, seqs)
+            self._bump_step(1)
+            self.serve_rate.add(len(chosen), now)
+        return LeasedBatch(batch_id, deadline, version, payloads)
+
+    def _payloads(self, db: sqlite3.Connection, seqs: list[int], want: str = "native") -> list[str]:
+        """The groups' JSON in ``want``'s contract: as stored when they arrived in it,
+        converted otherwise (Atropos groups leased natively, native ones on ``/batch``)."""
+        by_seq: dict[int, str] = {}
+        for i in range(0, len(seqs), 500):  # SQLite caps bound parameters per statement
+            chunk = seqs[i : i + 500]
+            marks = ",".join("?" * len(chunk))
+            for seq, payload, fmt, gid, env, version in db.execute(
+                "SELECT seq, payload, format, group_id, env, policy_version FROM groups "
+                f"WHERE seq IN ({marks})",
+                chunk,
+            ):
+                if fmt == want:
+                    by_seq[seq] = payload
+                elif want == "native":
+                    by_seq[seq] = atropos_wire.to_native(payload, gid, env, version)
+                else:
+                    by_seq[seq] = atropos_wire.from_native(payload)
+        return [by_seq[s] for s in seqs]
+
+    def _bump_step(self, n: int) -> int:
+        """Batches formed so far (Atropos ``current_step``, from the trainer's
+        ``starting_step``); returns the new value."""
+        step = int(self._meta("step", 0)) + n
+        self._set_meta("step", step)
+        return step
+
+    def _remember_batch_size(
+        self, db: sqlite3.Connection, max_tokens: int | None, max_sequences: int | None
+    ) -> None:
+        """Keep the trainer's batch size (in sequences) for the backpressure estimate."""
+        if max_sequences is not None:
+            seqs = max_sequences
+        else:
+            row = db.execute(
+                "SELECT SUM(n_tokens), SUM(n_seqs) FROM "
+                "(SELECT n_tokens, n_seqs FROM groups ORDER BY seq DESC LIMIT 256)"
+            ).fetchone()
+            per_seq = (row[0] / row[1]) if row and row[1] else None
+            seqs = int(max_tokens // per_seq) if (per_seq and max_tokens) else None
+        if seqs:
+            self._set_meta("batch_sequences", max(1, seqs))
+
+    def _form(
+        self, db: sqlite3.Connection, max_tokens: float, max_seqs: float, allow_partial: bool
+    ) -> list[_Candidate]:
+        """Pick groups by weighted fair share; update the envs' passes. [] = no batch."""
+        envs = {
+            name: [weight, pass_]
+            for name, weight, pass_ in db.execute("SELECT name, weight, pass FROM envs")
+        }
+        vtime = float(self._meta("vtime", 0.0))
+        for e in envs.values():  # an env back from idling gets no burst of old credit
+            e[1] = max(e[1], vtime)
+        heads = {name: self._queue_iter(db, name) for name in envs}
+        current = {name: next(it, None) for name, it in heads.items()}
+        current = {k: v for k, v in current.items() if v is not None}
+        if current:  # the virtual time: the smallest pass among envs with data
+            vtime = max(vtime, min(envs[n][1] for n in current))
+        chosen: list[_Candidate] = []
+        tokens = seqs = 0
+        blocked: list[str] = []
+        while current:
+            name = min(current, key=lambda n: (envs[n][1], n))
+            c = current[name]
+            if tokens + c.n_tokens > max_tokens or seqs + c.n_seqs > max_seqs:
+                blocked.append(name)  # FIFO within an env: do not serve around its head
+                del current[name]
+                continue
+            chosen.append(c)
+            tokens += c.n_tokens
+            seqs += c.n_seqs
+            envs[name][1] += c.n_seqs / envs[name][0]
+            nxt = next(heads[name], None)
+            if nxt is None:
+                del current[name]
+            else:
+                current[name] = nxt
+        if not chosen and blocked:
+            # A group larger than the whole budget would block its env forever: serve it alone.
+            name = min(blocked, key=lambda n: (envs[n][1], n))
+            c = next(self._queue_iter(db, name))
+            chosen, envs[name][1] = [c], envs[name][1] + c.n_seqs / envs[name][0]
+        full = bool(blocked) or tokens >= max_tokens or seqs >= max_seqs
+        if not chosen or not (full or allow_partial):
+            return []
+        db.executemany("UPDATE envs SET pass=? WHERE name=?", [(e[1], n) for n, e in envs.items()])
+        # The virtual time moves to the smallest pass among envs still backlogged (or just
+        # served): where an env that had nothing to offer rejoins.
+        backlog = blocked or [c.env for c in chosen]
+        self._set_meta("vtime", max(vtime, min(envs[n][1] for n in backlog)))
+        return chosen
+
+    def _queue_iter(self, db: sqlite3.Connection, env: str) -> Iterator[_Candidate]:
+        cur = db.execute(
+            "SELECT seq, n_seqs, n_tokens FROM groups WHERE state='queued' AND env=? ORDER BY seq",
+            (env,),
+        )
+        while rows := cur.fetchmany(64):
+            for seq, n_seqs, n_tokens in rows:
+                yield _Candidate(seq, env, n_seqs, n_tokens)
+
+    def ack(self, batch_id: str) -> tuple[str, int]:
+        """Mark a batch consumed. Idempotent; a late ack (lease expired) acks those of its
+        groups that are back in the queue and not leased again."""
+        with self._tx() as db:
+            row = db.execute("SELECT state FROM batches WHERE batch_id=?", (batch_id,)).fetchone()
+            if row is None:
+                raise UnknownBatch(batch_id)
+            if row[0] in ("acked", "skipped"):  # a skipped batch was not trained: stays so
+                return f"already_{row[0]}", 0
+            from_state = "leased" if row[0] in ("leased", "formed") else "queued"
+            cur = db.execute(
+                "UPDATE groups SET state='acked', payload='' WHERE batch_id=? AND state=?",
+                (batch_id, from_state),
+            )
+            db.execute("UPDATE batches SET state='acked' WHERE batch_id=?", (batch_id,))
+            return ("acked_late" if row[0] == "expired" else "acked"), cur.rowcount
+
+    def skip(self, batch_id: str) -> tuple[str, int]:
+        """Mark a batch consumed but NOT trained (the trainer skipped its update): its groups
+        go to ``skipped`` (payload kept) and leave the queue. Idempotent; a batch already acked
+        stays acked (``already_acked``); after an expired lease only the groups back in the
+        queue and not leased again are skipped (``skipped_late``)."""
+        with self._tx() as db:
+            row = db.execute("SELECT state FROM batches WHERE batch_id=?", (batch_id,)).fetchone()
+            if row is None:
+                raise UnknownBatch(batch_id)
+            if row[0] in ("acked", "skipped"):
+                return f"already_{row[0]}", 0
+            from_state = "leased" if row[0] in ("leased", "formed") else "queued"
+            cur = db.execute(
+                "UPDATE groups SET state='skipped' WHERE batch_id=? AND state=?",
+                (batch_id, from_state),
+            )
+            db.execute("UPDATE batches SET state='skipped' WHERE batch_id=?", (batch_id,))
+            return ("skipped_late" if row[0] == "expired" else "skipped"), cur.rowcount
