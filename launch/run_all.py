@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Literal
 
 import httpx
-from pydantic import BaseModel, Field, FilePath, ValidationError
+from pydantic import BaseModel, Field, FilePath, ValidationError, model_validator
 
-from launch.paths import DATA_DIR, RUNS_DIR, SFT_MODEL_DIR, TINY_MODEL_DIR
+from launch.paths import DATA_DIR, RUNS_DIR
 from launch.placement import (
     Placement,
     PlacementError,
@@ -60,12 +60,14 @@ keys; label; how to print it). A key missing from either side's metrics is left 
 class RunAllConfig(BaseModel):
     """Options of launch/run_all.sh."""
 
-    preset: Literal["cpu-tiny", "gpu-0.5b", "gpu-3b"] = Field(
+    preset: Literal["cpu-tiny", "cpu-smol", "gpu-0.5b", "gpu-3b"] = Field(
         "cpu-tiny", description="Model/device preset (launch/presets.py)."
     )
     model: str | None = Field(None, description="Override the preset's model (dir or hub id).")
-    weight_bridge_mode: Literal["shared_vllm", "lora_only", "none"] = Field(
-        "shared_vllm", description="How trainer weights reach vLLM (docs/BRIDGE.md)."
+    weight_bridge_mode: Literal["shared_vllm", "lora_only", "none"] | None = Field(
+        None,
+        description="How trainer weights reach vLLM (docs/BRIDGE.md); default: the preset's "
+        "(shared_vllm; lora_only for cpu-smol, whose trainer trains a LoRA adapter).",
     )
     single_copy: bool = Field(False, description="shared_vllm: one weight copy in shared memory.")
     steps: int = Field(120, ge=1, description="GRPO training steps.")
@@ -125,6 +127,12 @@ class RunAllConfig(BaseModel):
         None, description="Recipe passed to every service (recipes/<model>/<task>/*.yaml, "
         "docs/RECIPES.md); the launcher's own flags (ports, paths, preset values) still win."
     )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _preset_bridge_mode(self) -> RunAllConfig:
+        if self.weight_bridge_mode is None:
+            self.weight_bridge_mode = PRESETS[self.preset].weight_bridge_mode
+        return self
 
 
 def recipe_args(cfg: RunAllConfig) -> list[str]:
@@ -211,21 +219,25 @@ def run_step(name: str, argv: list[str], log: Path) -> None:
 
 
 def prepare_embedded(cfg: RunAllConfig, run_dir: Path) -> None:
-    """Tiny model, dataset and SFT cold start, each only if missing."""
-    if not (TINY_MODEL_DIR / "config.json").exists():
-        run_step("tiny_model", [PY, "-m", "trainer.tiny_model"], run_dir / "tiny_model.log")
+    """The preset's base model (the tiny model, or SmolLM2 for cpu-smol), the dataset and the
+    SFT cold start, each only if missing."""
+    preset = PRESETS[cfg.preset]
+    base, sft_dir = Path(preset.base_model), Path(preset.model)
+    if not (base / "config.json").exists():
+        name = preset.build_module.rsplit(".", 1)[-1]
+        run_step(name, [PY, "-m", preset.build_module, "--out", str(base)], run_dir / f"{name}.log")
     if not (DATA_DIR / "test.jsonl").exists():
         argv = [PY, "-m", "env_server.data", "build", "--out", str(DATA_DIR)]
         if cfg.num_sessions:
             argv += ["--num-sessions", str(cfg.num_sessions)]
         run_step("dataset", argv, run_dir / "dataset.log")
-    if not (SFT_MODEL_DIR / "model.safetensors").exists():
+    if not (sft_dir / "model.safetensors").exists():
         # An interrupted SFT left checkpoints: continue it rather than start over.
-        resume = (SFT_MODEL_DIR / "checkpoints").is_dir()
+        resume = (sft_dir / "checkpoints").is_dir()
         # --eval-generate 0: the launcher measures the SFT model itself, with vLLM (much faster).
-        argv = [PY, "-m", "trainer", "sft", *recipe_args(cfg), "--model-name", str(TINY_MODEL_DIR),
-                "--save-path", str(SFT_MODEL_DIR), "--data-dir", str(DATA_DIR),
-                "--no-tensorboard", "--eval-generate", "0",
+        argv = [PY, "-m", "trainer", "sft", *recipe_args(cfg), "--model-name", str(base),
+                "--save-path", str(sft_dir), "--data-dir", str(DATA_DIR),
+                "--no-tensorboard", "--eval-generate", "0", *preset.sft_extra,
                 "--resume" if resume else "--overwrite"]  # fmt: skip
         if cfg.sft_steps:
             argv += ["--training-steps", str(cfg.sft_steps)]
