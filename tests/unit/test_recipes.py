@@ -150,28 +150,23 @@ SMOL = REPO_ROOT / "recipes" / "smollm2-135m-instruct" / "shop-r1"
 
 def test_smol_recipes_match_the_cpu_smol_preset() -> None:
     from launch.paths import SMOL_MODEL_DIR, SMOL_SFT_MODEL_DIR
-    from launch.run_all import parse_args, trainer_argv
 
     preset = PRESETS["cpu-smol"]
     cfgs = _all(SMOL / "grpo.yaml")
     env, grpo = cfgs["env"], cfgs["grpo"]
     assert grpo.model_name == preset.model == str(SMOL_SFT_MODEL_DIR)
-    assert grpo.weight_bridge_mode == preset.weight_bridge_mode == "lora_only"
-    assert parse_args(["--preset", "cpu-smol"]).weight_bridge_mode == "lora_only"
     assert env.group_size == preset.group_size and env.max_tokens == preset.max_tokens
     assert env.max_prompt_tokens == preset.max_prompt_tokens
     assert grpo.batch_size == preset.group_size * preset.batch_groups and grpo.lr == preset.lr
-    # the GRPO command line run_all builds (preset flags + --lora-r in lora_only) over the
-    # recipe changes nothing
-    argv = trainer_argv(parse_args(["--preset", "cpu-smol"]), preset, preset.model, "http://a",
-                        ["http://v"], "t", Path("x"))  # fmt: skip
-    assert argv[argv.index("--lora-r") + 1] == str(grpo.lora_r)
-    extra = [*preset.trainer_extra, "--lora-r", str(grpo.lora_r)]
+    assert grpo.device == preset.trainer_device and grpo.lora_r == 0
+    # the preset's flags over the recipe change nothing
+    r = str(SMOL / "grpo.yaml")
     parser = argparse.ArgumentParser()
     build_parser(GrpoConfig, parser)
-    r = str(SMOL / "grpo.yaml")
-    with_extra = config_from_args(GrpoConfig, parser.parse_args(["--recipe", r, *extra]))
-    assert with_extra == grpo, "preset trainer flags differ from the recipe"
+    flags = parser.parse_args(["--recipe", r, *preset.trainer_extra])
+    assert config_from_args(GrpoConfig, flags) == grpo, (
+        "preset trainer_extra differs from the recipe"
+    )
     with_env_extra = parse_env(["--recipe", r, *preset.env_extra])
     same = {"reward_variant": "full", "rewards": env.rewards}
     assert with_env_extra.model_copy(update=same) == env
@@ -181,7 +176,7 @@ def test_smol_recipes_match_the_cpu_smol_preset() -> None:
     # SFT: the preset's flags are the SFT recipe; prompt + completion fit its sequences
     sft = resolve(SftConfig, section="trainer.sft", recipe=SMOL / "sft.yaml").config
     assert sft.model_name == preset.base_model == str(SMOL_MODEL_DIR)
-    assert sft.save_path == preset.model and sft.lora_r > 0
+    assert sft.save_path == preset.model
     assert preset.max_prompt_tokens + preset.max_tokens <= sft.max_seq_len
     parser = argparse.ArgumentParser()
     build_parser(SftConfig, parser)
