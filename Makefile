@@ -8,17 +8,18 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 GPU    ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 REQS   := $(if $(filter 1,$(GPU)),requirements-gpu.txt,requirements.txt)
-STAMP  := $(VENV)/.installed-$(shell cat $(REQS) pyproject.toml | sha1sum | cut -c1-12)
+STAMP  := $(VENV)/.installed-$(shell cat $(REQS) requirements-nodeps.txt pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
 .PHONY: setup test test-unit test-integration test-gpu run model lint format clean
 
 setup: $(STAMP)
 
-$(STAMP): $(REQS) pyproject.toml
+$(STAMP): $(REQS) requirements-nodeps.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install -r $(REQS)
+	$(PY) -m pip install --no-deps -r requirements-nodeps.txt
 	@if [ "$(GPU)" != "1" ]; then \
 	  echo "removing torchvision/torchaudio/torchcodec (they break imports beside the CPU torch)"; \
 	  $(PY) -m pip uninstall -y torchvision torchaudio torchcodec || true; \

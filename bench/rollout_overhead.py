@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import (  # noqa: E402
     MODEL_SIZES,
+    REAL_MODELS,
     RESULTS,
     count_params,
     machine,
@@ -148,9 +149,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument(
         "--model",
-        choices=sorted(MODEL_SIZES),
+        choices=[*sorted(MODEL_SIZES), *REAL_MODELS],
         default="tiny",
-        help="model size (bench/common.py MODEL_SIZES; built on first use)",
+        help="model size (bench/common.py MODEL_SIZES; built on first use), or smol "
+        "(SmolLM2-135M-Instruct, trainer.smol_model)",
     )
     ap.add_argument(
         "--points",

@@ -1,14 +1,15 @@
 """Trainer step time vs model size, batch size and group size (no servers).
 
     flock /tmp/heavy.lock .venv/bin/python bench/trainer_step.py [--models tiny,small,base]
-        [--batch-sizes 8] [--group-sizes 4] [--seq-len 512] [--steps 3]
+        [--batch-sizes 8] [--group-sizes 4] [--seq-len 512] [--steps 3] [--lora-r 0]
 
 Runs the real GRPO optimizer step (``trainer.grpo_step.grpo_step``: scoring pass with
 self-certainty and the KL reference, loss + backward over micro-batches, clip, AdamW) and the
 real checkpoint (``Run.checkpoint``: model, optimizer, scheduler, RNG, atomically) on
 synthetic scored groups: ``batch size / group size`` groups of ``--seq-len`` tokens (3/4
 prompt, 1/4 completion, random ids, random scores), fp32 on CPU, the trainer's defaults
-otherwise (micro-batches of 8192 padded tokens, kl_beta 0.001). The points of one model run
+otherwise (micro-batches of 8192 padded tokens, kl_beta 0.001); ``--lora-r R`` trains a LoRA
+adapter on every linear layer instead of the full weights (key suffix ``/lora<R>``). The points of one model run
 interleaved (round r = one step of each point in turn) on one model instance; round 0 is the
 warm-up, the median of the other rounds is reported. Results are merged into docs/results/trainer_step.json
 under ``<model>/b<B>/gs<G>/L<len>``.
@@ -29,6 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.common import (  # noqa: E402
     MODEL_SIZES,
+    REAL_MODELS,
     RESULTS,
     count_params,
     machine,
@@ -73,10 +75,15 @@ def measure(model: str, points: list[tuple[int, int]], args: argparse.Namespace)
     mdir = model_dir(model)
     steps: dict[tuple[int, int], list[float]] = {p: [] for p in points}
     ckpts: dict[tuple[int, int], list[float]] = {p: [] for p in points}
+    # CPU seconds of this process (all its threads) per step: on a shared box the wall time
+    # also counts the time other processes held the cores, CPU time much less so
+    cpus: dict[tuple[int, int], list[float]] = {p: [] for p in points}
     with tempfile.TemporaryDirectory() as tmp:
         cfg = GrpoConfig(model_name=str(mdir), save_path=tmp, device="cpu", lr=5e-5,
                          batch_size=max(b for b, _ in points), tensorboard=False,
-                         overwrite=True, training_steps=args.steps * len(points))  # fmt: skip
+                         overwrite=True, training_steps=args.steps * len(points),
+                         lora_r=args.lora_r, precision=args.precision,
+                         micro_batch_tokens=args.micro_batch_tokens)  # fmt: skip
         ref: list[Reference] = []
         run = start_run(cfg, before_resume=lambda lm: ref.append(Reference(lm)))
         ctx = StepContext(run.loaded, ref[0], run.optimizer, run.scheduler, cfg)
@@ -85,35 +92,40 @@ def measure(model: str, points: list[tuple[int, int]], args: argparse.Namespace)
             for batch, gs in points:
                 groups = synthetic_groups(batch // gs, gs, args.seq_len, vocab, seed=rnd)
                 items, _ = flatten_groups(groups, cfg.max_seq_len)
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 stats = grpo_step(ctx, items)
-                t1 = time.perf_counter()
+                t1, c1 = time.perf_counter(), time.process_time()
+                cpus[(batch, gs)].append(c1 - c0)
                 run.state.step += 1
                 run.checkpoint()
                 t2 = time.perf_counter()
                 steps[(batch, gs)].append(t1 - t0)
                 ckpts[(batch, gs)].append(t2 - t1)
                 print(f"  {model} b={batch} gs={gs} L={args.seq_len} round {rnd}: compute "
-                      f"{t1 - t0:.2f}s checkpoint {t2 - t1:.2f}s "
+                      f"{t1 - t0:.2f}s (cpu {c1 - c0:.1f}s) checkpoint {t2 - t1:.2f}s "
                       f"({stats['micro_batches']} micro-batches)", flush=True)  # fmt: skip
         run.metrics.close()
     out = []
     for batch, gs in points:
-        s, c = steps[(batch, gs)], ckpts[(batch, gs)]
+        s, c, cpu = steps[(batch, gs)], ckpts[(batch, gs)], cpus[(batch, gs)]
         steady_s, steady_c = s[1:] or s, c[1:] or c
         out.append({"model": model, "params": count_params(mdir), "batch_sequences": batch,
                     "group_size": gs, "seq_len": args.seq_len, "tokens": batch * args.seq_len,
                     "compute_s": s, "checkpoint_s": c,
-                    "compute_median_s": statistics.median(steady_s),
+                    "compute_median_s": statistics.median(steady_s), "cpu_s": cpu,
+                    "cpu_median_s": statistics.median(cpu[1:] or cpu),
                     "checkpoint_median_s": statistics.median(steady_c),
                     "tokens_per_s": batch * args.seq_len / statistics.median(steady_s),
+                    "lora_r": args.lora_r, "precision": args.precision,
+                    "micro_batch_tokens": args.micro_batch_tokens,
                     "interleaved_with": [list(p) for p in points], "machine": machine()})  # fmt: skip
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--models", default="tiny", help=f"comma list of {sorted(MODEL_SIZES)}")
+    ap.add_argument("--models", default="tiny",
+                    help=f"comma list of {sorted(MODEL_SIZES)} or {list(REAL_MODELS)}")  # fmt: skip
     ap.add_argument("--batch-sizes", default="8", help="sequences per step, comma list")
     ap.add_argument(
         "--group-sizes",
@@ -125,6 +137,11 @@ def main() -> None:
         "--steps", type=int, default=3, help="rounds (steps per point; the first is a warm-up)"
     )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--lora-r", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                    help="trainer compute precision (bf16: autocast, fp32 master weights)")  # fmt: skip
+    ap.add_argument("--micro-batch-tokens", type=int, default=8192,
+                    help="padded tokens per forward/backward (the trainer's default: 8192)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=RESULTS / "trainer_step.json")
     args = ap.parse_args()
     if args.threads:
@@ -139,6 +156,8 @@ def main() -> None:
     for model in parse_list(args.models, str):
         for r in measure(model, points, args):
             key = f"{model}/b{r['batch_sequences']}/gs{r['group_size']}/L{args.seq_len}"
+            key += f"/lora{args.lora_r}" if args.lora_r else ""
+            key += "/bf16" if args.precision == "bf16" else ""
             write_result(args.out, key, r)
             print(f"{model} ({r['params'] / 1e6:.1f}M) b={r['batch_sequences']} "
                   f"gs={r['group_size']} L={args.seq_len}: compute {r['compute_median_s']:.2f}s "

