@@ -78,7 +78,7 @@ def measure(model: str, points: list[tuple[int, int]], args: argparse.Namespace)
                          batch_size=max(b for b, _ in points), tensorboard=False,
                          overwrite=True, training_steps=args.steps * len(points))  # fmt: skip
         ref: list[Reference] = []
-        run = start_run(cfg, before_resume=lambda lm: ref.append(Reference(lm)))
+        run = start_run(cfg, before_resume=lambda lm, _d: ref.append(Reference(lm)))
         ctx = StepContext(run.loaded, ref[0], run.optimizer, run.scheduler, cfg)
         vocab = run.loaded.model.config.vocab_size
         for rnd in range(args.steps):
