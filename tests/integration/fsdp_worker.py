@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--lora", action="store_true")
     ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--max-grad-norm", type=float, default=0.1)  # below the steps' norms
     a = ap.parse_args()
     setup_logging()
     cfg = GrpoConfig(
@@ -91,7 +92,7 @@ def main() -> None:
         resume=a.mode == "resume",
         lora_r=8 if a.lora else 0,
         lora_alpha=16,
-        max_grad_norm=0.1,  # the norm is ~0.2: clipping acts
+        max_grad_norm=a.max_grad_norm,
     )
     reference: list[Reference] = []
     run = start_run(cfg, before_resume=lambda lm, _d: reference.append(Reference(lm)))
