@@ -36,6 +36,7 @@ from launch.placement import (
 )
 from launch.presets import PRESETS, Preset
 from launch.procs import ManagedProcess, free_port, tail
+from launch.trainer_node import publish_trainer_argv
 from vllm_patching.launcher import BridgeServer
 
 PY = sys.executable
@@ -96,6 +97,13 @@ class RunAllConfig(BaseModel):
     )
     tensor_parallel_size: int = Field(
         1, ge=1, description="vLLM --tensor-parallel-size of each server (GPUs per server)."
+    )
+    trainer_procs: int = Field(
+        1,
+        ge=1,
+        description="Trainer processes on this node: >1 runs the trainer under torchrun, "
+        "sharded with FSDP2 (one GPU each on CUDA). Several nodes: set NNODES, NODE_RANK, "
+        "MASTER_ADDR, MASTER_PORT (docs/MULTINODE.md).",
     )
     vllm_args: str | None = Field(
         None,
@@ -372,7 +380,8 @@ def placement(cfg: RunAllConfig, preset: Preset) -> Placement:
         gpus = visible_gpus()
     try:
         return plan_placement(device, cfg.weight_bridge_mode, cfg.single_copy,
-                              cfg.num_inference_servers, cfg.tensor_parallel_size, gpus or [])  # fmt: skip
+                              cfg.num_inference_servers, cfg.tensor_parallel_size, gpus or [],
+                              cfg.trainer_procs)  # fmt: skip
     except PlacementError as e:
         raise ServiceFailed(f"cannot place the processes of preset {cfg.preset}: {e}") from e
 
@@ -394,11 +403,28 @@ def trainer_env(place: Placement) -> dict[str, str]:
     return env
 
 
+def trainer_launcher(cfg: RunAllConfig, environ: dict[str, str] | None = None) -> list[str]:
+    """``python`` for one trainer process; torchrun for ``--trainer-procs N`` or several nodes
+    (``NNODES``/``NODE_RANK``/``MASTER_ADDR``/``MASTER_PORT``, as Atropos users set them)."""
+    env = os.environ if environ is None else environ
+    nnodes = int(env.get("NNODES") or 1)
+    if cfg.trainer_procs == 1 and nnodes == 1:
+        return [PY]
+    run = [PY, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.trainer_procs}"]
+    if nnodes == 1:
+        return [*run, "--standalone"]
+    missing = [v for v in ("NODE_RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(v)]
+    if missing:
+        raise ServiceFailed(f"NNODES={nnodes} needs {', '.join(missing)} set too")
+    return [*run, f"--nnodes={nnodes}", f"--node-rank={env['NODE_RANK']}",
+            f"--master-addr={env['MASTER_ADDR']}", f"--master-port={env['MASTER_PORT']}"]  # fmt: skip
+
+
 def trainer_argv(cfg: RunAllConfig, preset: Preset, model: str, api_url: str,
                  vllm_urls: list[str], token: str, save: Path,
                  device: str = "cpu") -> list[str]:  # fmt: skip
     argv = [
-        PY, "-m", "trainer", "grpo", *recipe_args(cfg), "--model-name", model, "--save-path", str(save),
+        *trainer_launcher(cfg), "-m", "trainer", "grpo", *recipe_args(cfg), "--model-name", model, "--save-path", str(save),
         "--api-url", api_url, "--weight-bridge-mode", cfg.weight_bridge_mode,
         "--server-urls", *vllm_urls, "--bridge-token", token, "--device", device,
         "--training-steps", str(cfg.steps), "--batch-size", str(preset.group_size * preset.batch_groups),
@@ -522,11 +548,10 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     env_argv += shlex.split(cfg.env_args or "")  # last: the env takes the last value
     stack.start("env", env_argv)
     save = run_dir / "trainer"
-    trainer = stack.start(
-        "trainer",
-        trainer_argv(cfg, preset, model, api_url, urls, token, save, place.trainer_device),
-        env=trainer_env(place),
-    )
+    argv = trainer_argv(cfg, preset, model, api_url, urls, token, save, place.trainer_device)
+    if int(os.environ.get("NNODES") or 1) > 1:  # the other nodes' ranks (launch/trainer_node.py)
+        publish_trainer_argv(run_dir, argv)
+    trainer = stack.start("trainer", argv, env=trainer_env(place))
     where = f" on GPU {','.join(place.trainer_gpus)}" if place.trainer_gpus else ""
     print(f"[run_all] env + trainer{where} started; training {cfg.steps} steps", flush=True)
     while trainer.alive():

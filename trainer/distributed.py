@@ -54,6 +54,8 @@ class Dist:
     """The 1-D ``DeviceMesh`` FSDP shards over."""
     control: Any
     """A gloo group for Python objects (leases, stop signals), whatever the main backend."""
+    device: torch.device
+    """This rank's device: ``cuda:LOCAL_RANK`` on CUDA, else the CPU."""
 
     @property
     def is_main(self) -> bool:
@@ -93,7 +95,8 @@ def init_distributed(device: str, control_timeout_s: float) -> Dist | None:
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
     mesh = init_device_mesh("cuda" if use_cuda else "cpu", (dist.get_world_size(),))
     control = dist.new_group(backend="gloo", timeout=timeout)
-    d = Dist(dist.get_rank(), dist.get_world_size(), local_rank, mesh, control)
+    dev = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    d = Dist(dist.get_rank(), dist.get_world_size(), local_rank, mesh, control, dev)
     log.info(
         "rank %d of %d (local rank %d), backend %s",
         d.rank,

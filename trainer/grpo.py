@@ -16,6 +16,7 @@ trainer could wait forever for fresh rollouts that only a sync would bring.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -316,7 +317,10 @@ def _bridge_kwargs(cfg: GrpoConfig, trainer_device: str, sharded: bool = False) 
         "save_dir": f"{cfg.save_path}/bridge",
     }
     if sharded and cfg.weight_bridge_mode == "shared_vllm" and not cfg.single_copy:
-        # Under torchrun MASTER_PORT is the trainer's own rendezvous: the broadcast group
-        # takes a free port on rank 0's host (MASTER_ADDR stays its address).
+        # Under torchrun MASTER_ADDR/MASTER_PORT are the trainer's own rendezvous: the
+        # broadcast group takes a free port on rank 0's host, reached at MASTER_ADDR when the
+        # trainer spans nodes (rank 0 runs on node 0, the rendezvous host).
+        one_node = os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_WORLD_SIZE")
         kwargs["master_port"] = None
+        kwargs["master_address"] = "127.0.0.1" if one_node else os.environ["MASTER_ADDR"]
     return kwargs

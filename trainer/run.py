@@ -101,7 +101,8 @@ def start_run(cfg: CommonConfig, before_resume=None) -> Run:
     torch.manual_seed(cfg.seed)
     save_path = Path(cfg.save_path)
     save_path.mkdir(parents=True, exist_ok=True)
-    loaded = load_model(cfg)
+    on_rank = cfg if d is None else cfg.model_copy(update={"device": str(d.device)})
+    loaded = load_model(on_rank)  # under torchrun on CUDA: each rank on its own GPU
     loaded.model.train()  # from_pretrained returns eval mode
     if before_resume is not None:
         before_resume(loaded, d)
