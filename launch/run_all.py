@@ -36,7 +36,7 @@ from launch.placement import (
 )
 from launch.presets import PRESETS, Preset
 from launch.procs import ManagedProcess, free_port, tail
-from launch.trainer_node import publish_trainer_argv
+from launch.trainer_node import launcher_argv, publish_trainer_argv
 from vllm_patching.launcher import BridgeServer
 
 PY = sys.executable
@@ -404,20 +404,11 @@ def trainer_env(place: Placement) -> dict[str, str]:
 
 
 def trainer_launcher(cfg: RunAllConfig, environ: dict[str, str] | None = None) -> list[str]:
-    """``python`` for one trainer process; torchrun for ``--trainer-procs N`` or several nodes
-    (``NNODES``/``NODE_RANK``/``MASTER_ADDR``/``MASTER_PORT``, as Atropos users set them)."""
-    env = os.environ if environ is None else environ
-    nnodes = int(env.get("NNODES") or 1)
-    if cfg.trainer_procs == 1 and nnodes == 1:
-        return [PY]
-    run = [PY, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.trainer_procs}"]
-    if nnodes == 1:
-        return [*run, "--standalone"]
-    missing = [v for v in ("NODE_RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(v)]
-    if missing:
-        raise ServiceFailed(f"NNODES={nnodes} needs {', '.join(missing)} set too")
-    return [*run, f"--nnodes={nnodes}", f"--node-rank={env['NODE_RANK']}",
-            f"--master-addr={env['MASTER_ADDR']}", f"--master-port={env['MASTER_PORT']}"]  # fmt: skip
+    """``python``, or torchrun for ``--trainer-procs N`` / several nodes (launch/trainer_node.py)."""
+    try:
+        return launcher_argv(PY, cfg.trainer_procs, os.environ if environ is None else environ)
+    except ValueError as e:
+        raise ServiceFailed(str(e)) from e
 
 
 def trainer_argv(cfg: RunAllConfig, preset: Preset, model: str, api_url: str,

@@ -20,9 +20,33 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 ARGV_FILE = "trainer_argv.json"
+
+
+def launcher_argv(python: str, procs: int, env: Mapping[str, str]) -> list[str]:
+    """How to start the trainer: ``python`` alone for one process on one node; torchrun with
+    ``procs`` ranks per node otherwise (``--standalone`` on one node; with ``NNODES`` > 1 the
+    static rendezvous of ``NODE_RANK``/``MASTER_ADDR``/``MASTER_PORT``, as Atropos users set
+    them)."""
+    nnodes = int(env.get("NNODES") or 1)
+    if procs == 1 and nnodes == 1:
+        return [python]
+    run = [python, "-m", "torch.distributed.run", f"--nproc-per-node={procs}"]
+    if nnodes == 1:
+        return [*run, "--standalone"]
+    missing = [v for v in ("NODE_RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(v)]
+    if missing:
+        raise ValueError(f"NNODES={nnodes} needs {', '.join(missing)} set too")
+    return [
+        *run,
+        f"--nnodes={nnodes}",
+        f"--node-rank={env['NODE_RANK']}",
+        f"--master-addr={env['MASTER_ADDR']}",
+        f"--master-port={env['MASTER_PORT']}",
+    ]
 
 
 def publish_trainer_argv(run_dir: Path, argv: list[str]) -> Path:

@@ -14,7 +14,8 @@ log = logging.getLogger(__name__)
 
 class MetricsLogger:
     """Appends ``{"step": N, "time": unix, ...}`` lines to ``path`` (flushed every line, so a
-    killed run keeps every step it logged); mirrors scalars to TensorBoard / W&B if set up."""
+    killed run keeps every step it logged); mirrors scalars to TensorBoard / W&B if set up.
+    ``path=None`` logs nothing (the ranks other than 0 of a sharded trainer)."""
 
     def __init__(
         self,

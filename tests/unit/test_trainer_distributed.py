@@ -93,3 +93,12 @@ def test_gpu_placement_of_several_trainer_ranks() -> None:
         plan_placement("cuda", "shared_vllm", True, 1, 1, list("0123"), trainer_procs=2)
     cpu = plan_placement("cpu", "shared_vllm", False, 1, 1, [], trainer_procs=2)
     assert cpu.trainer_device == "cpu"
+
+
+def test_metrics_of_other_ranks_go_nowhere(tmp_path: Path) -> None:
+    from trainer.metrics import MetricsLogger
+
+    quiet = MetricsLogger(None, tb_dir=tmp_path / "tb")
+    quiet.log(1, {"loss": 1.0})
+    quiet.close()
+    assert not any(tmp_path.iterdir())
