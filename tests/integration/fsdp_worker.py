@@ -4,7 +4,8 @@
 It builds the GRPO trainer exactly as ``python -m trainer grpo`` does (``start_run``: the
 process group, FSDP2 sharding, resume), then runs GRPO steps on fixed batches instead of
 leased ones, and has rank 0 write the whole model and optimizer state (gathered, CPU) to
-``--out`` as ``{tag: {"model": ..., "optim": ..., "stats": ...}}`` for the test to compare.
+``--out`` as ``{tag: {"model": ..., "optim": ..., "stats": ...}}`` for the test to compare
+(and, ``save`` under torchrun, ``"replica"``: rank 0's weight-sync copy after the gather).
 
 Modes: ``step`` (one step on batch 1), ``save`` (step on batch 1, checkpoint, step on batch 2),
 ``resume`` (resume the latest checkpoint, then step on batch 2).
@@ -20,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from trainer.batch import flatten_groups
 from trainer.config import GrpoConfig
+from trainer.dist_weights import SyncReplica, make_replica
 from trainer.distributed import Work, shutdown
 from trainer.grpo_step import StepContext, grpo_step
 from trainer.model import Reference
@@ -95,7 +97,13 @@ def main() -> None:
         max_grad_norm=a.max_grad_norm,
     )
     reference: list[Reference] = []
-    run = start_run(cfg, before_resume=lambda lm, _d: reference.append(Reference(lm)))
+    replica: list[torch.nn.Module | None] = []  # rank 0's weight-sync copy (as trainer.grpo)
+
+    def prepare(lm: Any, d: Any) -> None:
+        reference.append(Reference(lm))
+        replica.append(make_replica(lm.model, d))
+
+    run = start_run(cfg, before_resume=prepare)
     if run.dist is not None:
         reference[0].shard(run.dist)
     ctx = StepContext(
@@ -113,6 +121,10 @@ def main() -> None:
         out["after2"] = snapshot(run, step(2))
     else:
         out["after1"] = snapshot(run, step(1))
+        if run.dist is not None:  # gather into the replica, as after every GRPO step
+            SyncReplica(run.loaded.model, replica[0], run.dist, run.loaded.is_lora).gather()
+            if run.is_main:
+                out["replica"] = {n: p.detach().clone() for n, p in replica[0].named_parameters()}
         if a.mode == "save":
             run.checkpoint()
             out["after2"] = snapshot(run, step(2))

@@ -3,6 +3,8 @@
 (a) One GRPO step on the same batch gives the same weights at 2 ranks as one process, and
     so does a second step (with clipping active): within 1e-5 absolute (fp32 sums in another
     order; measured 1.3e-6 after two steps at lr 1e-3, docs/TRAINER.md). Full and LoRA.
+    After the step, the gather leaves rank 0's weight-sync replica (what the bridge sends)
+    bitwise equal to the trained weights.
 (b) A sharded checkpoint resumes exactly: at 2 ranks the loaded weights and AdamW state are
     bitwise those saved and the next step is bitwise the uninterrupted one; at 1 rank (a
     plain process, no torch.distributed) the loaded state is bitwise the same; a one-process
@@ -83,6 +85,9 @@ def test_two_ranks_step_like_one_process(tiny_model_dir: Path, tmp_path: Path, l
         assert s2["grad_norm"] == pytest.approx(s1["grad_norm"], rel=1e-4)  # fp32 norm sums
         assert s2["grad_norm"] > clip
         assert max_diff(one[tag], two[tag]) < TOL
+    for name, value in two["replica"].items():  # what rank 0 hands the bridge: the weights
+        assert torch.equal(value, two["after1"]["model"][name]), name
+    assert len(two["replica"]) >= len(two["after1"]["model"]) - 1  # all but a tied lm_head
     start = {k: v for k, v in one["after1"]["model"].items()}
     assert any(not torch.equal(start[k], v) for k, v in one["after2"]["model"].items())
 
