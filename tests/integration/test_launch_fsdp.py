@@ -11,7 +11,10 @@ export: the whole model, or the adapter on the SFT base). The 3-step SFT model o
 shared fixture answers the same degenerate text before and after such an update, so this
 comparison cannot by itself reveal a sync that never happened; the bitwise check that the
 gather fills rank 0's replica with the trained weights is in test_trainer_fsdp.py, and the
-bridge's token-level check of what vLLM serves in test_bridge_modes.py.
+bridge's token-level check of what vLLM serves in test_bridge_modes.py. Under LoRA the
+fixture's rollouts all score 0 with no rationale span, so every advantage is 0, the adapter's
+B stays 0 and the run checks the plumbing (2 ranks, gather, adapter per version, versions),
+not a moved policy.
 """
 
 from __future__ import annotations
