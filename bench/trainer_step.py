@@ -85,7 +85,7 @@ def measure(model: str, points: list[tuple[int, int]], args: argparse.Namespace)
                          lora_r=args.lora_r, precision=args.precision,
                          micro_batch_tokens=args.micro_batch_tokens)  # fmt: skip
         ref: list[Reference] = []
-        run = start_run(cfg, before_resume=lambda lm: ref.append(Reference(lm)))
+        run = start_run(cfg, before_resume=lambda lm, _d: ref.append(Reference(lm)))
         ctx = StepContext(run.loaded, ref[0], run.optimizer, run.scheduler, cfg)
         vocab = run.loaded.model.config.vocab_size
         for rnd in range(args.steps):

@@ -76,8 +76,12 @@ def plan_placement(
     num_servers: int,
     tensor_parallel_size: int,
     gpus: Sequence[str],
+    trainer_procs: int = 1,
 ) -> Placement:
-    """The devices of every process, or a ``PlacementError`` saying what is missing."""
+    """The devices of every process, or a ``PlacementError`` saying what is missing.
+
+    ``trainer_procs`` > 1 (an FSDP trainer under torchrun, one GPU per rank) takes that many
+    GPUs of its own after the servers'."""
     if num_servers < 1 or tensor_parallel_size < 1:
         raise PlacementError("num_servers and tensor_parallel_size must be >= 1")
     if device == "cpu":
@@ -103,6 +107,19 @@ def plan_placement(
         )
     servers = [list(gpus[i * tp : (i + 1) * tp]) for i in range(num_servers)]
     left = list(gpus[num_servers * tp :])
+    if trainer_procs > 1:
+        if single_copy:
+            raise PlacementError(
+                "--single-copy shares the server's GPU with one trainer process; "
+                f"--trainer-procs {trainer_procs} needs the broadcast (drop --single-copy)"
+            )
+        if len(left) < trainer_procs:
+            raise PlacementError(
+                f"{num_servers} server(s) x tensor-parallel {tp} + {trainer_procs} trainer "
+                f"ranks need {num_servers * tp + trainer_procs} GPU(s), found {len(gpus)}"
+            )
+        return Placement(server_gpus=servers, trainer_gpus=left[:trainer_procs],
+                         trainer_device="cuda", shares_gpu=False)  # fmt: skip
     if single_copy or not left:
         trainer, shares = [servers[0][0]], True
     else:

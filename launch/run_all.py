@@ -39,6 +39,7 @@ from launch.placement import (
 from launch.presets import PRESETS, Preset
 from launch.procs import ManagedProcess, free_port, tail
 from launch.threads import ThreadPlan, available_cores, light_env, plan_threads
+from launch.trainer_node import launcher_argv, publish_trainer_argv
 from vllm_patching.launcher import BridgeServer
 
 PY = sys.executable
@@ -99,6 +100,13 @@ class RunAllConfig(BaseModel):
     )
     tensor_parallel_size: int = Field(
         1, ge=1, description="vLLM --tensor-parallel-size of each server (GPUs per server)."
+    )
+    trainer_procs: int = Field(
+        1,
+        ge=1,
+        description="Trainer processes on this node: >1 runs the trainer under torchrun, "
+        "sharded with FSDP2 (one GPU each on CUDA). Several nodes: set NNODES, NODE_RANK, "
+        "MASTER_ADDR, MASTER_PORT (docs/MULTINODE.md).",
     )
     vllm_args: str | None = Field(
         None,
@@ -383,7 +391,8 @@ def placement(cfg: RunAllConfig, preset: Preset) -> Placement:
         gpus = visible_gpus()
     try:
         return plan_placement(device, cfg.weight_bridge_mode, cfg.single_copy,
-                              cfg.num_inference_servers, cfg.tensor_parallel_size, gpus or [])  # fmt: skip
+                              cfg.num_inference_servers, cfg.tensor_parallel_size, gpus or [],
+                              cfg.trainer_procs)  # fmt: skip
     except PlacementError as e:
         raise ServiceFailed(f"cannot place the processes of preset {cfg.preset}: {e}") from e
 
@@ -405,11 +414,19 @@ def trainer_env(place: Placement) -> dict[str, str]:
     return env
 
 
+def trainer_launcher(cfg: RunAllConfig, environ: dict[str, str] | None = None) -> list[str]:
+    """``python``, or torchrun for ``--trainer-procs N`` / several nodes (launch/trainer_node.py)."""
+    try:
+        return launcher_argv(PY, cfg.trainer_procs, os.environ if environ is None else environ)
+    except ValueError as e:
+        raise ServiceFailed(str(e)) from e
+
+
 def trainer_argv(cfg: RunAllConfig, preset: Preset, model: str, api_url: str,
                  vllm_urls: list[str], token: str, save: Path,
                  device: str = "cpu") -> list[str]:  # fmt: skip
     argv = [
-        PY, "-m", "trainer", "grpo", *recipe_args(cfg), "--model-name", model, "--save-path", str(save),
+        *trainer_launcher(cfg), "-m", "trainer", "grpo", *recipe_args(cfg), "--model-name", model, "--save-path", str(save),
         "--api-url", api_url, "--weight-bridge-mode", cfg.weight_bridge_mode,
         "--server-urls", *vllm_urls, "--bridge-token", token, "--device", device,
         "--training-steps", str(cfg.steps), "--batch-size", str(preset.group_size * preset.batch_groups),
@@ -539,11 +556,10 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     env_argv += shlex.split(cfg.env_args or "")  # last: the env takes the last value
     stack.start("env", env_argv, light)
     save = run_dir / "trainer"
-    trainer = stack.start(
-        "trainer",
-        trainer_argv(cfg, preset, model, api_url, urls, token, save, place.trainer_device),
-        env={**trainer_env(place), **threads.trainer_env},
-    )
+    argv = trainer_argv(cfg, preset, model, api_url, urls, token, save, place.trainer_device)
+    if int(os.environ.get("NNODES") or 1) > 1:  # the other nodes' ranks (launch/trainer_node.py)
+        publish_trainer_argv(run_dir, argv)
+    trainer = stack.start("trainer", argv, env={**trainer_env(place), **threads.trainer_env})
     where = f" on GPU {','.join(place.trainer_gpus)}" if place.trainer_gpus else ""
     print(f"[run_all] env + trainer{where} started; training {cfg.steps} steps", flush=True)
     while trainer.alive():

@@ -36,14 +36,17 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging()
     logging.getLogger("trainer").info("%s config:\n%s", ns.command, report(resolved))
+    from trainer.distributed import shutdown
+
     if ns.command == "sft":
         from trainer.sft import train as train_sft
 
-        train_sft(cfg)
+        run = train_sft(cfg)
     else:
         from trainer.grpo import train as train_grpo
 
-        train_grpo(cfg)
+        run = train_grpo(cfg)
+    shutdown(run.dist)  # under torchrun: leave the process group cleanly
     return 0
 
 

@@ -113,6 +113,13 @@ def save_checkpoint(
     (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
     for name, obj in (extra_state or {}).items():
         torch.save(obj.state_dict(), tmp / f"{name}.pt")
+    return publish(tmp, final, save_path, keep)
+
+
+def publish(tmp: Path, final: Path, save_path: str | Path, keep: int) -> Path:
+    """fsync the complete checkpoint ``tmp``, rename it to ``final`` (replacing a checkpoint
+    of the same step) and prune ``save_path`` to the newest ``keep``."""
+    root = final.parent
     _fsync_tree(tmp)
     if final.exists():  # same step saved again (e.g. end of run right after a periodic save)
         old = root / f".old-{final.name}-{os.getpid()}"

@@ -20,14 +20,19 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from typing import Any
 
+import torch
+
 from trainer.batch import _field, flatten_groups
 from trainer.config import GrpoConfig
+from trainer.dist_weights import SyncReplica, make_replica
+from trainer.distributed import Dist, Work, launched_by_torchrun
 from trainer.gail import build_gail_reward
 from trainer.grpo_step import StepContext, grpo_step
-from trainer.model import Reference
+from trainer.model import LoadedModel, Reference
 from trainer.run import Run, start_run
 
 log = logging.getLogger(__name__)
@@ -38,38 +43,56 @@ def train(cfg: GrpoConfig) -> Run:
     from api.client import ApiClient  # after config parsing: keeps --help fast
     from trainer.bridge import make_bridge
 
+    if cfg.gail.use and launched_by_torchrun():
+        raise SystemExit(
+            "error: GAIL (--gail.use) runs in a single trainer process only; "
+            "launch without torchrun"
+        )
     reference: list[Reference] = []  # of the start model: built before a resume loads weights
-    build_ref = (lambda lm: reference.append(Reference(lm))) if cfg.kl_beta > 0 else None
-    run = start_run(cfg, before_resume=build_ref)
-    ctx = StepContext(run.loaded, reference[0] if reference else None, run.optimizer,
-                      run.scheduler, cfg)  # fmt: skip
+    replica: list[torch.nn.Module | None] = []  # rank 0's unsharded copy (trainer/dist_weights)
+
+    def prepare(lm: LoadedModel, d: Dist | None) -> None:
+        if cfg.kl_beta > 0:
+            reference.append(Reference(lm))
+        replica.append(make_replica(lm.model, d))
+
+    run = start_run(cfg, before_resume=prepare)
+    d, main = run.dist, run.is_main
+    ref = reference[0] if reference else None
+    if d is not None and ref is not None:
+        ref.shard(d)
+    ctx = StepContext(run.loaded, ref, run.optimizer, run.scheduler, cfg, Work.of(d))
     gail = build_gail_reward(cfg.gail, run)  # None unless GAIL is on (docs/GAIL.md)
-    api = ApiClient(cfg.api_url, token=cfg.api_token, give_up_s=cfg.reconnect_timeout)
-    bridge = _retrying(cfg, "connect to the inference servers", lambda: make_bridge(
-        cfg.weight_bridge_mode, cfg.inference_urls(),
-        **_bridge_kwargs(cfg, str(run.loaded.device))))  # fmt: skip
-    weights = WeightSync(bridge, run.loaded.model, cfg)
+    gathered = (
+        None if d is None else SyncReplica(run.loaded.model, replica[0], d, run.loaded.is_lora)
+    )
+    api = bridge = weights = None
+    if main:  # only rank 0 talks to the API and the inference servers
+        api = ApiClient(cfg.api_url, token=cfg.api_token, give_up_s=cfg.reconnect_timeout)
+        bridge = _retrying(
+            cfg,
+            "connect to the inference servers",
+            lambda: make_bridge(
+                cfg.weight_bridge_mode,
+                cfg.inference_urls(),
+                **_bridge_kwargs(cfg, str(run.loaded.device), sharded=d is not None),
+            ),
+        )
+        weights = WeightSync(bridge, replica[0] or run.loaded.model, cfg)
     state, pending_acks = run.state, []
     try:
         if run.resumed_from is not None:  # inference may hold weights of a lost lineage
-            _ack_checkpointed(api, state.recent_batches)
-            weights.sync(state.policy_version)
-            api.set_policy_version(state.policy_version)
+            if gathered is not None:
+                gathered.gather()
+            if main:
+                _ack_checkpointed(api, state.recent_batches)
+                weights.sync(state.policy_version)
+                api.set_policy_version(state.policy_version)
         while state.step < cfg.training_steps:
             t0 = time.monotonic()
-            batch_id, leased = _lease(api, cfg, weights, state.policy_version)
-            groups = _untrained(leased, state.recent_batches)
-            if not groups:  # trained and checkpointed before a crash; only the ack was lost
-                log.info("batch %s was already trained in this lineage; acking it", batch_id)
-                api.ack(batch_id)
-                continue
+            batch_id, groups = _next_batch(run, api, weights)
             t1 = time.monotonic()
             items, dropped = flatten_groups(groups, cfg.max_seq_len)
-            if not any(i.trainable for i in items):  # retrying could never succeed
-                log.warning("batch %s has no sequence within max_seq_len; acked untrained",
-                            batch_id)  # fmt: skip
-                api.ack(batch_id)
-                continue
             bonus, gail_stats = gail(groups, items) if gail is not None else (None, {})
             stats = {**grpo_step(ctx, items, extra_reward=bonus), **gail_stats}
             staleness = _staleness(state.policy_version, items)
@@ -82,11 +105,14 @@ def train(cfg: GrpoConfig) -> Run:
             pending_acks.append(batch_id)
             t2 = time.monotonic()
             if state.step % cfg.save_every == 0 or state.step == cfg.training_steps:
-                run.checkpoint()
-                for done in pending_acks:  # durable now: safe to let the API forget them
+                run.checkpoint()  # every rank: its shards (trainer/dist_checkpoint.py)
+                for done in pending_acks if main else []:  # durable now: the API may forget
                     api.ack(done)
                 pending_acks.clear()
             t3 = time.monotonic()
+            gather_s = gathered.gather() if gathered is not None else 0.0
+            if not main:
+                continue
             weights.sync(state.policy_version)
             api.set_policy_version(state.policy_version)
             t4 = time.monotonic()
@@ -95,15 +121,56 @@ def train(cfg: GrpoConfig) -> Run:
                 "batch_id": batch_id, "dropped_sequences": dropped, "wait_s": t1 - t0,
                 "step_s": t2 - t1, "checkpoint_s": t3 - t2, "sync_s": t4 - t3,
                 "skipped_updates": state.skipped_updates,
+                **({"gather_s": gather_s} if d is not None else {}),
             })  # fmt: skip
             log.info("step %d loss %.4f score %.3f kl %.2e clip %.3f wait %.1fs sync %.1fs",
                      state.step, stats["loss"], stats["score_mean"], stats["kl"],
                      stats["clip_fraction"], t1 - t0, t4 - t3)  # fmt: skip
     finally:
-        bridge.close()
-        api.close()
+        if bridge is not None:
+            bridge.close()
+        if api is not None:
+            api.close()
         run.metrics.close()
     return run
+
+
+def _next_batch(run: Run, api: Any, weights: WeightSync | None) -> tuple[str, list[Any]]:
+    """The next batch to train, on every rank: rank 0 (or the only process) leases until a
+    batch holds something to train, then hands it to the other ranks, which wait for it."""
+    d = run.dist
+    if not run.is_main:
+        got = d.broadcast()
+        if got is None:
+            raise SystemExit("error: rank 0 stopped (its log, trainer.log, says why)")
+        return got
+    try:
+        got = _lease_trainable(api, run.cfg, weights, run.state)
+    except BaseException:
+        if d is not None:  # the other ranks must not wait for a batch that never comes
+            d.broadcast(None)
+        raise
+    if d is not None:
+        d.broadcast(got)
+    return got
+
+
+def _lease_trainable(api: Any, cfg: GrpoConfig, weights: Any, state: Any) -> tuple[str, list]:
+    """Lease until a batch has a sequence to train; ack the ones that have none."""
+    while True:
+        batch_id, leased = _lease(api, cfg, weights, state.policy_version)
+        groups = _untrained(leased, state.recent_batches)
+        if not groups:  # trained and checkpointed before a crash; only the ack was lost
+            log.info("batch %s was already trained in this lineage; acking it", batch_id)
+            api.ack(batch_id)
+            continue
+        items, _ = flatten_groups(groups, cfg.max_seq_len)
+        if not any(i.trainable for i in items):  # retrying could never succeed
+            log.warning("batch %s has no sequence within max_seq_len; acked untrained",
+                        batch_id)  # fmt: skip
+            api.ack(batch_id)
+            continue
+        return batch_id, groups
 
 
 class WeightSync:
@@ -250,6 +317,8 @@ def _skipped(api: Any, run: Run, batch_id: str, groups: list[Any], stats: dict[s
     skip it again), and the skip is counted in ``skipped_updates`` and logged with its ids."""
     state = run.state
     state.skipped_updates += 1
+    if not run.is_main:  # every rank saw the same reduced norm; rank 0 tells the API
+        return
     api.skip(batch_id)
     group_ids = [str(_field(g, "group_id")) for g in groups]
     run.metrics.log(
@@ -280,12 +349,12 @@ def _staleness(current_version: int, items: list[Any]) -> dict[str, float]:
     return {"staleness_mean": sum(lags) / len(lags), "staleness_max": float(max(lags))}
 
 
-def _bridge_kwargs(cfg: GrpoConfig, trainer_device: str) -> dict[str, Any]:
+def _bridge_kwargs(cfg: GrpoConfig, trainer_device: str, sharded: bool = False) -> dict[str, Any]:
     """``trainer_device``: the trainer's torch device (``cpu``, ``cuda:N``)."""
     own = trainer_device.split(":")[0]
     device = own if cfg.inference_device == "auto" else cfg.inference_device
     extra = {"trainer_device": trainer_device} if device == "cuda" else {}
-    return {
+    kwargs: dict[str, Any] = {
         **extra,
         "device": device,
         "single_copy": cfg.single_copy,
@@ -293,3 +362,11 @@ def _bridge_kwargs(cfg: GrpoConfig, trainer_device: str) -> dict[str, Any]:
         "restart_interval": cfg.vllm_restart_interval,
         "save_dir": f"{cfg.save_path}/bridge",
     }
+    if sharded and cfg.weight_bridge_mode == "shared_vllm" and not cfg.single_copy:
+        # Under torchrun MASTER_ADDR/MASTER_PORT are the trainer's own rendezvous: the
+        # broadcast group takes a free port on rank 0's host, reached at MASTER_ADDR when the
+        # trainer spans nodes (rank 0 runs on node 0, the rendezvous host).
+        one_node = os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_WORLD_SIZE")
+        kwargs["master_port"] = None
+        kwargs["master_address"] = "127.0.0.1" if one_node else os.environ["MASTER_ADDR"]
+    return kwargs

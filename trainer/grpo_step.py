@@ -8,12 +8,13 @@ reference logprobs for the KL; the second pass computes the loss and accumulates
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from trainer.batch import SeqItem, collate, micro_batches
 from trainer.config import GrpoConfig
+from trainer.distributed import Work
 from trainer.loss import group_advantages, policy_loss, self_certainty, shift_aligned, token_stats
 from trainer.model import LoadedModel, Reference, autocast, vocab_size
 from trainer.optim import clip_and_step
@@ -26,6 +27,8 @@ class StepContext:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     cfg: GrpoConfig
+    work: Work = field(default_factory=Work)
+    """Which micro-batches this rank runs (all of them on one process; trainer/distributed.py)."""
 
 
 def _logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -36,16 +39,26 @@ def _logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Ten
 
 @torch.no_grad()
 def _scoring_pass(ctx: StepContext, mbs: list[list[SeqItem]], n_items: int):
-    """Per-item self-certainty, per-micro-batch reference logprobs, and batch statistics."""
+    """Per-item self-certainty, reference logprobs per micro-batch this rank trains, and
+    batch statistics (summed over ranks)."""
     lm, cfg = ctx.loaded, ctx.cfg
     certainty = torch.zeros(n_items)
     ref_lps: list[torch.Tensor | None] = []
     ent_sum = tok_sum = mismatch_sum = 0.0
     lm.model.eval()  # no dropout while measuring
-    for mb in mbs:
+    for mb, real in ctx.work.split(mbs):
         batch = collate(mb, lm.tokenizer.pad_token_id, lm.device)
         with autocast(lm.device, lm.compute_dtype):
             stats = token_stats(_logits(lm.model, batch), batch["tokens"], cfg.temperature)
+        ref_lp = None
+        if ctx.reference is not None and cfg.kl_beta > 0:
+            with ctx.reference.model() as ref, autocast(lm.device, lm.compute_dtype):
+                ref_stats = token_stats(_logits(ref, batch), batch["tokens"], cfg.temperature,
+                                        with_entropy=False)  # fmt: skip
+            ref_lp = ref_stats.logprobs
+        if not real:  # a padding pass (other ranks have one more micro-batch)
+            continue
+        ref_lps.append(ref_lp)
         mask = shift_aligned(batch["mask"]).float()
         span = shift_aligned(batch["rationale"])
         sc = self_certainty(stats.entropy, span, vocab_size(lm.model))
@@ -54,15 +67,12 @@ def _scoring_pass(ctx: StepContext, mbs: list[list[SeqItem]], n_items: int):
         tok_sum += float(mask.sum())
         inf_lp = shift_aligned(batch["logprobs"])
         mismatch_sum += float(((stats.logprobs - inf_lp).abs() * mask).sum())
-        ref_lps.append(None)
-        if ctx.reference is not None and cfg.kl_beta > 0:
-            with ctx.reference.model() as ref, autocast(lm.device, lm.compute_dtype):
-                ref_stats = token_stats(_logits(ref, batch), batch["tokens"], cfg.temperature,
-                                        with_entropy=False)  # fmt: skip
-            ref_lps[-1] = ref_stats.logprobs
     lm.model.train()
-    tok = max(tok_sum, 1.0)
-    return certainty, ref_lps, {"entropy": ent_sum / tok, "logprob_mismatch": mismatch_sum / tok}
+    ctx.work.sum_tensor(certainty)  # each item is scored on exactly one rank
+    sums = ctx.work.sum({"ent": ent_sum, "tok": tok_sum, "mismatch": mismatch_sum})
+    tok = max(sums["tok"], 1.0)
+    stats = {"entropy": sums["ent"] / tok, "logprob_mismatch": sums["mismatch"] / tok}
+    return certainty, ref_lps, stats
 
 
 def grpo_step(
@@ -92,9 +102,12 @@ def grpo_step(
     trainable = [i for mb in mbs for i in mb]
     n_tokens = sum(sum(i.mask[1:]) for i in trainable)
     normaliser = float(n_tokens if cfg.loss_aggregation == "token" else len(trainable))
-    sums: dict[str, float] = {}
+    sums = dict.fromkeys(("kl", "clipped", "ratio", "iw", "iw_truncated", "tokens"), 0.0)
     loss_total = 0.0
-    for mb, ref_lp in zip(mbs, ref_lps, strict=True):
+    mine = ctx.work.split(mbs)
+    real_refs = iter(ref_lps)
+    for mb, real in mine:
+        ref_lp = next(real_refs) if real else None
         batch = collate(mb, lm.tokenizer.pad_token_id, lm.device)
         with autocast(lm.device, lm.compute_dtype):
             logits = _logits(lm.model, batch)
@@ -112,10 +125,15 @@ def grpo_step(
             kl_beta=cfg.kl_beta,
             aggregation=cfg.loss_aggregation,
         )
+        if not real:  # same collectives as the other ranks, no contribution
+            (out.loss * 0.0).backward()
+            continue
         out.loss.backward()
         loss_total += float(out.loss.detach())
         for k, v in out.sums.items():
-            sums[k] = sums.get(k, 0.0) + v
+            sums[k] += v
+    sums = ctx.work.sum({**sums, "loss": loss_total})
+    loss_total = sums["loss"]
     grad_norm = clip_and_step(lm.model, ctx.optimizer, ctx.scheduler, cfg.max_grad_norm)
     tok = max(sums["tokens"], 1.0)
     return {

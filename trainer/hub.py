@@ -17,8 +17,9 @@ from trainer.config import CommonConfig
 
 log = logging.getLogger(__name__)
 
-LOCAL_ONLY = ["optimizer.pt", "scheduler.pt", "rng.pt"]
-"""Checkpoint files that are not pushed."""
+LOCAL_ONLY = ["optimizer.pt", "scheduler.pt", "rng.pt", "rng_rank*.pt", "dcp/*"]
+"""Checkpoint files that are not pushed (``dcp/``: a sharded trainer's weights + optimizer
+shards, trainer/dist_checkpoint.py; ``model/`` holds the same weights, servable)."""
 _created: set[str] = set()
 
 

@@ -14,19 +14,23 @@ log = logging.getLogger(__name__)
 
 class MetricsLogger:
     """Appends ``{"step": N, "time": unix, ...}`` lines to ``path`` (flushed every line, so a
-    killed run keeps every step it logged); mirrors scalars to TensorBoard / W&B if set up."""
+    killed run keeps every step it logged); mirrors scalars to TensorBoard / W&B if set up.
+    ``path=None`` logs nothing (the ranks other than 0 of a sharded trainer)."""
 
     def __init__(
         self,
-        path: Path,
+        path: Path | None,
         tb_dir: Path | None = None,
         wandb_project: str | None = None,
         run_config: dict[str, Any] | None = None,
     ) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        self._file = None
         self._tb = None
         self._wandb = None
+        if path is None:  # a logger that logs nothing (the other ranks of a sharded trainer)
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
         if tb_dir is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -43,6 +47,8 @@ class MetricsLogger:
                 log.warning("wandb_project is set but wandb is not installed; not logging there")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if self._file is None:
+            return
         row = {"step": step, "time": round(time.time(), 3), **metrics}
         self._file.write(json.dumps(_finite(row), default=str) + "\n")
         scalars = {
@@ -57,7 +63,8 @@ class MetricsLogger:
             self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:

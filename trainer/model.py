@@ -9,6 +9,7 @@ import importlib.util
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
@@ -133,6 +134,14 @@ class Reference:
             for p in frozen.parameters():
                 p.requires_grad_(False)
             self._frozen = frozen
+
+    def shard(self, d: Any) -> None:
+        """Under torchrun: shard the frozen copy like the policy (trainer/distributed.py);
+        the LoRA reference is the (already sharded) policy itself."""
+        if self._frozen is not None:
+            from trainer.distributed import shard_model
+
+            shard_model(self._frozen, d, self._loaded.compute_dtype)
 
     @contextlib.contextmanager
     def model(self) -> Iterator[torch.nn.Module]:

@@ -69,7 +69,13 @@ def clip_and_step(
     skip as ``not math.isfinite(norm)`` and must not count it as a step)."""
     params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
     limit = max_grad_norm if max_grad_norm > 0 else float("inf")
-    norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
+    # clip_grad_norm_ in its two halves, so that under FSDP2 the norm of the sharded (DTensor)
+    # gradients is reduced over ranks before it scales them: every rank clips alike.
+    total = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, limit, total)
+    norm = float(total)
     if math.isfinite(norm):
         optimizer.step()
         scheduler.step()

@@ -1,4 +1,8 @@
-"""What SFT and GRPO share: seeding, model + optimizer + schedule, resume, metrics."""
+"""What SFT and GRPO share: seeding, model + optimizer + schedule, resume, metrics.
+
+Under torchrun (trainer/distributed.py) the same ``start_run`` also joins the process group,
+shards the model with FSDP2 after the start model (and the KL reference) are built, and
+resumes from a sharded or a single-process checkpoint; only rank 0 writes metrics."""
 
 from __future__ import annotations
 
@@ -15,10 +19,12 @@ from trainer.checkpoint import (
     TrainerState,
     checkpoints_dir,
     latest_checkpoint,
-    load_checkpoint,
+    load_weights,
     save_checkpoint,
 )
 from trainer.config import CommonConfig
+from trainer.dist_checkpoint import is_sharded, load_any, save_sharded
+from trainer.distributed import Dist, init_distributed, shard_model
 from trainer.hub import push_checkpoint
 from trainer.metrics import MetricsLogger
 from trainer.model import LoadedModel, load_model
@@ -40,13 +46,40 @@ class Run:
     extra_state: dict[str, Any] = field(default_factory=dict)
     """Other stateful parts saved in every checkpoint as ``<name>.pt`` (name -> object with
     ``state_dict()``), e.g. the GAIL discriminator; each restores itself on resume."""
+    dist: Dist | None = None
+    """This rank under torchrun (the model is FSDP2-sharded); None: one process."""
+
+    @property
+    def is_main(self) -> bool:
+        """The process that talks to the services and writes logs (rank 0, or the only one)."""
+        return self.dist is None or self.dist.is_main
 
     def checkpoint(self) -> Path:
-        path = save_checkpoint(self.cfg.save_path, self.loaded.model, self.loaded.tokenizer,
-                               self.optimizer, self.scheduler, self.state,
-                               keep=self.cfg.keep_checkpoints,
-                               extra_state=self.extra_state)  # fmt: skip
-        push_checkpoint(self.cfg, path)  # only with --hub-repo-id
+        lm, cfg = self.loaded, self.cfg
+        if self.dist is not None:  # every rank writes its shards (trainer/dist_checkpoint.py)
+            path = save_sharded(
+                cfg.save_path,
+                lm.model,
+                lm.tokenizer,
+                self.optimizer,
+                self.scheduler,
+                self.state,
+                self.dist,
+                keep=cfg.keep_checkpoints,
+            )
+        else:
+            path = save_checkpoint(
+                cfg.save_path,
+                lm.model,
+                lm.tokenizer,
+                self.optimizer,
+                self.scheduler,
+                self.state,
+                keep=cfg.keep_checkpoints,
+                extra_state=self.extra_state,
+            )
+        if self.is_main:
+            push_checkpoint(cfg, path)  # only with --hub-repo-id
         return path
 
 
@@ -59,39 +92,80 @@ def setup_logging() -> None:
 def start_run(cfg: CommonConfig, before_resume=None) -> Run:
     """Seed, load the model and optimizer, and (``--resume``) restore the latest checkpoint.
 
-    ``before_resume(loaded)`` runs after the start model is loaded and before checkpointed
-    weights replace it (GRPO builds its KL reference there: the reference is the start model).
+    ``before_resume(loaded, dist)`` runs after the start model is loaded and before checkpointed
+    weights replace it (GRPO builds its KL reference there: the reference is the start model)
+    and, under torchrun, before the model is sharded.
     """
+    d = init_distributed(cfg.device, _control_timeout(cfg))
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     save_path = Path(cfg.save_path)
     save_path.mkdir(parents=True, exist_ok=True)
-    loaded = load_model(cfg)
+    on_rank = cfg if d is None else cfg.model_copy(update={"device": str(d.device)})
+    loaded = load_model(on_rank)  # under torchrun on CUDA: each rank on its own GPU
     loaded.model.train()  # from_pretrained returns eval mode
     if before_resume is not None:
-        before_resume(loaded)
+        before_resume(loaded, d)
+    resumed_from = _checkpoint_to_resume(cfg, d)  # the same on every rank
+    if d is not None:
+        if resumed_from is not None and not is_sharded(resumed_from):
+            load_weights(loaded.model, resumed_from / "model")  # a one-process checkpoint
+        shard_model(loaded.model, d, loaded.compute_dtype)
     optimizer = build_optimizer(loaded.model, cfg)
     scheduler = build_scheduler(optimizer, cfg)
-    state, resumed_from = TrainerState(), None
+    state = TrainerState()
+    if resumed_from is not None:
+        state = load_any(resumed_from, loaded.model, optimizer, scheduler, d)
+        log.info("resumed from %s at step %d", resumed_from, state.step)
+    if d is None or d.is_main:
+        metrics = MetricsLogger(
+            save_path / "metrics.jsonl",
+            tb_dir=save_path / "tb" if cfg.tensorboard else None,
+            wandb_project=cfg.wandb_project,
+            run_config=cfg.model_dump(),
+        )
+        (save_path / "trainer_config.json").write_text(cfg.model_dump_json(indent=1))
+    else:
+        metrics = MetricsLogger(None)
+    return Run(cfg, loaded, optimizer, scheduler, state, metrics, resumed_from, dist=d)
+
+
+def _checkpoint_to_resume(cfg: CommonConfig, d: Dist | None) -> Path | None:
+    """Which checkpoint to resume (``--resume``), after the checks against mixing lineages;
+    decided (and ``--overwrite`` carried out) by rank 0 alone, then told to every rank."""
+    if d is not None and not d.is_main:
+        outcome = d.broadcast()
+    else:
+        try:
+            outcome = ("ok", _decide_resume(cfg))
+        except SystemExit as e:
+            outcome = ("exit", str(e.code))
+        if d is not None:
+            d.broadcast(outcome)
+    if outcome[0] == "exit":
+        raise SystemExit(outcome[1])
+    return outcome[1]
+
+
+def _decide_resume(cfg: CommonConfig) -> Path | None:
+    save_path = Path(cfg.save_path)
     if cfg.resume:  # --resume / --resume-from-checkpoint latest|PATH (trainer/resume.py)
         resumed_from = resume_checkpoint(cfg)
         if resumed_from is None:
             log.warning("--resume: no checkpoint under %s yet; starting fresh", save_path)
-        else:
-            state = load_checkpoint(resumed_from, loaded.model, optimizer, scheduler)
-            log.info("resumed from %s at step %d", resumed_from, state.step)
-    elif cfg.overwrite:
+        return resumed_from
+    if cfg.overwrite:
         shutil.rmtree(checkpoints_dir(save_path), ignore_errors=True)
     elif latest_checkpoint(save_path) is not None:
         raise SystemExit(
             f"error: {save_path} already holds checkpoints; pass --resume to continue them "
             "--overwrite to start over, or another --save-path (refusing to mix two runs in one lineage)"
         )
-    metrics = MetricsLogger(
-        save_path / "metrics.jsonl",
-        tb_dir=save_path / "tb" if cfg.tensorboard else None,
-        wandb_project=cfg.wandb_project,
-        run_config=cfg.model_dump(),
+    return None
+
+
+def _control_timeout(cfg: CommonConfig) -> float:
+    """How long a rank may wait on rank 0 (for a batch, or while it retries the services)."""
+    return float(getattr(cfg, "wait_timeout", 0.0)) + 2 * float(
+        getattr(cfg, "reconnect_timeout", 0.0)
     )
-    (save_path / "trainer_config.json").write_text(cfg.model_dump_json(indent=1))
-    return Run(cfg, loaded, optimizer, scheduler, state, metrics, resumed_from)

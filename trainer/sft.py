@@ -12,6 +12,8 @@ from tqdm import tqdm
 
 from trainer.checkpoint import save_final_model
 from trainer.config import SftConfig
+from trainer.dist_checkpoint import unsharded_copy
+from trainer.distributed import Work
 from trainer.evaluate import format_valid_rate
 from trainer.loss import sft_loss
 from trainer.model import LoadedModel, autocast
@@ -31,28 +33,39 @@ log = logging.getLogger(__name__)
 def train(cfg: SftConfig) -> Run:
     run = start_run(cfg)
     lm, state = run.loaded, run.state
+    work = Work.of(run.dist)
     data = load_or_build_dataset(cfg.data_dir, cfg.num_sessions, cfg.seed)
     train_set = encode_split(data["train"], lm.tokenizer, cfg.max_seq_len, cfg.latest_only)
     val_set = encode_split(data["validation"], lm.tokenizer, cfg.max_seq_len, cfg.latest_only)
     log.info("SFT: %d train / %d validation examples", len(train_set), len(val_set))
-    bar = tqdm(total=cfg.training_steps, initial=state.step, desc="sft", dynamic_ncols=True)
+    bar = tqdm(
+        total=cfg.training_steps,
+        initial=state.step,
+        desc="sft",
+        dynamic_ncols=True,
+        disable=not run.is_main,
+    )
     try:
         while state.step < cfg.training_steps:
             t0 = time.monotonic()
             batch = _next_batch(train_set, cfg, state)
-            loss, grad_norm = _step(run, batch)
+            loss, grad_norm = _step(run, batch, work)
             state.step += 1
             row = {"loss": loss, "grad_norm": grad_norm, "lr": run.scheduler.get_last_lr()[0],
                    "epoch": state.data_epoch, "step_s": time.monotonic() - t0}  # fmt: skip
             last = state.step == cfg.training_steps
             if state.step % cfg.eval_every == 0 or last:
-                row["val_loss"] = validation_loss(lm, val_set[: cfg.eval_examples], cfg)
+                row["val_loss"] = validation_loss(lm, val_set[: cfg.eval_examples], cfg, work)
             if state.step % cfg.save_every == 0 or last:
                 run.checkpoint()
             run.metrics.log(state.step, row)
             bar.set_postfix(loss=f"{loss:.3f}")
             bar.update(1)
         bar.close()
+        if run.dist is not None:  # rank 0 gathers an unsharded copy; the others are done
+            lm = unsharded_copy(cfg, lm.model, run.dist)
+            if lm is None:
+                return run
         save_final_model(cfg.save_path, lm.model, lm.tokenizer)
         if cfg.eval_generate > 0:
             rows = list(data["validation"])[: cfg.eval_generate]
@@ -79,36 +92,45 @@ def _next_batch(examples: list[SftExample], cfg: SftConfig, state) -> list[SftEx
     return batch
 
 
-def _step(run: Run, batch: list[SftExample]) -> tuple[float, float]:
-    """Accumulate micro-batches into one optimizer step, normalised by the step's token count."""
+def _step(run: Run, batch: list[SftExample], work: Work) -> tuple[float, float]:
+    """Accumulate micro-batches into one optimizer step, normalised by the step's token count
+    (under torchrun each rank takes its share of the micro-batches, trainer/distributed.py)."""
     lm, cfg = run.loaded, run.cfg
     n_target = float(sum(sum(e.loss_mask[1:]) for e in batch))
     total = 0.0
-    for i in range(0, len(batch), cfg.micro_batch_size):
+    starts = list(range(0, len(batch), cfg.micro_batch_size))
+    for i, real in work.split(starts):
         mb = collate_sft(batch[i : i + cfg.micro_batch_size], lm.tokenizer.pad_token_id, lm.device)
         with autocast(lm.device, lm.compute_dtype):
             logits = lm.model(input_ids=mb["tokens"], attention_mask=mb["attention"],
                               use_cache=False).logits  # fmt: skip
         loss, _ = sft_loss(logits, mb["tokens"], mb["loss_mask"], normaliser=n_target)
-        loss.backward()
-        total += float(loss.detach())
+        (loss if real else loss * 0.0).backward()
+        total += float(loss.detach()) if real else 0.0
     grad_norm = clip_and_step(lm.model, run.optimizer, run.scheduler, cfg.max_grad_norm)
-    return total, grad_norm
+    return work.sum({"loss": total})["loss"], grad_norm
 
 
 @torch.no_grad()
-def validation_loss(lm: LoadedModel, examples: list[SftExample], cfg: SftConfig) -> float:
+def validation_loss(
+    lm: LoadedModel, examples: list[SftExample], cfg: SftConfig, work: Work | None = None
+) -> float:
     """Mean next-token loss per target token on held-out examples."""
+    work = work or Work()
     lm.model.eval()
     nll = count = 0.0
-    for i in range(0, len(examples), cfg.micro_batch_size):
+    starts = list(range(0, len(examples), cfg.micro_batch_size))
+    for i, real in work.split(starts) if examples else []:
         chunk = examples[i : i + cfg.micro_batch_size]
         mb = collate_sft(chunk, lm.tokenizer.pad_token_id, lm.device)
         with autocast(lm.device, lm.compute_dtype):
             logits = lm.model(input_ids=mb["tokens"], attention_mask=mb["attention"],
                               use_cache=False).logits  # fmt: skip
+        if not real:
+            continue
         _, s = sft_loss(logits, mb["tokens"], mb["loss_mask"], normaliser=1.0)
         nll += s
         count += float(mb["loss_mask"][:, 1:].sum())
     lm.model.train()
-    return nll / count if count else math.nan
+    sums = work.sum({"nll": nll, "count": count})
+    return sums["nll"] / sums["count"] if sums["count"] else math.nan

@@ -1,0 +1,238 @@
+"""The trainer at 1 vs N ranks (torchrun + FSDP2, gloo on CPU): memory per rank, step time,
+and the gather a sharded trainer adds to every weight sync.
+
+    python bench/fsdp_scaling.py [--model tiny|small|base] [--ranks 1,2] [--steps 3]
+
+Each world size runs the trainer's own ``start_run`` (process group, sharding, KL reference,
+rank 0's sync replica, as ``python -m trainer grpo`` builds them) and times GRPO steps on one
+fixed batch. Per rank it records the bytes of its parameters and of its AdamW state (local
+shards: what FSDP2 divides), its peak RSS (everything: libraries, activations, the frozen
+reference, rank 0's replica), the median step time, and (N > 1) the median time of
+``SyncReplica.gather`` (every parameter ``full_tensor()``-ed into rank 0's replica, the step
+before the unchanged bridge sends it). Results: ``docs/results/fsdp_scaling.json`` (key =
+``"<model> threads=<OMP threads per rank>"``), summarised in docs/BENCHMARKS.md. The box is shared: read the load average recorded
+with every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import RESULTS, machine, model_dir, parse_list, write_result  # noqa: E402
+
+
+def make_groups(vocab: int, n_groups: int, size: int, prompt: int, completion: int) -> list:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    groups = []
+    for gi in range(n_groups):
+        seqs = []
+        for si in range(size):
+            tokens = torch.randint(0, vocab - 50, (prompt + completion,), generator=g).tolist()
+            seqs.append(
+                {
+                    "tokens": tokens,
+                    "mask": [0] * prompt + [1] * completion,
+                    "logprobs": [0.0] * prompt + [-2.0] * completion,
+                    "score": float(si % 3),
+                    "spans": {"rationale": [0] * prompt + [1] * completion},
+                }
+            )
+        groups.append({"group_id": f"g{gi}", "policy_version": 0, "sequences": seqs})
+    return groups
+
+
+def local_bytes(tensors: Any) -> int:
+    total = 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def worker(a: argparse.Namespace) -> None:
+    import resource
+
+    import torch
+    import torch.distributed as dist
+
+    from trainer.batch import flatten_groups
+    from trainer.config import GrpoConfig
+    from trainer.dist_weights import SyncReplica, make_replica
+    from trainer.distributed import Work, shutdown
+    from trainer.grpo_step import StepContext, grpo_step
+    from trainer.model import Reference
+    from trainer.run import start_run
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    cfg = GrpoConfig(
+        model_name=a.model_path,
+        save_path=a.save,
+        lr=1e-5,
+        device="cpu",
+        precision=a.precision,
+        kl_beta=0.05,
+        micro_batch_tokens=a.micro_tokens,
+        tensorboard=False,
+        training_steps=a.steps + 1,
+    )
+    ref: list[Reference] = []
+    replica: list[Any] = []
+
+    def prepare(lm: Any, d: Any) -> None:
+        ref.append(Reference(lm))
+        replica.append(make_replica(lm.model, d))
+
+    run = start_run(cfg, before_resume=prepare)
+    d = run.dist
+    if d is not None:
+        ref[0].shard(d)
+    ctx = StepContext(run.loaded, ref[0], run.optimizer, run.scheduler, cfg, Work.of(d))
+    vocab = int(run.loaded.model.get_output_embeddings().weight.shape[0])
+    items = flatten_groups(
+        make_groups(vocab, a.groups, a.group_size, a.prompt, a.completion), cfg.max_seq_len
+    )[0]
+    gathered = SyncReplica(run.loaded.model, replica[0], d, False) if d is not None else None
+    grpo_step(ctx, items)  # warm-up; creates the AdamW state
+    steps, gathers = [], []
+    for _ in range(a.steps):
+        if d is not None:
+            d.barrier()
+        t0 = time.perf_counter()
+        grpo_step(ctx, items)
+        steps.append(time.perf_counter() - t0)
+        if gathered is not None:
+            gathers.append(gathered.gather())
+    state = [t for s in run.optimizer.state.values() for t in s.values() if t.dim() > 0]
+    row = {
+        "params_bytes": local_bytes(run.loaded.model.parameters()),
+        "optim_bytes": local_bytes(state),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "step_s": steps,
+        "gather_s": gathers,
+    }
+    rows = [row]
+    if d is not None:
+        rows = [None] * d.world_size
+        dist.all_gather_object(rows, row, group=d.control)
+    if run.is_main:
+        Path(a.out).write_text(json.dumps(rows))
+    run.metrics.close()
+    shutdown(d)
+
+
+def run_world(a: argparse.Namespace, n: int, work: Path) -> list[dict[str, Any]]:
+    out = work / f"ranks{n}.json"
+    args = [
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--model-path",
+        str(a.model_path),
+        "--save",
+        str(work / f"save{n}"),
+        "--out",
+        str(out),
+        "--steps",
+        str(a.steps),
+        "--precision",
+        a.precision,
+        "--groups",
+        str(a.groups),
+        "--group-size",
+        str(a.group_size),
+        "--prompt",
+        str(a.prompt),
+        "--completion",
+        str(a.completion),
+        "--micro-tokens",
+        str(a.micro_tokens),
+    ]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "PYTHONPATH": str(Path.cwd())}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    argv = [sys.executable, *(launcher if n > 1 else []), *args]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise SystemExit(f"{n} ranks failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default="tiny", help="tiny|small|base (bench/common.py)")
+    ap.add_argument("--ranks", default="1,2", help="world sizes to compare")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=256, help="prompt tokens per sequence")
+    ap.add_argument("--completion", type=int, default=64, help="completion tokens")
+    ap.add_argument("--micro-tokens", type=int, default=2560, help="--micro-batch-tokens")
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model-path", help=argparse.SUPPRESS)
+    ap.add_argument("--save", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        worker(a)
+        return
+    a.model_path = model_dir(a.model)
+    result: dict[str, Any] = {
+        "machine": machine(),
+        "config": {
+            k: getattr(a, k)
+            for k in (
+                "steps",
+                "precision",
+                "groups",
+                "group_size",
+                "prompt",
+                "completion",
+                "micro_tokens",
+                "threads",
+            )
+        },
+    }
+    with tempfile.TemporaryDirectory(prefix="fsdp-bench-") as tmp:
+        for n in parse_list(a.ranks):
+            rows = run_world(a, n, Path(tmp))
+            result[f"ranks_{n}"] = {
+                "per_rank": rows,
+                "params_mib_per_rank": [r["params_bytes"] / 2**20 for r in rows],
+                "optim_mib_per_rank": [r["optim_bytes"] / 2**20 for r in rows],
+                "peak_rss_mib_per_rank": [r["peak_rss_bytes"] / 2**20 for r in rows],
+                "step_s_median": statistics.median(rows[0]["step_s"]),
+                "gather_s_median": statistics.median(rows[0]["gather_s"])
+                if rows[0]["gather_s"]
+                else 0.0,
+            }
+            print(
+                n,
+                "ranks:",
+                {k: v for k, v in result[f"ranks_{n}"].items() if k != "per_rank"},
+                flush=True,
+            )
+    result["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    key = f"{a.model} threads={a.threads}"
+    write_result(RESULTS / "fsdp_scaling.json", key, result)
+    print(f"wrote {RESULTS / 'fsdp_scaling.json'} [{key}]")
+
+
+if __name__ == "__main__":
+    main()
