@@ -40,6 +40,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from rich.table import Column
 
 from launch.follow import Source
 
@@ -169,16 +170,23 @@ class Board:
         self.live = (not quiet) and (want_live() if live is None else live)
         self.interval = interval if interval is not None else plain_interval()
         console = Console(file=self.out, force_terminal=True if self.live else None)
+        fixed = Column(no_wrap=True)
         self.progress = Progress(
             SpinnerColumn(finished_text="[green]✓"),
-            TextColumn("[bold]{task.description}"),
-            BarColumn(bar_width=28),
-            TextColumn("{task.fields[count]}"),
-            TextColumn("{task.fields[info]}", style="cyan"),
-            TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
+            TextColumn("[bold]{task.description}", table_column=fixed),
+            BarColumn(bar_width=16),
+            TextColumn("{task.fields[count]}", table_column=Column(no_wrap=True, min_width=9)),
+            # the rest of the line; a long log line is cut with "..." rather than wrapped
+            TextColumn(
+                "{task.fields[info]}",
+                style="cyan",
+                table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis"),
+            ),
+            TimeElapsedColumn(table_column=fixed),
+            TextColumn("ETA", table_column=fixed),
+            TimeRemainingColumn(compact=True, table_column=fixed),
             console=console,
+            expand=True,
             disable=not self.live,
             speed_estimate_period=600.0,  # steps of 10-30 s: average over several minutes
             refresh_per_second=4,

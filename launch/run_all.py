@@ -226,17 +226,13 @@ def run_step(
 def prepare_embedded(cfg: RunAllConfig, run_dir: Path) -> None:
     """Tiny model, dataset and SFT cold start, each only if missing."""
     if not (TINY_MODEL_DIR / "config.json").exists():
-        run_step(
-            "tiny_model",
-            [PY, "-m", "trainer.tiny_model"],
-            run_dir / "tiny_model.log",
-            "build the tiny model",
-        )
+        argv = [PY, "-m", "trainer.tiny_model"]
+        run_step("tiny_model", argv, run_dir / "tiny_model.log", "build tiny model")
     if not (DATA_DIR / "test.jsonl").exists():
         argv = [PY, "-m", "env_server.data", "build", "--out", str(DATA_DIR)]
         if cfg.num_sessions:
             argv += ["--num-sessions", str(cfg.num_sessions)]
-        run_step("dataset", argv, run_dir / "dataset.log", "build the dataset")
+        run_step("dataset", argv, run_dir / "dataset.log", "build dataset")
     if not (SFT_MODEL_DIR / "model.safetensors").exists():
         # An interrupted SFT left checkpoints: continue it rather than start over.
         resume = (SFT_MODEL_DIR / "checkpoints").is_dir()
@@ -512,12 +508,9 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     logs = " ".join(str(run_dir / f"{n}.log") for n in names)
     print(f"[run_all] run dir {run_dir}\n[run_all] follow it: tail -f {logs}", flush=True)
 
-    services = progress.phase(
-        "start the API and vLLM",
-        1 + cfg.num_inference_servers,
-        "up",
-        LogSource(run_dir / "vllm.log"),
-    ).start()
+    vllm_log = LogSource(run_dir / "vllm.log")  # what the first server is doing
+    services = progress.phase("start API + vLLM", 1 + cfg.num_inference_servers, "up", vllm_log)
+    services.start()
     api = stack.start("api", [PY, "-m", "api", *recipe_args(cfg), "--port", str(api_port),
                               "--db-path", str(run_dir / "api.sqlite")])  # fmt: skip
     wait_http(api, f"{api_url}/health", 60)
