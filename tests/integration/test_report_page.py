@@ -81,3 +81,21 @@ def test_missing_run_dir_is_a_clear_error(tmp_path: Path) -> None:
         timeout=300,
     )
     assert done.returncode == 2 and "no run directory" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        ("", "no header band"),
+        ('<header style="background:#1e3a5f;height:48px"></header>', "almost) blank"),
+    ],
+    ids=["blank", "header_only"],
+)
+def test_the_screenshot_check_rejects_a_page_that_did_not_render(
+    tmp_path: Path, body: str, why: str
+) -> None:
+    page = tmp_path / "page.html"
+    page.write_text(f"<!DOCTYPE html><html><body style='margin:0'>{body}</body></html>")
+    png = screenshot(page, tmp_path / "page.png")
+    with pytest.raises(AssertionError, match=re.escape(why)):
+        check_report_screenshot(png)
