@@ -84,6 +84,8 @@ def test_every_runnable_module_is_found() -> None:
 def test_module_help(module: str) -> None:
     out = _check(_run([sys.executable, "-m", module, "--help"]), f"python -m {module}")
     assert "--" in out.split("usage:", 1)[1]  # it lists options
+    prog = "launch/run_all.sh" if module == "launch.run_all" else f"python -m {module}"
+    assert out.startswith(f"usage: {prog} "), out.splitlines()[0]  # how to call it
 
 
 @pytest.mark.parametrize("command", ["sft", "grpo"])
