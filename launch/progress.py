@@ -70,9 +70,9 @@ class Phase:
     ) -> None:
         self.board, self.title, self.unit, self.source = board, title, unit, source
         self.info = ""
+        # Has the phase numbers (a total, or something done)? One without (a build step)
+        # shows only its info and time.
         self.counted = total is not None
-        """Has the phase numbers (a total, or something done)? A phase without (a build
-        step) shows only its info and time."""
         self.task: TaskID = board.progress.add_task(title, total=total, count="", info="")
         self.started = time.monotonic()
         self.last_line = self.started
@@ -168,7 +168,9 @@ class Board:
         self.out = out or sys.stdout
         self.quiet = quiet
         self.live = (not quiet) and (want_live() if live is None else live)
-        self.interval = interval if interval is not None else plain_interval()
+        if interval is None:  # the quiet board of import time reads no setting
+            interval = DEFAULT_INTERVAL if quiet else plain_interval()
+        self.interval = interval
         console = Console(file=self.out, force_terminal=True if self.live else None)
         fixed = Column(no_wrap=True)
         self.progress = Progress(
@@ -220,7 +222,7 @@ class Board:
         if not failed and t.total is None:  # a phase without numbers: a full bar when done
             full = max(t.completed, 1)
             self.progress.update(ph.task, total=full, completed=full)
-        if failed:
+        if failed and self.live:  # a plain line says "stopped" itself
             ph.update(info=(ph.info + " " if ph.info else "") + "(stopped)")
         self.progress.stop_task(ph.task)
         if not self.live:
