@@ -11,7 +11,7 @@ REQS   := $(if $(filter 1,$(GPU)),requirements-gpu.txt,requirements.txt)
 STAMP  := $(VENV)/.installed-$(shell cat $(REQS) requirements-nodeps.txt pyproject.toml | sha1sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-unit test-integration test-gpu run model lint format clean
+.PHONY: setup browser test test-unit test-integration test-gpu run model lint format clean
 
 setup: $(STAMP)
 
@@ -28,16 +28,21 @@ $(STAMP): $(REQS) requirements-nodeps.txt pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+# Chromium for the screenshot test of the run's page (tests/integration/test_report_page.py);
+# a no-op when it is installed, apt-get (as root or with sudo) otherwise.
+browser:
+	bash tests/install_chromium.sh
+
 model: setup
 	$(PY) -m trainer.tiny_model
 
-test: setup
+test: setup browser
 	bash tests/run.sh $(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 
-test-integration: setup
+test-integration: setup browser
 	$(PY) -m pytest -m integration $(PYTEST_ARGS)
 
 test-gpu: setup

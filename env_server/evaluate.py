@@ -23,7 +23,7 @@ import json
 import logging
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,10 @@ from env_server.reward import (
 
 INVALID = "invalid"
 """Predicted label of a completion that fails the format check."""
+PROGRESS_LINE = "rows done %d/%d"
+"""Logged as completions arrive (about every 2% of the rows); launch/run_all.sh's console
+follows it (launch/progress.py)."""
+log = logging.getLogger("env_server.evaluate")
 
 
 def compute_metrics(
@@ -236,16 +240,23 @@ async def generate_completions(
     max_tokens: int,
     latest_only: bool = False,
     concurrency: int = 4,
+    on_done: Callable[[int, int], None] | None = None,
 ) -> list[str]:
-    """Greedy completions of ``rows`` from an :class:`~env_server.inference.InferenceClient`."""
+    """Greedy completions of ``rows`` from an :class:`~env_server.inference.InferenceClient`;
+    ``on_done(done, total)`` is called as each one arrives."""
     from env_server.rollout import prompt_ids
 
     sem = asyncio.Semaphore(concurrency)
+    done = 0
 
     async def one(row: Mapping[str, Any]) -> str:
+        nonlocal done
         ids = prompt_ids(row, tokenizer, max_prompt_tokens, latest_only)
         async with sem:
             batch = await client.complete(ids, n=1, max_tokens=max_tokens, temperature=0.0)
+        done += 1
+        if on_done is not None:
+            on_done(done, len(rows))
         return batch.completions[0].text
 
     return list(await asyncio.gather(*(one(r) for r in rows)))
@@ -268,6 +279,12 @@ def read_predictions(path: Path, rows: Sequence[Mapping[str, Any]]) -> list[str]
     return [by_key[(r["session_id"], r["step"])] for r in rows]
 
 
+def log_progress(done: int, total: int) -> None:
+    """Log :data:`PROGRESS_LINE` for the first, every ~2% and the last row."""
+    if done == 1 or done == total or done % max(1, total // 50) == 0:
+        log.info(PROGRESS_LINE, done, total)
+
+
 async def _predict_with_model(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]:
     from transformers import AutoTokenizer
 
@@ -279,7 +296,7 @@ async def _predict_with_model(args: argparse.Namespace, rows: list[dict[str, Any
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or root)
         return await generate_completions(
             rows, client, tokenizer, args.max_prompt_tokens, args.max_tokens, args.latest_only,
-            args.concurrency,
+            args.concurrency, on_done=log_progress,
         )  # fmt: skip
     finally:
         await client.aclose()
@@ -290,7 +307,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from env_server.data.dataset import load_or_build
     from launch.paths import DATA_DIR
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        "python -m env_server.evaluate",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     ap.add_argument(
         "--data-dir", type=Path, default=DATA_DIR, help="dataset folder (built if missing)"
     )

@@ -168,7 +168,11 @@ def main(argv: list[str] | None = None) -> None:
     from env_server.evaluate import read_predictions
     from launch.paths import DATA_DIR
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        "python -m env_server.page_report",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     ap.add_argument("predictions", nargs="*", type=Path, help="predictions.jsonl of evaluations")
     ap.add_argument("--oracle", action="store_true", help="also the oracle policies' table")
     ap.add_argument("--data-dir", type=Path, default=DATA_DIR, help="dataset folder")

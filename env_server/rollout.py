@@ -1,4 +1,4 @@
-"""From a dataset row to a scored group (the data contract in DESIGN.md).
+"""From a dataset row to a scored group (the data contract in docs/INTERFACES.md).
 
 tokens   = prompt ids + completion ids
 mask     = 0 on the prompt, 1 on every completion token (EOS included: stopping is learned)
@@ -6,6 +6,9 @@ logprobs = 0.0 on the prompt, the inference server's sampled-token logprobs afte
 spans.rationale = 1 on completion tokens that carry the rationale string's characters
 score    = the Shop-R1 reward of the completion against the row's gold action
 extras.gold = {"rationale", "action"} of the row (the human target; used by trainer/gail.py)
+extras.rollouts = per sequence, what the reward saw: {"action": parsed action or None,
+                  "error": format failure or None, "exact": bool, "reward": {registry term:
+                  credit}} (the trainer's rollout samples, trainer/rollout_log.py)
 """
 
 from __future__ import annotations
@@ -68,6 +71,19 @@ def rationale_mask(tokenizer: Any, ids: list[int]) -> list[int]:
     return mask
 
 
+def rollout_record(text: str, r: RewardBreakdown) -> dict[str, Any]:
+    """What the reward saw in one completion: the parsed action (None when the format check
+    failed, ``error`` says why), whether it matches the gold action exactly, and the credit of
+    every reward term (they sum to the score)."""
+    parsed = parse_output(text) if r.valid else None
+    return {
+        "action": parsed.action if isinstance(parsed, ParsedOutput) else None,
+        "error": r.failure,
+        "exact": r.exact_match,
+        "reward": dict(r.components),
+    }
+
+
 def build_sequence(
     prompt: list[int], completion: Completion, gold: Mapping[str, Any], tokenizer: Any,
     reward: RewardConfig,
@@ -107,7 +123,8 @@ def build_group(
     pairs = [
         build_sequence(batch.prompt_ids, c, gold, tokenizer, reward) for c in batch.completions
     ]
-    metrics = group_metrics([b for _, b in pairs], batch.completions)
+    breakdowns = [b for _, b in pairs]
+    metrics = group_metrics(breakdowns, batch.completions)
     return {
         "group_id": str(uuid.uuid4()),
         "env": ENV_NAME,
@@ -116,5 +133,12 @@ def build_group(
         "metrics": metrics,
         # The human target of this prompt: the trainer's optional discriminator reward
         # (trainer/gail.py, docs/GAIL.md) learns to tell it from the policy's completions.
-        "extras": {"gold": {"rationale": row["rationale"], "action": row["action"]}},
+        "extras": {
+            "gold": {"rationale": row["rationale"], "action": row["action"]},
+            # What the reward saw in each completion, for the trainer's rollout samples.
+            "rollouts": [
+                rollout_record(c.text, b)
+                for c, b in zip(batch.completions, breakdowns, strict=True)
+            ],
+        },
     }

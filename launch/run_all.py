@@ -1,7 +1,7 @@
 """``launch/run_all.sh``: the four services together (API -> vLLM -> env -> trainer), then
-the SFT-vs-RL evaluation table and the reward curve.
+the SFT-vs-RL evaluation table, the reward curve and the run's page (report.html).
 
-    launch/run_all.sh                                  # cpu-tiny, shared_vllm, 60 GRPO steps
+    launch/run_all.sh                                  # cpu-tiny, shared_vllm, 120 GRPO steps
     launch/run_all.sh --weight-bridge-mode none --steps 5 --run-dir runs/try
     launch/run_all.sh --num-inference-servers 2        # one trainer broadcast feeds both
 
@@ -28,6 +28,8 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel, Field, FilePath, ValidationError
 
+from launch import progress
+from launch.follow import LogSource, Source, eval_source, grpo_source, sft_source
 from launch.paths import DATA_DIR, RUNS_DIR
 from launch.placement import (
     Placement,
@@ -38,6 +40,8 @@ from launch.placement import (
 )
 from launch.presets import PRESETS, Preset
 from launch.procs import ManagedProcess, free_port, tail
+from launch.report import build_report
+from launch.run_all_help import HELP_EPILOG, flag_help
 from launch.threads import ThreadPlan, available_cores, light_env, plan_threads
 from launch.trainer_node import launcher_argv, publish_trainer_argv
 from vllm_patching.launcher import BridgeServer
@@ -144,13 +148,18 @@ def recipe_args(cfg: RunAllConfig) -> list[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> RunAllConfig:
-    p = argparse.ArgumentParser(prog="launch/run_all.sh", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="launch/run_all.sh",
+        description=__doc__.split("\n\n")[0],
+        epilog=HELP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     for name, field in RunAllConfig.model_fields.items():
         flag = "--" + name.replace("_", "-")
         if field.annotation is bool:
             p.add_argument(flag, action="store_true", help=field.description)
         else:
-            p.add_argument(flag, default=None, help=field.description)
+            p.add_argument(flag, default=None, **flag_help(field))
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v not in (None, False)}
     try:
         return RunAllConfig(**given)
@@ -209,12 +218,21 @@ def _raise_interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run_step(name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
-    """A preparation command in the foreground (stopped by PID if we are interrupted)."""
+def run_step(
+    name: str,
+    argv: list[str],
+    log: Path,
+    env: dict[str, str] | None = None,
+    title: str | None = None,
+    source: Source | None = None,
+) -> None:
+    """A preparation command in the foreground (stopped by PID if we are interrupted), shown
+    on the console as phase ``title`` (launch/progress.py; ``source``: its latest log line)."""
     print(f"[run_all] {name}: {' '.join(argv[1:])}  (log: {log})", flush=True)
     proc = ManagedProcess(name, argv, log, env=env).start()
     try:
-        rc = proc.popen.wait()
+        with progress.phase(title or name, source=source or LogSource(log)):
+            rc = proc.popen.wait()
     finally:
         proc.stop()
     if rc != 0:
@@ -228,12 +246,13 @@ def prepare_embedded(cfg: RunAllConfig, run_dir: Path) -> None:
     base, sft_dir = Path(preset.base_model), Path(preset.model)
     if not (base / "config.json").exists():
         name = preset.build_module.rsplit(".", 1)[-1]
-        run_step(name, [PY, "-m", preset.build_module, "--out", str(base)], run_dir / f"{name}.log")
+        argv = [PY, "-m", preset.build_module, "--out", str(base)]
+        run_step(name, argv, run_dir / f"{name}.log", title=f"build {name.replace('_', ' ')}")
     if not (DATA_DIR / "test.jsonl").exists():
         argv = [PY, "-m", "env_server.data", "build", "--out", str(DATA_DIR)]
         if cfg.num_sessions:
             argv += ["--num-sessions", str(cfg.num_sessions)]
-        run_step("dataset", argv, run_dir / "dataset.log")
+        run_step("dataset", argv, run_dir / "dataset.log", title="build dataset")
     if not (sft_dir / "model.safetensors").exists():
         # An interrupted SFT left checkpoints: continue it rather than start over.
         resume = (sft_dir / "checkpoints").is_dir()
@@ -248,7 +267,8 @@ def prepare_embedded(cfg: RunAllConfig, run_dir: Path) -> None:
             argv += ["--precision", "fp32"]
         if cfg.sft_steps:
             argv += ["--training-steps", str(cfg.sft_steps)]
-        run_step("sft", argv, run_dir / "sft.log")
+        source = sft_source(sft_dir, cfg.sft_steps)
+        run_step("sft", argv, run_dir / "sft.log", title="SFT", source=source)
 
 
 def wait_http(proc: ManagedProcess, url: str, timeout: float) -> None:
@@ -265,7 +285,9 @@ def evaluate(label: str, vllm_url: str, cfg: RunAllConfig, run_dir: Path, model:
             "--inference-url", vllm_url, "--data-dir", str(DATA_DIR), "--tokenizer", model,
             "--max-prompt-tokens", str(preset.max_prompt_tokens),
             "--max-tokens", str(preset.max_tokens), "--out-dir", str(out)]  # fmt: skip
-    run_step(f"eval_{label}", argv, run_dir / f"eval_{label}.log", {**os.environ, **light_env()})
+    log = run_dir / f"eval_{label}.log"
+    env = {**os.environ, **light_env()}
+    run_step(f"eval_{label}", argv, log, env, f"evaluate {label.upper()}", eval_source(log))
     return json.loads((out / "metrics.json").read_text())
 
 
@@ -430,7 +452,7 @@ def trainer_argv(cfg: RunAllConfig, preset: Preset, model: str, api_url: str,
         "--api-url", api_url, "--weight-bridge-mode", cfg.weight_bridge_mode,
         "--server-urls", *vllm_urls, "--bridge-token", token, "--device", device,
         "--training-steps", str(cfg.steps), "--batch-size", str(preset.group_size * preset.batch_groups),
-        "--lr", str(preset.lr), "--no-tensorboard", "--overwrite",
+        "--lr", str(preset.lr), "--overwrite",
     ]  # fmt: skip
     argv += preset.trainer_extra
     if cfg.single_copy:
@@ -527,15 +549,21 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     print(f"[run_all] run dir {run_dir}\n[run_all] follow it: tail -f {logs}", flush=True)
     print(f"[run_all] {threads.describe()} (launch/threads.py)", flush=True)
 
+    vllm_log = LogSource(run_dir / "vllm.log")  # what the first server is doing
+    services = progress.phase("start API + vLLM", 1 + cfg.num_inference_servers, "up", vllm_log)
+    services.start()
     api = stack.start("api", [PY, "-m", "api", *recipe_args(cfg), "--port", str(api_port),
                               "--db-path", str(run_dir / "api.sqlite")], light)  # fmt: skip
     wait_http(api, f"{api_url}/health", 60)
     print(f"[run_all] api up at {api_url} (pid {api.pid})", flush=True)
+    services.advance()
 
     print(f"[run_all] starting {cfg.num_inference_servers} vLLM server(s) "
           f"({cfg.weight_bridge_mode}{', single copy' if cfg.single_copy else ''}) on {model}...",
           flush=True)  # fmt: skip
     servers = start_vllm_servers(cfg, preset, place, model, token, stack, run_dir, threads)
+    services.advance(len(servers))
+    services.finish()
     server = servers[0]  # the evaluations ask the first one
     urls = [s.base_url for s in servers]
 
@@ -562,9 +590,10 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     trainer = stack.start("trainer", argv, env={**trainer_env(place), **threads.trainer_env})
     where = f" on GPU {','.join(place.trainer_gpus)}" if place.trainer_gpus else ""
     print(f"[run_all] env + trainer{where} started; training {cfg.steps} steps", flush=True)
-    while trainer.alive():
-        stack.check_alive("api", *vllm_names(cfg.num_inference_servers), "env")
-        time.sleep(1.0)
+    with progress.phase("GRPO", cfg.steps, "steps", grpo_source(save, cfg.steps)):
+        while trainer.alive():
+            stack.check_alive("api", *vllm_names(cfg.num_inference_servers), "env")
+            time.sleep(1.0)
     if trainer.popen.returncode != 0:
         raise ServiceFailed(
             f"trainer exited with {trainer.popen.returncode}; read {trainer.log_path}:\n"
@@ -589,6 +618,7 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
         (run_dir / "eval.md").write_text(table)
         print(table, flush=True)
     print(f"[run_all] reward curve: {run_dir / 'reward_curve.png'}", flush=True)
+    print(f"[run_all] the run's page: {build_report(run_dir)} (open it in a browser)", flush=True)
     return 0
 
 
@@ -604,7 +634,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, _raise_interrupt)
     try:
-        return launch(cfg, stack, run_dir)
+        with progress.session():
+            return launch(cfg, stack, run_dir)
     except ServiceFailed as e:
         print(f"[run_all] FAILED: {e}", file=sys.stderr, flush=True)
         return 1

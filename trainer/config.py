@@ -247,6 +247,9 @@ class GrpoConfig(CommonConfig):
     each counts the same and those credits steer the policy (docs/results/learning_cpu.md)."""
     loss_aggregation: Literal["token", "sequence"] = "token"
     """Average the loss over all tokens of the step, or per sequence then over sequences."""
+    rollout_samples: int = Field(4, ge=0)
+    """Completions per step kept in ``<save_path>/rollouts.jsonl``, TensorBoard text and a W&B
+    table: prompt end, completion, parsed and gold action, reward terms (0: none)."""
     gail: GailConfig = Field(default_factory=GailConfig.from_env)
     """Optional discriminator reward (GRAIL; trainer/gail.py, docs/GAIL.md): off unless
     ``GAIL_USE=1``, ``gail: {use: true}`` in the recipe, or ``--gail.use``."""

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     from trainer.model import load_model
     from trainer.sft_data import load_or_build_dataset
 
-    p = argparse.ArgumentParser(description=main.__doc__)
+    p = argparse.ArgumentParser("python -m trainer.evaluate", description=main.__doc__)
     p.add_argument("--model", required=True, help="Model directory (e.g. a checkpoint's model/).")
     p.add_argument("--data-dir", default=SftConfig().data_dir, help="Shop-R1 dataset directory.")
     p.add_argument("--split", default="validation", help="Dataset split to prompt from.")

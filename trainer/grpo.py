@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from trainer.distributed import Dist, Work, launched_by_torchrun
 from trainer.gail import build_gail_reward
 from trainer.grpo_step import StepContext, grpo_step
 from trainer.model import LoadedModel, Reference
+from trainer.rollout_log import RolloutLog, batch_format_rate
 from trainer.run import Run, start_run
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,15 @@ def train(cfg: GrpoConfig) -> Run:
             ),
         )
         weights = WeightSync(bridge, replica[0] or run.loaded.model, cfg)
+    rollouts = None
+    if main:
+        rollouts = RolloutLog(
+            Path(cfg.save_path) / "rollouts.jsonl",
+            cfg.rollout_samples,
+            run.loaded.tokenizer,
+            run.metrics,
+            cfg.seed,
+        )
     state, pending_acks = run.state, []
     try:
         if run.resumed_from is not None:  # inference may hold weights of a lost lineage
@@ -117,12 +128,14 @@ def train(cfg: GrpoConfig) -> Run:
             api.set_policy_version(state.policy_version)
             t4 = time.monotonic()
             run.metrics.log(state.step, {
-                **stats, **staleness, "policy_version": state.policy_version,
+                **stats, **staleness, **batch_format_rate(groups),
+                "policy_version": state.policy_version,
                 "batch_id": batch_id, "dropped_sequences": dropped, "wait_s": t1 - t0,
                 "step_s": t2 - t1, "checkpoint_s": t3 - t2, "sync_s": t4 - t3,
                 "skipped_updates": state.skipped_updates,
                 **({"gather_s": gather_s} if d is not None else {}),
             })  # fmt: skip
+            rollouts.record(state.step, groups)
             log.info("step %d loss %.4f score %.3f kl %.2e clip %.3f wait %.1fs sync %.1fs",
                      state.step, stats["loss"], stats["score_mean"], stats["kl"],
                      stats["clip_fraction"], t1 - t0, t4 - t3)  # fmt: skip

@@ -1,4 +1,5 @@
-"""Step metrics: one JSON line per step (always), TensorBoard and W&B when available."""
+"""Step metrics: one JSON line per step (always), TensorBoard and W&B when available; texts
+(TensorBoard) and tables (W&B) for the rollout samples of trainer/rollout_log.py."""
 
 from __future__ import annotations
 
@@ -61,6 +62,19 @@ class MetricsLogger:
                 self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
+
+    def log_text(self, tag: str, text: str, step: int) -> None:
+        """Markdown ``text`` as TensorBoard text under ``tag`` (the TEXT tab); not in W&B,
+        which gets :meth:`log_table` instead."""
+        if self._tb is not None:
+            self._tb.add_text(tag, text, step)
+
+    def log_table(self, key: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+        """A W&B table (``wandb.Table``) under ``key`` at ``step``, when W&B is on."""
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({key: wandb.Table(columns=columns, data=rows)}, step=step)
 
     def close(self) -> None:
         if self._file is not None:

@@ -174,7 +174,11 @@ def digest(model_dir: Path | str) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> None:
     from launch.paths import TINY_MODEL_DIR
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        "python -m trainer.tiny_model",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     ap.add_argument("--out", type=Path, default=TINY_MODEL_DIR, help="output folder")
     ap.add_argument("--seed", type=int, default=0, help="seed for corpus and weights")
     ap.add_argument("--force", action="store_true", help="rebuild even if already built")

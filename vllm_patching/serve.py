@@ -90,18 +90,84 @@ def expand_recipe(argv: list[str]) -> list[str]:
     return rest if ns.recipe is None else merge_argv(recipe_argv(ns.recipe), rest)
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+PROG = "python -m vllm_patching.serve"
+HELP_FLAGS = ("-h", "--help")
+
+
+def bridge_parser() -> argparse.ArgumentParser:
+    """The bridge's own options (every other argument goes to vLLM)."""
     p = argparse.ArgumentParser(
-        "vllm_patching.serve", description=__doc__, allow_abbrev=False, add_help=False
+        PROG,
+        usage=f"{PROG} [--recipe R.yaml] --model PATH [bridge options] [vLLM options]",
+        description=__doc__,
+        allow_abbrev=False,
+        add_help=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--bridge-mode", choices=["shared_vllm", "lora_only", "none"], default="shared_vllm"
+        "--bridge-mode",
+        choices=["shared_vllm", "lora_only", "none"],
+        default="shared_vllm",
+        help="how trainer weights reach this server (docs/BRIDGE.md) (default: shared_vllm)",
     )
     p.add_argument("--single-copy", action="store_true", help="shared_vllm: shm (CPU) / IPC (GPU)")
-    p.add_argument("--bridge-config", default=None, help="where to write vllm_bridge_config.json")
-    p.add_argument("--bridge-initial-version", type=int, default=0)
-    p.add_argument("--bridge-lora-keep", type=int, default=2)
-    p.add_argument("--bridge-device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument(
+        "--bridge-config",
+        default=None,
+        help="where to write vllm_bridge_config.json "
+        "(default: $TMPDIR/shop_r1_bridge/<run_id>/vllm_bridge_config.json)",
+    )
+    p.add_argument(
+        "--bridge-initial-version",
+        type=int,
+        default=0,
+        help="weight version served before the first sync (default: 0)",
+    )
+    p.add_argument(
+        "--bridge-lora-keep",
+        type=int,
+        default=2,
+        help="lora_only: adapters kept loaded, the newest ones (default: 2)",
+    )
+    p.add_argument(
+        "--bridge-device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="device of the vLLM workers, picks the transfer backend (default: auto)",
+    )
+    return p
+
+
+def print_help(argv: list[str]) -> int:
+    """The bridge's options, then vLLM's own ``--help`` (the help flags of ``argv`` passed on,
+    e.g. ``--help=ModelConfig`` for one group's details). Starts nothing."""
+    p = bridge_parser()
+    p.add_argument(
+        "-h",
+        "--help",
+        action="store_true",
+        help="this help, then vLLM's (--help=GROUP: one group of vLLM's in full)",
+    )
+    p.add_argument("--recipe", metavar="R.yaml", help="a recipe's vllm: section as arguments")
+    p.add_argument("--model", metavar="PATH", help="model directory or hub id (required)")
+    print(p.format_help())
+    print("vLLM's options (every argument not listed above goes to vLLM's OpenAI server):\n")
+    sys.stdout.flush()
+    asked = [a for a in argv if a in HELP_FLAGS or a.startswith("--help=")]
+    sys.argv = [PROG, *asked]
+    try:
+        runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+    except SystemExit as e:  # argparse exits after printing the help
+        return e.code if isinstance(e.code, int) else 0
+    return 0
+
+
+def wants_help(argv: list[str]) -> bool:
+    return any(a in HELP_FLAGS or a.startswith("--help=") for a in argv)
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = bridge_parser()
     args, rest = p.parse_known_args(argv)
     if args.single_copy and args.bridge_mode != "shared_vllm":
         p.error("--single-copy only applies to --bridge-mode shared_vllm")
@@ -131,7 +197,7 @@ def build(argv: list[str]) -> tuple[BridgeSettings, list[str], dict[str, str]]:
     args, vllm_args = parse_args(expand_recipe(argv))
     model = _flag(vllm_args, "--model")
     if model is None:
-        raise SystemExit("vllm_patching.serve: --model is required")
+        raise SystemExit(f"{PROG}: --model is required (--help lists the options)")
     vllm_args = list(vllm_args)
     if _flag(vllm_args, "--host") is None:
         vllm_args += ["--host", "127.0.0.1"]  # never listen on all interfaces by default
@@ -201,7 +267,10 @@ def write_config_file(settings: BridgeSettings, vllm_args: list[str]) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings, vllm_args, env = build(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        sys.exit(print_help(argv))
+    settings, vllm_args, env = build(argv)
     os.environ.update(env)
     path = write_config_file(settings, vllm_args)
     print(

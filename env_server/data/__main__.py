@@ -35,7 +35,11 @@ def stats(data_dir: Path) -> dict:
 def main(argv: list[str] | None = None) -> None:
     from launch.paths import DATA_DIR
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        "python -m env_server.data",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     ap.add_argument("command", choices=["build", "convert", "stats"])
     ap.add_argument("--out", type=Path, default=DATA_DIR, help="dataset folder")
     ap.add_argument("--num-sessions", type=int, default=3000, help="build: sessions to simulate")

@@ -6,7 +6,9 @@ SIGKILLed (nothing it started outlives it).
 
 Each run: the services start in order and log, the trainer syncs its weights into every vLLM
 server (the weight version advances with every step), and every process it started is gone
-afterwards (checked by the PIDs it recorded). One run also writes the evaluation table.
+afterwards (checked by the PIDs it recorded). One run also writes the evaluation table, and
+checks what a user sees: the console's progress of every phase, the rollout samples and the
+run's page (report.html) in a real headless Chromium.
 
 The launcher is waited on by its progress, not by one wall-clock budget
 (tests/integration/launcher_harness.py), and cleaned up however a test ends.
@@ -35,7 +37,7 @@ STEPS = 2
 def artifacts_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """SHOP_R1_ARTIFACTS with the tiny model, a small dataset and a 3-step SFT, built once."""
     root = tmp_path_factory.mktemp("run_all")
-    env = dict(os.environ, SHOP_R1_ARTIFACTS=str(root / "artifacts"))
+    env = dict(os.environ, SHOP_R1_ARTIFACTS=str(root / "artifacts"), SHOP_R1_PROGRESS_INTERVAL="5")
     for name in ("NUM_INFERENCE_NODES", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # the runs below set what they test
     prep = root / "prepare"
@@ -44,6 +46,9 @@ def artifacts_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         assert run.wait() == 0, run.tails()
     finally:
         run.cleanup()
+    phases = ["build tiny model done", "build dataset done", "SFT done | 3/3 steps"]
+    for phase in phases:
+        assert f"[run_all] {phase}" in run.output(), run.output()[-4000:]
     assert (prep / "sft.log").stat().st_size > 0
     assert (root / "artifacts" / "models" / "tiny-qwen2-sft" / "model.safetensors").exists()
     return env
@@ -155,6 +160,40 @@ def test_run_all_two_inference_servers(
     for split in ("sft", "rl"):
         assert json.loads((run_dir / f"eval_{split}" / "metrics.json").read_text())["n"] == 4
     assert (run_dir / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    check_what_the_user_sees(run_dir, out, tmp_path)
+
+
+def check_what_the_user_sees(run_dir: Path, out: str, tmp_path: Path) -> None:
+    """Plain progress lines of every phase (the output is a pipe), rollout samples in
+    rollouts.jsonl and TensorBoard, and the run's page rendered by Chromium."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.browser import check_report_screenshot, dom, screenshot
+
+    assert "\r" not in out
+    done = [
+        "start API + vLLM done | 3/3 up (100%)",
+        "evaluate SFT done | 4/4 rows",
+        f"GRPO done | {STEPS}/{STEPS} steps (100%) | reward ",
+        "evaluate RL done | 4/4 rows",
+    ]
+    for line in done:
+        assert f"[run_all] {line}" in out, out[-4000:]
+    rows = [
+        json.loads(x) for x in (run_dir / "trainer" / "rollouts.jsonl").read_text().splitlines()
+    ]
+    assert sorted({r["step"] for r in rows}) == list(range(1, STEPS + 1))
+    for r in rows:  # what the env's reward saw travelled with the group
+        assert r["completion"] and r["prompt_tail"] and r["gold_action"]["type"]
+        assert sum(r["reward"].values()) == pytest.approx(r["score"], abs=1e-6)
+    events = EventAccumulator(str(run_dir / "trainer" / "tb"), size_guidance={"tensors": 0})
+    texts = events.Reload().Tensors("rollouts/text_summary")
+    assert [e.step for e in texts] == list(range(1, STEPS + 1))
+
+    page = run_dir / "report.html"
+    assert f"[run_all] the run's page: {page}" in out
+    check_report_screenshot(screenshot(page, tmp_path / "report.png"))
+    assert f'data-ready="{len(rows)}"' in dom(page)
 
 
 def test_run_all_names_the_log_of_a_service_that_will_not_start(
