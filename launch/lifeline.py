@@ -291,7 +291,10 @@ def reap(stream: IO[bytes], owner: int, grace: float = DEFAULT_GRACE_S) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Stop registered process groups when stdin closes.")
+    p = argparse.ArgumentParser(
+        prog="python -m launch.lifeline",
+        description="Stop registered process groups when stdin closes.",
+    )
     p.add_argument("--owner", type=int, required=True, help="PID of the starter (for the logs).")
     p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S)
     args = p.parse_args(argv)

@@ -184,7 +184,11 @@ def main(argv: list[str] | None = None) -> None:
     from launch.paths import SMOL_MODEL_DIR
     from trainer.tiny_model import digest
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m trainer.smol_model",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
     ap.add_argument("--out", type=Path, default=SMOL_MODEL_DIR, help="output folder")
     ap.add_argument("--gguf", type=Path, default=None,
                     help=f"another GGUF file to convert (default: the one in {PACKAGE})")  # fmt: skip

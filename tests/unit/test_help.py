@@ -125,7 +125,7 @@ def test_serve_without_model_names_help() -> None:
 
 def test_run_all_sh_help_shows_defaults_and_choices() -> None:
     out = _check(_run([str(REPO_ROOT / "launch" / "run_all.sh"), "--help"]), "run_all.sh")
-    assert "--preset {cpu-tiny,gpu-0.5b,gpu-3b}" in out
+    assert "--preset {cpu-tiny,cpu-smol,gpu-0.5b,gpu-3b}" in out
     assert "--weight-bridge-mode {shared_vllm,lora_only,none}" in out
     flat = " ".join(out.split())
     assert "GRPO training steps. (default: 120)" in flat

@@ -45,8 +45,8 @@ from typing import Any, TypeVar
 import httpx
 import torch
 
+import trainer.bridge.vllm_compat as vllm_compat
 from launch.procs import free_port
-from trainer.bridge import vllm_compat
 from trainer.bridge.base import SyncStats, WeightBridge
 from trainer.bridge.http import ServerClient
 from trainer.bridge.params import check_against_server, hf_shapes, iter_hf_tensors
