@@ -132,8 +132,7 @@ def test_atroposlib_envs_and_example_trainer(
             assert not e.alive(), f"{e.name} did not finish:\n{tail(e.log_path)}"
             assert e.popen.returncode == 0, f"{e.name} failed:\n{tail(e.log_path)}"
         stop.touch()
-        trainer.popen.wait(timeout=300)
-        assert trainer.popen.returncode == 0, tail(trainer.log_path)
+        assert trainer.wait_exit() == 0, tail(trainer.log_path)  # waits while it logs
         left = httpx.get(url + "/status", timeout=30).json()["queue_size"]
     finally:
         for p in reversed(procs):

@@ -20,17 +20,25 @@ not a moved policy.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration.test_launch_run_all import STEPS, artifacts_env, check_run, run_all
+from tests.integration.launcher_harness import LauncherRun
+from tests.integration.test_launch_run_all import (
+    STEPS,
+    artifacts_env,
+    check_run,
+    launcher,
+    run_all,
+)
 
 pytestmark = pytest.mark.integration
 EVAL = 2
 PROMPT_TOKENS, MAX_TOKENS = 928, 96  # the cpu-tiny preset's evaluation budget
-__all__ = ["artifacts_env"]  # the session fixture, shared with test_launch_run_all
+__all__ = ["artifacts_env", "launcher"]  # fixtures shared with test_launch_run_all
 
 
 @torch.no_grad()
@@ -66,13 +74,14 @@ def transformers_greedy(model_dir: Path, ckpt_model: Path, data_dir: Path, lora:
 
 
 def test_two_rank_trainer_drives_vllm_in_shared_vllm_and_lora_only(
-    artifacts_env: dict[str, str], tmp_path: Path
+    artifacts_env: dict[str, str], launcher: Callable[..., LauncherRun], tmp_path: Path
 ) -> None:
     root = Path(artifacts_env["SHOP_R1_ARTIFACTS"])
     sft = root / "models" / "tiny-qwen2-sft"
     for mode in ("shared_vllm", "lora_only"):
         run_dir = tmp_path / mode
         out = run_all(
+            launcher,
             run_dir,
             artifacts_env,
             "--trainer-procs",
