@@ -34,13 +34,15 @@ def main() -> None:
                          seq_len=256, training_steps=1000, atropos_url=url)  # fmt: skip
     register_trainer(cfg)
     replies: list[dict] = []
+    in_call = [0]  # batches get_data has taken in its current call (it returns them on None)
     original = data.get_batch
 
     def get_batch(url: str = url) -> dict:
         reply = original(url=url)
         if reply.get("batch") is not None:
             replies.append(json.loads(json.dumps(reply)))  # get_data rewrites it in place
-        elif Path(stop).exists():
+            in_call[0] += 1
+        elif Path(stop).exists() and not in_call[0]:  # nothing held back: stop
             raise Stop
         return reply
 
@@ -50,6 +52,7 @@ def main() -> None:
         while True:
             batches, _ = data.get_data(batch_size, 256, atropos_url=url)
             steps += len(batches)
+            in_call[0] = 0
     except Stop:
         pass
     out.write_text(json.dumps({"replies": replies, "padded_batches": steps}))
