@@ -188,6 +188,19 @@ class LeaseMixin:
     def ack(self, batch_id: str) -> tuple[str, int]:
         """Mark a batch consumed. Idempotent; a late ack (lease expired) acks those of its
         groups that are back in the queue and not leased again."""
+        return self._close_batch(batch_id, "acked", clear_payload=True)
+
+    def skip(self, batch_id: str) -> tuple[str, int]:
+        """Mark a batch consumed but NOT trained (the trainer skipped its update): its groups
+        go to ``skipped`` (payload kept) and leave the queue. Idempotent; a batch already acked
+        stays acked (``already_acked``); after an expired lease only the groups back in the
+        queue and not leased again are skipped (``skipped_late``)."""
+        return self._close_batch(batch_id, "skipped", clear_payload=False)
+
+    def _close_batch(self, batch_id: str, state: str, clear_payload: bool) -> tuple[str, int]:
+        """Move a batch and its groups to the final ``state`` (``acked`` or ``skipped``). A
+        batch already in either final state stays as it is (``already_<state>``); after an
+        expired lease only its groups back in the queue move (``<state>_late``)."""
         with self._tx() as db:
             row = db.execute("SELECT state FROM batches WHERE batch_id=?", (batch_id,)).fetchone()
             if row is None:
@@ -195,28 +208,10 @@ class LeaseMixin:
             if row[0] in ("acked", "skipped"):  # a skipped batch was not trained: stays so
                 return f"already_{row[0]}", 0
             from_state = "leased" if row[0] in ("leased", "formed") else "queued"
+            payload = ", payload=''" if clear_payload else ""
             cur = db.execute(
-                "UPDATE groups SET state='acked', payload='' WHERE batch_id=? AND state=?",
-                (batch_id, from_state),
+                f"UPDATE groups SET state=?{payload} WHERE batch_id=? AND state=?",
+                (state, batch_id, from_state),
             )
-            db.execute("UPDATE batches SET state='acked' WHERE batch_id=?", (batch_id,))
-            return ("acked_late" if row[0] == "expired" else "acked"), cur.rowcount
-
-    def skip(self, batch_id: str) -> tuple[str, int]:
-        """Mark a batch consumed but NOT trained (the trainer skipped its update): its groups
-        go to ``skipped`` (payload kept) and leave the queue. Idempotent; a batch already acked
-        stays acked (``already_acked``); after an expired lease only the groups back in the
-        queue and not leased again are skipped (``skipped_late``)."""
-        with self._tx() as db:
-            row = db.execute("SELECT state FROM batches WHERE batch_id=?", (batch_id,)).fetchone()
-            if row is None:
-                raise UnknownBatch(batch_id)
-            if row[0] in ("acked", "skipped"):
-                return f"already_{row[0]}", 0
-            from_state = "leased" if row[0] in ("leased", "formed") else "queued"
-            cur = db.execute(
-                "UPDATE groups SET state='skipped' WHERE batch_id=? AND state=?",
-                (batch_id, from_state),
-            )
-            db.execute("UPDATE batches SET state='skipped' WHERE batch_id=?", (batch_id,))
-            return ("skipped_late" if row[0] == "expired" else "skipped"), cur.rowcount
+            db.execute("UPDATE batches SET state=? WHERE batch_id=?", (state, batch_id))
+            return (f"{state}_late" if row[0] == "expired" else state), cur.rowcount
