@@ -97,7 +97,9 @@ PRESETS: dict[str, Preset] = {
     # 1024-token sequences of its SFT (gold answers are <= 81 tokens; the instruct model's own
     # answers run longer). 2 groups of 4 a step: 8 x ~1k tokens is minutes on 2 cores.
     # Sampling and reward as cpu-tiny (temperature 0.7, Dr. GRPO, the no_dars ablation);
-    # learning rates are first choices, not tuned. Recipe twin: recipes/smollm2-135m-instruct/.
+    # learning rates are first choices, not tuned. No KL term (kl-beta 0: no reference model,
+    # one forward less per step). Precision `auto` (bf16 matmuls only on a CPU with native bf16).
+    # Recipe twin: recipes/smollm2-135m-instruct/.
     "cpu-smol": Preset(
         model=str(SMOL_SFT_MODEL_DIR),
         base_model=str(SMOL_MODEL_DIR),
@@ -108,15 +110,15 @@ PRESETS: dict[str, Preset] = {
         batch_groups=2,
         max_tokens=128,
         max_prompt_tokens=896,
-        lr=5e-6,
+        lr=1e-5,
         trainer_extra=(
-            "--kl-beta 0.05 --temperature 0.7 --no-scale-advantages --precision bf16 "
+            "--kl-beta 0 --temperature 0.7 --no-scale-advantages --precision auto "
             "--micro-batch-tokens 2048 --save-every 5"
         ).split(),
         env_extra="--temperature 0.7 --reward-variant no_dars".split(),
         sft_extra=(
-            "--lr 5e-5 --training-steps 40 --warmup-steps 4 --batch-size 8 "
-            "--micro-batch-size 2 --max-seq-len 1024 --precision bf16 --save-every 10 "
+            "--lr 5e-5 --training-steps 20 --warmup-steps 2 --batch-size 8 "
+            "--micro-batch-size 2 --max-seq-len 1024 --precision auto --save-every 10 "
             "--eval-every 20 --eval-examples 16"
         ).split(),
     ),
