@@ -261,9 +261,10 @@ def prepare_embedded(cfg: RunAllConfig, run_dir: Path) -> None:
                 "--save-path", str(sft_dir), "--data-dir", str(DATA_DIR),
                 "--no-tensorboard", "--eval-generate", "0", *preset.sft_extra,
                 "--resume" if resume else "--overwrite"]  # fmt: skip
-        if not cfg.recipe:  # a recipe decides its own precision
-            # fp32 on every CPU: the SFT checkpoint docs/results/ start from was trained in
-            # fp32 (`auto` would make it a bf16-trained, different model on CPUs with bf16).
+        if not cfg.recipe and "--precision" not in preset.sft_extra:
+            # cpu-tiny: fp32 on every CPU: the SFT checkpoint docs/results/ start from was
+            # trained in fp32 (`auto` would make it a bf16-trained, different model on CPUs
+            # with bf16). A preset or recipe that names a precision decides its own.
             argv += ["--precision", "fp32"]
         if cfg.sft_steps:
             argv += ["--training-steps", str(cfg.sft_steps)]
