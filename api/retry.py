@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import tenacity
@@ -106,10 +106,10 @@ def _kwargs(
     logger: logging.Logger,
     level: int,
     clock: Callable[[], float],
-) -> dict:
+) -> dict[str, Any]:
     def before_sleep(state: tenacity.RetryCallState) -> None:
         e = state.outcome.exception() if state.outcome is not None else None
-        why = f"{type(e).__name__}: {str(e)[:300]}"
+        why = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"  # one line
         next_try = f"retry {state.attempt_number} in {state.upcoming_sleep:.1f}s"
         logger.log(level, "%s failed (%s); %s", what, why, next_try)
 

@@ -136,7 +136,7 @@ def test_each_retry_is_logged_in_one_line(caplog: pytest.LogCaptureFixture) -> N
     logger = logging.getLogger("test_retry")
     with caplog.at_level(logging.WARNING, logger="test_retry"), pytest.raises(ApiError):
         retry_call(
-            failing(ApiError("down"), calls),
+            failing(ApiError("down\n  for more information see the docs"), calls),
             "API GET /status",
             lambda e: True,
             RetryPolicy(attempts=3),
@@ -146,8 +146,12 @@ def test_each_retry_is_logged_in_one_line(caplog: pytest.LogCaptureFixture) -> N
         )
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2
-    assert lines[0].startswith("API GET /status failed (ApiError: down); retry 1 in ")
-    assert lines[1].startswith("API GET /status failed (ApiError: down); retry 2 in ")
+    assert lines[0].startswith(
+        "API GET /status failed (ApiError: down for more information see the docs); retry 1 in "
+    )
+    assert lines[1].startswith(
+        "API GET /status failed (ApiError: down for more information see the docs); retry 2 in "
+    )
 
 
 def test_async_calls_share_the_policy() -> None:
