@@ -1,17 +1,21 @@
 """The one retry policy (``api.retry``): what is retried, how long it waits, when it gives up,
 what it logs, and that a call which may have reached the server is not replayed unless it is
-idempotent. A fake clock: no test here sleeps."""
+idempotent. A fake clock: only the ``wait_http`` test waits (its 1 s deadline)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
 
 from api.client import ApiClient, ApiError
 from api.retry import BASE_S, CAP_S, RetryPolicy, is_transient, retry_call, retry_call_async
+from launch.procs import ManagedProcess
 
 pytestmark = pytest.mark.unit
 REQUEST = httpx.Request("POST", "http://api/x")
@@ -240,3 +244,23 @@ def test_api_client_retries_a_lease_that_never_arrived_and_stops_on_4xx() -> Non
     with pytest.raises(ApiError, match="HTTP 404: no such batch") as e:
         client.ack("gone")
     assert e.value.status_code == 404 and len(seen) == 4  # not retried
+
+
+def test_wait_http_gives_up_at_its_deadline_and_at_once_when_the_process_dies(
+    tmp_path: Path,
+) -> None:
+    with socket.socket() as bound:  # bound, never listening: every connect is refused
+        bound.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{bound.getsockname()[1]}/health"
+        code = "import time; time.sleep(60)"
+        alive = ManagedProcess("sleeper", [sys.executable, "-c", code], tmp_path / "s.log")
+        try:
+            with pytest.raises(TimeoutError, match="sleeper did not answer .* within 1s"):
+                alive.start().wait_http(url, timeout=1.0, interval=0.2)
+        finally:
+            alive.stop()
+        dead = ManagedProcess(
+            "dead", [sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "d.log"
+        ).start()
+        with pytest.raises(RuntimeError, match="dead exited with 3 before"):
+            dead.wait_http(url, timeout=60.0, interval=0.2)
