@@ -1,15 +1,17 @@
 """``ApiClient``: the synchronous httpx client of the batching API (envs and the trainer).
 
-Every call has an explicit timeout. Only transient failures are retried, with exponential
-backoff: connection errors and 502/503/504 always (the request never reached the API), and
-read timeouts or dropped connections only for calls that are safe to repeat. All calls but
-``lease`` are idempotent on the server (``group_id`` dedup, ack of an acked batch is a no-op,
-registering/setting a version twice is the same as once); a retried ``lease`` could lease a
+Every call has an explicit timeout. Transient failures are retried under the project's one
+retry policy (``api.retry``; docs/FAULT_TOLERANCE.md, "Retry policy"): a refused connection
+and 429/502/503/504 always (the request was not processed), and read timeouts, dropped
+connections or a 500 only for calls that are safe to repeat. All calls but ``lease`` are
+idempotent on the server (``group_id`` dedup, ack of an acked batch is a no-op,
+registering/setting a version twice is the same as once); a replayed ``lease`` could lease a
 second batch while the first reply was lost, which loses nothing (the first lease expires and
-its groups go back) but delays them, so it is retried on connection errors only.
+its groups go back) but delays them, so it is retried only when it surely never arrived, and
+otherwise raises ``ApiError`` ("not replayed") for the trainer's lease loop to wait out.
 A 4xx is the caller's bug and raises ``ApiError`` at once with the server's message.
-``give_up_s`` keeps retrying past ``retries`` for that long (each retry is logged), so a
-service rides out an API restart (kill -9, upgrade) instead of crashing.
+``give_up_s`` > 0 keeps retrying for that long (each retry is logged), so a service rides out
+an API restart (kill -9, upgrade) instead of crashing; otherwise ``retries`` extra tries.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import gzip
 import json
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,11 +35,11 @@ from api.protocol import (
     SkipResponse,
     Status,
 )
+from api.retry import CAP_S, RetryPolicy, is_transient, retry_call
 
 log = logging.getLogger(__name__)
 
 TOKEN_HEADER = "Authorization"
-RETRY_STATUS = frozenset({502, 503, 504})
 GZIP_MIN_BYTES = 64 * 1024
 """Request bodies at least this large are sent gzip-compressed."""
 
@@ -66,11 +67,14 @@ class ApiClient:
     ) -> None:
         headers = {TOKEN_HEADER: f"Bearer {token}"} if token else {}
         self.base_url = base_url.rstrip("/")
-        self.retries = retries
-        self.backoff = backoff
-        # Transient failures are retried at least ``retries`` times and, beyond that, until
-        # ``give_up_s`` seconds have passed: long enough to ride out an API restart.
-        self.give_up_s = give_up_s
+        # Transient failures are retried until ``give_up_s`` seconds have passed since the
+        # first one (long enough to ride out an API restart) or, without it, ``retries`` times.
+        self.policy = RetryPolicy(
+            attempts=None if give_up_s > 0 else retries + 1,
+            deadline_s=give_up_s if give_up_s > 0 else None,
+            base_s=backoff,
+            cap_s=max(backoff, CAP_S),
+        )
         self._http = httpx.Client(
             base_url=self.base_url,
             headers=headers,
@@ -98,40 +102,33 @@ class ApiClient:
         idempotent: bool = True,
     ) -> httpx.Response:
         content, headers = _encode(body)
-        transient: tuple[type[Exception], ...] = (httpx.ConnectError, httpx.ConnectTimeout)
-        if idempotent:
-            transient += (httpx.ReadTimeout, httpx.RemoteProtocolError, httpx.ReadError)
-        deadline = time.monotonic() + self.give_up_s
-        attempt = 0
-        while True:
-            last = attempt >= self.retries and time.monotonic() >= deadline
-            try:
-                r = self._http.request(
-                    method, path, content=content, headers=headers, params=params
-                )
-            except transient as e:
-                if last:
-                    raise ApiError(f"{method} {path}: {e!r} after {attempt + 1} tries") from e
-                self._sleep(attempt, f"{method} {path}: {e!r}")
-                attempt += 1
-                continue
-            except httpx.TransportError as e:  # may have reached the server: never replayed
-                raise ApiError(f"{method} {path}: {e!r} (not replayed: the request may have "
-                               "reached the server)") from e  # fmt: skip
-            if r.status_code in RETRY_STATUS and not last:
-                self._sleep(attempt, f"{method} {path}: HTTP {r.status_code}")
-                attempt += 1
-                continue
+        what = f"API {method} {path}"
+        tries = 0
+
+        def once() -> httpx.Response:
+            nonlocal tries
+            tries += 1
+            r = self._http.request(method, path, content=content, headers=headers, params=params)
             if r.status_code >= 400:
-                raise ApiError(
-                    f"{method} {path}: HTTP {r.status_code}: {r.text[:2000]}", r.status_code
-                )
+                raise httpx.HTTPStatusError(f"HTTP {r.status_code}", request=r.request, response=r)
             return r
 
-    def _sleep(self, attempt: int, why: str) -> None:
-        delay = min(self.backoff * 2 ** min(attempt, 10), 10.0)
-        log.warning("API transient failure (%s); retry %d in %.1fs", why, attempt + 1, delay)
-        time.sleep(delay)
+        def retryable(e: BaseException) -> bool:
+            return is_transient(e, idempotent)
+
+        try:
+            return retry_call(once, what, retryable, self.policy, logger=log)
+        except httpx.HTTPStatusError as e:
+            r = e.response
+            message = f"{method} {path}: HTTP {r.status_code}: {r.text[:2000]}"
+            raise ApiError(message, r.status_code) from e
+        except httpx.TransportError as e:
+            if retryable(e):
+                raise ApiError(f"{method} {path}: {e!r} after {tries} tries") from e
+            if not idempotent:
+                why = "not replayed: the request may have reached the server"
+                raise ApiError(f"{method} {path}: {e!r} ({why})") from e
+            raise ApiError(f"{method} {path}: {e!r}") from e
 
     # -- API -----------------------------------------------------------------------------
 

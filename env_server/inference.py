@@ -9,21 +9,22 @@ Which weights produced a completion: our patched server (``vllm_patching``) adds
 ``x-weight-version`` header to every completion response; a plain vLLM reports none and the
 caller falls back to the version the API reports.
 
-Transient failures (connection refused/reset, timeouts, 429, 5xx) are retried with
-exponential backoff; anything else is raised at once.
+Transient failures (connection refused/reset, timeouts, 429, 5xx) are retried under the
+project's one retry policy (``api.retry``, docs/FAULT_TOLERANCE.md); anything else is raised
+at once. Completions are safe to repeat (sampling has no side effects on the server).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import httpx
+
+from api.retry import RetryPolicy, is_transient, retry_call_async
 
 log = logging.getLogger("env_server.inference")
 VERSION_HEADER = "x-weight-version"
@@ -46,49 +47,6 @@ class CompletionBatch:
     """Version the server says produced them (None: the server does not say)."""
 
 
-def is_transient(exc: BaseException) -> bool:
-    """Worth retrying: the peer is down, slow, overloaded, or restarting."""
-    if isinstance(exc, httpx.TransportError):  # connect/read errors and timeouts
-        return True
-    if isinstance(exc, httpx.HTTPStatusError):
-        code = exc.response.status_code
-        return code == 429 or code >= 500
-    return False
-
-
-async def with_retries(
-    what: str,
-    fn: Callable[[], Awaitable[T]],
-    max_attempts: int | None = None,
-    base_delay: float = 0.5,
-    max_delay: float = 5.0,
-    transient: Callable[[BaseException], bool] = is_transient,
-    give_up_s: float | None = None,
-) -> T:
-    """Call ``fn`` until it succeeds, backing off on transient errors: at most
-    ``max_attempts`` tries and ``give_up_s`` seconds after the first failure (None = no limit)."""
-    attempt = 0
-    first_failure: float | None = None
-    while True:
-        try:
-            return await fn()
-        except Exception as e:
-            attempt += 1
-            now = time.monotonic()
-            first_failure = now if first_failure is None else first_failure
-            if (
-                not transient(e)
-                or (max_attempts is not None and attempt >= max_attempts)
-                or (give_up_s is not None and now - first_failure >= give_up_s)
-            ):
-                raise
-            delay = min(max_delay, base_delay * 2 ** (attempt - 1)) * random.uniform(0.8, 1.2)
-            log.warning(
-                "%s failed (%s: %s); retry %d in %.1fs", what, type(e).__name__, e, attempt, delay
-            )
-            await asyncio.sleep(delay)
-
-
 class InferenceClient:
     """Async client for one inference server."""
 
@@ -102,14 +60,17 @@ class InferenceClient:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
-        self.max_attempts = max_attempts
-        self.give_up_s = give_up_s  # retry a down/restarting server this long (None: forever)
+        # Retry a down/restarting server this long / this often (None: no limit).
+        self.policy = RetryPolicy(attempts=max_attempts, deadline_s=give_up_s)
         # Connecting should be quick; generating on a CPU can take minutes.
         timeout = httpx.Timeout(timeout_s, connect=5.0)
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout)
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    async def _retried(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+        return await retry_call_async(fn, what, is_transient, self.policy, logger=log)
 
     async def _get_json(self, path: str) -> Any:
         r = await self._http.get(path)
@@ -122,22 +83,19 @@ class InferenceClient:
         In ``lora_only`` mode the name changes with every weight version; our bridge's
         ``/bridge/info`` says which one is current. A plain vLLM lists it in ``/v1/models``.
         """
+        return await self._retried(f"GET {self.base_url}/v1/models", self._ask_model)
 
-        async def ask() -> tuple[str, str | None]:
-            models = await self._get_json("/v1/models")
-            first = models["data"][0]
-            name, root = first["id"], first.get("root")
-            try:
-                info = await self._get_json("/bridge/info")
-                name = info.get("served_model") or name
-                root = info.get("model") or root
-            except httpx.HTTPStatusError:
-                pass  # a plain vLLM: no bridge routes
-            return name, root
-
-        name, root = await with_retries(
-            f"GET {self.base_url}/v1/models", ask, self.max_attempts, give_up_s=self.give_up_s
-        )
+    async def _ask_model(self) -> tuple[str, str | None]:
+        """One try of :meth:`discover` (sets ``self.model``)."""
+        models = await self._get_json("/v1/models")
+        first = models["data"][0]
+        name, root = first["id"], first.get("root")
+        try:
+            info = await self._get_json("/bridge/info")
+            name = info.get("served_model") or name
+            root = info.get("model") or root
+        except httpx.HTTPStatusError:
+            pass  # a plain vLLM: no bridge routes
         self.model = name
         return name, root
 
@@ -169,15 +127,12 @@ class InferenceClient:
         async def post() -> httpx.Response:
             r = await self._http.post("/v1/completions", json={**body, "model": self.model})
             if r.status_code == 404:  # model renamed (lora_only new version): ask again
-                await self.discover()
+                await self._ask_model()  # within this retried call: no retry loop of its own
                 r = await self._http.post("/v1/completions", json={**body, "model": self.model})
             r.raise_for_status()
             return r
 
-        r = await with_retries(
-            f"POST {self.base_url}/v1/completions", post, self.max_attempts,
-            give_up_s=self.give_up_s,
-        )  # fmt: skip
+        r = await self._retried(f"POST {self.base_url}/v1/completions", post)
         return parse_completion_response(r.json(), prompt_ids, r.headers.get(VERSION_HEADER))
 
 

@@ -7,9 +7,10 @@
         each rollout: prompt ids -> group_size completions (ids + logprobs) -> reward
                       -> scored group -> push (the group_id is the idempotency key)
 
-Every call to the API or the inference server retries transient failures with backoff, for up
-to ``reconnect_timeout_s``: when either goes away (kill -9, restart) the service logs every
-retry and carries on once it is back (docs/FAULT_TOLERANCE.md).
+Every call to the API or the inference server retries transient failures under the project's
+one retry policy (``api.retry``), for up to ``reconnect_timeout_s``: when either goes away
+(kill -9, restart) the service logs every retry and carries on once it is back
+(docs/FAULT_TOLERANCE.md). The API calls retry in ``ApiClient`` itself, nothing around it.
 A rollout that fails for a non-transient reason is logged and skipped; too many in a row stop
 the service (a misconfiguration, not a hiccup).
 """
@@ -28,7 +29,7 @@ from typing import Any
 
 from env_server.config import EnvConfig
 from env_server.evaluate import compute_metrics, generate_completions
-from env_server.inference import InferenceClient, InferencePool, is_transient, with_retries
+from env_server.inference import InferenceClient, InferencePool
 from env_server.rollout import build_group, prompt_ids
 
 log = logging.getLogger("env_server")
@@ -37,41 +38,25 @@ REREGISTER_S = 60.0
 with default weight and group size when we next ask for backpressure."""
 
 
-def api_transient(exc: BaseException) -> bool:
-    """``ApiClient`` retries briefly itself, then raises ``ApiError``: without a status code
-    (unreachable) or with a 5xx the API is down or restarting -- keep trying; a 4xx is a bug."""
-    from api.client import ApiError
-
-    if isinstance(exc, ApiError):
-        return exc.status_code is None or exc.status_code >= 500 or exc.status_code == 429
-    return is_transient(exc)
-
-
 class ApiLink:
-    """The batching API, through ``api.client.ApiClient`` (sync httpx) run in threads."""
+    """The batching API, through ``api.client.ApiClient`` (sync httpx) run in threads; the
+    client retries transient failures for ``reconnect_timeout_s`` (all these calls are
+    idempotent: ``group_id`` dedups a repeated push)."""
 
     def __init__(self, cfg: EnvConfig) -> None:
         from api.client import ApiClient
 
         self.cfg = cfg
-        self.client = ApiClient(cfg.api_url, token=cfg.api_token)
+        self.client = ApiClient(cfg.api_url, token=cfg.api_token, give_up_s=cfg.reconnect_timeout_s)
         self.policy_version = 0
-
-    async def _call(self, what: str, fn, *args: Any) -> Any:
-        return await with_retries(
-            f"API {what}", lambda: asyncio.to_thread(fn, *args), transient=api_transient,
-            give_up_s=self.cfg.reconnect_timeout_s,
-        )  # fmt: skip
 
     async def register(self) -> None:
         c = self.cfg
-        await self._call(
-            "register", self.client.register_env, c.env_name, c.env_weight, c.group_size
-        )
+        await asyncio.to_thread(self.client.register_env, c.env_name, c.env_weight, c.group_size)
 
     async def wanted(self) -> int:
         """Groups the API wants now; also remembers the policy version it reports."""
-        bp = await self._call("backpressure", self.client.wanted, self.cfg.env_name)
+        bp = await asyncio.to_thread(self.client.wanted, self.cfg.env_name)
         if isinstance(bp, Mapping):
             self.policy_version = int(bp.get("policy_version", self.policy_version))
             return int(bp["wanted"])
@@ -79,7 +64,7 @@ class ApiLink:
         return int(getattr(bp, "wanted", bp))
 
     async def push(self, group: dict[str, Any]) -> Any:
-        return await self._call("push", self.client.push_groups, [group])
+        return await asyncio.to_thread(self.client.push_groups, [group])
 
 
 class Stats:

@@ -27,299 +27,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import logging
 import os
-import random
-import re
 import sys
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from env_server.synthesis.cache import Cache
+from env_server.synthesis.config import SynthConfig
+from env_server.synthesis.endpoint import Outcome, Synthesizer
+from env_server.synthesis.prompt import row_id
 
 log = logging.getLogger("env_server.synthesize")
-
-DEFAULT_BASE_URL = "http://127.0.0.1:9001/v1"
-"""The project's vLLM server (``python -m vllm_patching.serve ... --port 9001``)."""
-
-INSTRUCTION = (
-    "You explain the behaviour of a real person shopping online. You are shown the pages of "
-    "their session so far and the action they take next. Explain why they take this next "
-    'action: write their reason in ONE short sentence, in the first person ("I ..."), as '
-    "the shopper would think it. Use only what is on the page and what they are looking for; "
-    "do not mention any user-profile information (persona, age, gender, income, job, "
-    "location). Answer with that one sentence only, no quotes, no preamble."
-)
-"""The paper's instruction for rationale synthesis (Shop-R1, Sec. 3.1), in our words."""
-
-INSTRUCTION_VERSION = 1
-"""Bumped when INSTRUCTION changes; cached rationales from another version are not reused."""
-
-
-class SynthConfig(BaseModel):
-    """Options of ``python -m env_server.synthesize`` (one ``--kebab-case`` flag each)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    input: Path = Field(description="Rows file (.jsonl/.json/.csv/.parquet) or dataset folder.")
-    output: Path = Field(description="Output folder: <split>.jsonl, cache, failures, summary.")
-    format: str = Field("auto", description="Input format: auto, rows, shop_r1 or opera.")
-    base_url: str = Field(DEFAULT_BASE_URL, description="OpenAI-compatible base URL (with /v1).")
-    api_key: str | None = Field(
-        None, description="Bearer key for the endpoint (default: $OPENAI_API_KEY, if set)."
-    )
-    model: str | None = Field(None, description="Model name; default: the first of /models.")
-    concurrency: int = Field(4, ge=1, le=256, description="Requests in flight at once.")
-    max_retries: int = Field(
-        3, ge=0, description="Extra requests per row after a transient error or a bad answer."
-    )
-    temperature: float = Field(0.7, ge=0, description="Sampling temperature.")
-    max_tokens: int = Field(64, ge=1, description="Token budget of one answer.")
-    timeout_s: float = Field(120.0, gt=0, description="Timeout of one request (seconds).")
-    max_context_chars: int = Field(
-        6000, ge=200, description="Characters of the current page's HTML shown to the model."
-    )
-    max_words: int = Field(40, ge=3, description="Longest accepted rationale (words).")
-    lenient: bool = Field(
-        False,
-        description="Accept any non-empty answer (cleaned, cut to 300 characters) instead of "
-        "checking the one-first-person-sentence rule; for tiny test models.",
-    )
-    overwrite_existing: bool = Field(
-        False, description="Also synthesize rows that already have a rationale."
-    )
-    seed: int = Field(0, description="Seed of the session split of a single input file.")
-    val_fraction: float = Field(0.1, ge=0, lt=1, description="Validation share (single file).")
-    test_fraction: float = Field(0.1, ge=0, lt=1, description="Test share (single file).")
-
-
-# --- validation ---------------------------------------------------------------------------
-
-
-class InvalidAnswer(ValueError):
-    """An answer that does not meet the rationale rule; the message says which part."""
-
-
-QUOTES = "\"'`\u201c\u201d\u2018\u2019"
-LABEL = re.compile(r"^\s*(rationale|reason|answer|explanation)\s*:\s*", re.IGNORECASE)
-THINK = re.compile(r"<think>.*?</think>", re.IGNORECASE | re.DOTALL)
-FIRST_PERSON = re.compile(r"\b(I|I'm|I'll|I've|I'd|me|my|mine|myself)\b|\b(?i:me|my|mine)\b")
-SENTENCE_BREAK = re.compile(r"[.!?][\"')\]\u201d\u2019]*\s+\S")
-PROFILE = re.compile(
-    r"\b(profile|persona|demographics?|gender|income|salary|occupation|years old|"
-    r"age[sd]? \d+|\d+[- ]year[- ]old)\b|"
-    # persona framing ("As a busy parent, I ..."), not "As a result, I ..."
-    r"^as an? (?!(result|matter|first|last|quick)\b)[\w -]+,",
-    re.IGNORECASE,
-)
-LENIENT_MAX_CHARS = 300
-
-
-def _strip_quotes(text: str) -> str:
-    while len(text) >= 2 and text[0] in QUOTES and text[-1] in QUOTES:
-        text = text[1:-1].strip()
-    return text
-
-
-def clean_rationale(text: str, max_words: int = 40, lenient: bool = False) -> str:
-    """The rationale in ``text``, cleaned; raises :class:`InvalidAnswer` if it breaks the rule.
-
-    Rule (strict): one line, one sentence (no ``.``/``!``/``?`` followed by more text), at most
-    ``max_words`` words, a first-person word (I, I'm, me, my, ...), and nothing that looks like
-    user-profile information (profile, persona, age, gender, income, occupation, or an opening
-    "As a ..."). Cleaning: ``<think>`` blocks, a ``Rationale:`` label and surrounding quotes are
-    removed and a final period is added. Lenient: any non-empty text, whitespace collapsed,
-    cut at a word boundary to 300 characters.
-    """
-    text = _strip_quotes(LABEL.sub("", THINK.sub("", text or "")).strip())
-    if lenient:
-        text = " ".join(text.split())
-        if len(text) > LENIENT_MAX_CHARS:
-            text = text[:LENIENT_MAX_CHARS].rsplit(" ", 1)[0]
-        if not text:
-            raise InvalidAnswer("empty answer")
-        return text
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    if not lines:
-        raise InvalidAnswer("empty answer")
-    if len(lines) > 1:
-        raise InvalidAnswer(f"{len(lines)} lines, expected one sentence")
-    text = _strip_quotes(" ".join(lines[0].split()))
-    words = len(text.split())
-    if words > max_words:
-        raise InvalidAnswer(f"too long ({words} words > {max_words})")
-    if SENTENCE_BREAK.search(text):
-        raise InvalidAnswer("more than one sentence")
-    if not FIRST_PERSON.search(text):
-        raise InvalidAnswer("not in the first person")
-    if m := PROFILE.search(text):
-        raise InvalidAnswer(f"mentions user-profile information ({m.group(0)!r})")
-    return text if text[-1] in ".!?" else text + "."
-
-
-# --- prompts and row ids --------------------------------------------------------------------
-
-
-def row_id(row: Mapping[str, Any]) -> str:
-    """Stable id of a row: a hash of what the rationale depends on (not of its position)."""
-    key = [INSTRUCTION_VERSION, row["session_id"], int(row["step"]), list(row["previous_actions"]),
-           row["action"], list(row["pages"])[-1]]  # fmt: skip
-    return hashlib.sha256(json.dumps(key, ensure_ascii=False).encode()).hexdigest()[:24]
-
-
-def build_request_messages(row: Mapping[str, Any], max_context_chars: int) -> list[dict[str, str]]:
-    """System (the instruction) + user (earlier actions, current page, the next action)."""
-    page = list(row["pages"])[-1]
-    if len(page) > max_context_chars:
-        page = page[:max_context_chars] + "\n[... rest of the page cut ...]"
-    earlier = list(row["previous_actions"])[-10:]
-    history = "\n".join(f"{i + 1}. {a}" for i, a in enumerate(earlier)) or "(none)"
-    user = (
-        f"Earlier actions in this session (most recent last):\n{history}\n\n"
-        f"Current page (simplified HTML):\n{page}\n\n"
-        f"The shopper's next action: {row['action']}\n\n"
-        "Why does the shopper take this action? One short first-person sentence."
-    )
-    return [{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": user}]
-
-
-# --- the cache --------------------------------------------------------------------------------
-
-
-class Cache:
-    """Append-only JSONL of finished rows, one fsync'd line each; tolerant of a torn last line.
-
-    A kill can land in the middle of a write: the torn line is cut off on open (it never
-    finished, so its row is simply asked again), and later lines start on a fresh line.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.entries: dict[str, dict[str, Any]] = {}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():
-            self._load()
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-
-    def _load(self) -> None:
-        data = self.path.read_bytes()
-        good = data[: data.rfind(b"\n") + 1]
-        if len(good) != len(data):
-            log.warning("cache %s ends in a torn line (killed mid-write); dropping it", self.path)
-            with open(self.path, "r+b") as f:
-                f.truncate(len(good))
-        for n, line in enumerate(good.decode("utf-8").splitlines(), start=1):
-            try:
-                entry = json.loads(line)
-                self.entries[str(entry["id"])] = entry
-            except (json.JSONDecodeError, KeyError, TypeError):
-                log.warning("cache %s line %d is not a cache entry; ignored", self.path, n)
-
-    def add(self, entry: dict[str, Any]) -> None:
-        self._file.write(json.dumps(entry, ensure_ascii=False) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self.entries[str(entry["id"])] = entry
-
-    def close(self) -> None:
-        self._file.close()
-
-
-# --- the endpoint ------------------------------------------------------------------------------
-
-
-class RequestFailed(RuntimeError):
-    """A request the endpoint refused for good (4xx other than 429)."""
-
-
-def _transient(exc: BaseException) -> bool:
-    from env_server.inference import is_transient
-
-    return is_transient(exc)
-
-
-@dataclass
-class Outcome:
-    rationale: str | None
-    attempts: int
-    reason: str = ""
-
-
-class Synthesizer:
-    """Asks the endpoint for one row's rationale, validating and retrying."""
-
-    def __init__(self, cfg: SynthConfig) -> None:
-        import httpx
-
-        self.cfg = cfg
-        key = cfg.api_key or os.environ.get("OPENAI_API_KEY")
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.http = httpx.AsyncClient(
-            base_url=cfg.base_url.rstrip("/"),
-            headers=headers,
-            timeout=httpx.Timeout(cfg.timeout_s, connect=10.0),
-        )
-        self.model = cfg.model
-        self.requests = 0
-
-    async def aclose(self) -> None:
-        await self.http.aclose()
-
-    async def discover(self) -> str:
-        """The model to ask: ``--model``, else the first one the endpoint lists."""
-        if self.model:
-            return self.model
-        from env_server.inference import with_retries
-
-        async def ask() -> str:
-            r = await self.http.get("/models")
-            r.raise_for_status()
-            return str(r.json()["data"][0]["id"])
-
-        self.model = await with_retries(
-            f"GET {self.cfg.base_url}/models", ask, max_attempts=self.cfg.max_retries + 3
-        )
-        return self.model
-
-    async def _ask(self, messages: list[dict[str, str]]) -> str:
-        body = {"model": self.model, "messages": messages, "max_tokens": self.cfg.max_tokens,
-                "temperature": self.cfg.temperature, "n": 1}  # fmt: skip
-        self.requests += 1
-        r = await self.http.post("/chat/completions", json=body)
-        if 400 <= r.status_code < 500 and r.status_code != 429:
-            raise RequestFailed(f"HTTP {r.status_code}: {r.text[:300]}")
-        r.raise_for_status()
-        choice = r.json()["choices"][0]
-        return str((choice.get("message") or {}).get("content") or "")
-
-    async def rationale(self, row: Mapping[str, Any]) -> Outcome:
-        """Up to ``1 + max_retries`` requests; transient errors back off, bad answers re-ask."""
-        messages = build_request_messages(row, self.cfg.max_context_chars)
-        reason = ""
-        attempts = 0
-        for attempt in range(self.cfg.max_retries + 1):
-            attempts = attempt + 1
-            try:
-                answer = await self._ask(messages)
-                return Outcome(clean_rationale(answer, self.cfg.max_words, self.cfg.lenient),
-                               attempts)  # fmt: skip
-            except InvalidAnswer as e:
-                reason = f"invalid answer: {e}"
-            except RequestFailed as e:
-                return Outcome(None, attempts, str(e))
-            except Exception as e:
-                if not _transient(e):
-                    return Outcome(None, attempts, f"{type(e).__name__}: {e}")
-                reason = f"{type(e).__name__}: {e}"
-                await asyncio.sleep(min(10.0, 0.5 * 2**attempt) * random.uniform(0.8, 1.2))
-            log.debug("row %s/%s attempt %d: %s", row["session_id"], row["step"], attempts, reason)
-        return Outcome(None, attempts, reason)
 
 
 # --- input / output -----------------------------------------------------------------------------
@@ -342,9 +65,11 @@ def load_input(cfg: SynthConfig) -> dict[str, list[dict[str, Any]]]:
 
 
 def write_outputs(
-    out: Path, rows: dict[str, list[dict[str, Any]]], failed: list[dict[str, Any]],
+    out: Path,
+    rows: dict[str, list[dict[str, Any]]],
+    failed: list[dict[str, Any]],
     summary: dict[str, Any],
-) -> dict[str, int]:  # fmt: skip
+) -> dict[str, int]:
     """Each split atomically (temp file + rename); empty splits are not written."""
     from env_server.data.dataset import write_jsonl
 
@@ -384,8 +109,14 @@ async def synthesize(cfg: SynthConfig) -> dict[str, Any]:
             else:
                 todo.append((split, rid, row))
     unique = {rid: row for _, rid, row in todo}  # the same step twice is asked once
-    log.info("%d rows: %d have a rationale, %d cached, %d to synthesize (%d unique)",
-             counts["rows"], counts["existing"], counts["cached"], len(todo), len(unique))  # fmt: skip
+    log.info(
+        "%d rows: %d have a rationale, %d cached, %d to synthesize (%d unique)",
+        counts["rows"],
+        counts["existing"],
+        counts["cached"],
+        len(todo),
+        len(unique),
+    )
     failures: dict[str, Outcome] = {}
     synth = Synthesizer(cfg)
     try:
@@ -407,21 +138,38 @@ async def synthesize(cfg: SynthConfig) -> dict[str, Any]:
                 out_rows[split].append({**row, "rationale": cache.entries[rid]["rationale"]})
             else:
                 o = failures.get(rid, Outcome(None, 0, "not attempted"))
-                failed_rows.append({"id": rid, "split": split, "session_id": row["session_id"],
-                                    "step": row["step"], "attempts": o.attempts,
-                                    "reason": o.reason})  # fmt: skip
+                failed_rows.append(
+                    {
+                        "id": rid,
+                        "split": split,
+                        "session_id": row["session_id"],
+                        "step": row["step"],
+                        "attempts": o.attempts,
+                        "reason": o.reason,
+                    }
+                )
     counts["synthesized"] = sum(1 for _, rid, _ in todo if rid in cache.entries)
     counts["failed"] = len(failed_rows)
-    summary = {"run": run_id, **counts, "requests": synth.requests, "model": synth.model,
-               "base_url": cfg.base_url, "seconds": round(time.monotonic() - t0, 2)}  # fmt: skip
+    summary = {
+        "run": run_id,
+        **counts,
+        "requests": synth.requests,
+        "model": synth.model,
+        "base_url": cfg.base_url,
+        "seconds": round(time.monotonic() - t0, 2),
+    }
     write_outputs(cfg.output, out_rows, failed_rows, summary)
     return summary
 
 
 async def _run_all(
-    synth: Synthesizer, cache: Cache, unique: dict[str, dict[str, Any]],
-    failures: dict[str, Outcome], run_id: str, concurrency: int,
-) -> None:  # fmt: skip
+    synth: Synthesizer,
+    cache: Cache,
+    unique: dict[str, dict[str, Any]],
+    failures: dict[str, Outcome],
+    run_id: str,
+    concurrency: int,
+) -> None:
     queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
     for item in unique.items():
         queue.put_nowait(item)
@@ -438,13 +186,27 @@ async def _run_all(
             o = await synth.rationale(row)
             if o.rationale is not None:
                 # Durable before anything else: a kill after this line keeps the row.
-                cache.add({"id": rid, "rationale": o.rationale, "model": synth.model,
-                           "attempts": o.attempts, "run": run_id, "time": round(time.time(), 3),
-                           "session_id": row["session_id"], "step": row["step"]})  # fmt: skip
+                cache.add(
+                    {
+                        "id": rid,
+                        "rationale": o.rationale,
+                        "model": synth.model,
+                        "attempts": o.attempts,
+                        "run": run_id,
+                        "time": round(time.time(), 3),
+                        "session_id": row["session_id"],
+                        "step": row["step"],
+                    }
+                )
             else:
                 failures[rid] = o
-                log.warning("row %s/%s failed after %d request(s): %s", row["session_id"],
-                            row["step"], o.attempts, o.reason)  # fmt: skip
+                log.warning(
+                    "row %s/%s failed after %d request(s): %s",
+                    row["session_id"],
+                    row["step"],
+                    o.attempts,
+                    o.reason,
+                )
             done += 1
             if time.monotonic() - last_log > 10:
                 log.info("%d/%d rows done, %d failed", done, len(unique), len(failures))
@@ -463,9 +225,10 @@ def summary_line(s: Mapping[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> SynthConfig:
     p = argparse.ArgumentParser(
-        prog="python -m env_server.synthesize", description=__doc__,
+        prog="python -m env_server.synthesize",
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     for name, field in SynthConfig.model_fields.items():
         flag = "--" + name.replace("_", "-")
         help_text = (field.description or "").replace("%", "%%")
@@ -473,8 +236,13 @@ def parse_args(argv: list[str] | None = None) -> SynthConfig:
             p.add_argument(flag, dest=name, action="store_true", help=help_text)
         else:
             required = field.is_required()
-            p.add_argument(flag, dest=name, required=required, default=argparse.SUPPRESS,
-                           help=help_text + ("" if required else f" (default: {field.default})"))  # fmt: skip
+            p.add_argument(
+                flag,
+                dest=name,
+                required=required,
+                default=argparse.SUPPRESS,
+                help=help_text + ("" if required else f" (default: {field.default})"),
+            )
     ns = vars(p.parse_args(argv))
     try:
         return SynthConfig.model_validate(ns)
@@ -501,8 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     print(summary_line(summary))
     if summary["failed"]:
-        print(f"{summary['failed']} row(s) failed; see {cfg.output / 'failed.jsonl'} "
-              "(rerun to retry them; finished rows come from the cache)", file=sys.stderr)  # fmt: skip
+        print(
+            f"{summary['failed']} row(s) failed; see {cfg.output / 'failed.jsonl'} "
+            "(rerun to retry them; finished rows come from the cache)",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

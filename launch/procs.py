@@ -8,6 +8,7 @@ parent-death signal and a reaper that stops its process group (``launch.lifeline
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -132,24 +133,30 @@ class ManagedProcess:
         return int(self.popen.returncode)
 
     def wait_http(self, url: str, timeout: float = 300.0, interval: float = 0.5) -> None:
-        """Wait until ``url`` answers 200, failing early (with the log tail) if we die."""
-        deadline = time.monotonic() + timeout
-        last_err = ""
-        while time.monotonic() < deadline:
+        """Wait until ``url`` answers 200, failing early (with the log tail) if we die.
+
+        Polled under the project's retry policy (``api.retry``), backing off to ``interval``
+        seconds between tries; the tries are logged at DEBUG (a start takes minutes)."""
+        from api.retry import RetryPolicy, retry_call
+
+        def answered() -> None:
             if not self.alive():
                 raise RuntimeError(
                     f"{self.name} exited with {self.popen.returncode if self.popen else '?'} "
                     f"before {url} answered; read {self.log_path}:\n{tail(self.log_path)}"
                 )
-            try:
-                r = httpx.get(url, timeout=5.0)
-                if r.status_code == 200:
-                    return
-                last_err = f"HTTP {r.status_code}"
-            except httpx.HTTPError as e:
-                last_err = repr(e)
-            time.sleep(interval)
-        raise TimeoutError(
-            f"{self.name} did not answer {url} within {timeout:.0f}s ({last_err}); "
-            f"read {self.log_path}:\n{tail(self.log_path)}"
-        )
+            r = httpx.get(url, timeout=5.0)
+            if r.status_code != 200:
+                raise httpx.HTTPStatusError(f"HTTP {r.status_code}", request=r.request, response=r)
+
+        def not_yet(e: BaseException) -> bool:
+            return isinstance(e, httpx.HTTPError)
+
+        policy = RetryPolicy(deadline_s=timeout, base_s=min(0.1, interval), cap_s=interval)
+        try:
+            retry_call(answered, f"{self.name}: {url}", not_yet, policy, level=logging.DEBUG)
+        except httpx.HTTPError as e:
+            raise TimeoutError(
+                f"{self.name} did not answer {url} within {timeout:.0f}s ({e!r}); "
+                f"read {self.log_path}:\n{tail(self.log_path)}"
+            ) from e

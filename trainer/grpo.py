@@ -10,10 +10,11 @@ resumed trainer acks its checkpoint's batches at once, so they do not wait for t
 
 Restarts of the other services (docs/FAULT_TOLERANCE.md): API calls retry for
 ``reconnect_timeout`` seconds; a weight sync that fails because an inference server is down
-or restarted is retried until it is back; and while waiting for data the trainer watches the
-servers' ``run_id``: a restarted server serves the start weights (labelled with its initial
-version, so its rollouts are dropped as stale), so it is re-synced at once -- otherwise the
-trainer could wait forever for fresh rollouts that only a sync would bring.
+or restarted is retried until it is back (both under the one retry policy, ``api.retry``);
+and while waiting for data the trainer watches the servers' ``run_id``: a restarted server
+serves the start weights (labelled with its initial version, so its rollouts are dropped as
+stale), so it is re-synced at once -- otherwise the trainer could wait forever for fresh
+rollouts that only a sync would bring.
 """
 
 from __future__ import annotations
@@ -202,24 +203,21 @@ class WeightSync:
     def sync(self, version: int) -> Any:
         """Sync ``version``; a failure while a server is down or restarted is retried (with
         backoff, each retry logged) until it is back, for at most ``reconnect_timeout``."""
-        deadline = time.monotonic() + self.cfg.reconnect_timeout
-        attempt = 0
-        while True:
+        from api.retry import RetryPolicy, retry_call
+
+        before = self.run_ids
+
+        def attempt() -> Any:
+            nonlocal before
             before = self.run_ids
-            try:
-                ids = self._run_ids()  # before the sync: a restart during it shows up later
-                stats = self.bridge.sync(self.model, version)
-                self.run_ids = ids
-                return stats
-            except Exception as e:
-                attempt += 1
-                if not self._restarted(before, e) or time.monotonic() > deadline:
-                    raise
-                delay = min(5.0, 0.5 * 2 ** min(attempt, 5))
-                log.warning("weight sync of version %d failed (%s: %s); the inference server "
-                            "is down or restarted: retry %d in %.1fs", version,
-                            type(e).__name__, str(e)[:300], attempt, delay)  # fmt: skip
-                time.sleep(delay)
+            ids = self._run_ids()  # before the sync: a restart during it shows up later
+            stats = self.bridge.sync(self.model, version)
+            self.run_ids = ids
+            return stats
+
+        policy = RetryPolicy(deadline_s=self.cfg.reconnect_timeout)
+        what = f"weight sync of version {version} (is the inference server down or restarted?)"
+        return retry_call(attempt, what, lambda e: self._restarted(before, e), policy, logger=log)
 
     def _restarted(self, before: list[str], error: BaseException) -> bool:
         """Is ``error`` explained by a server being unreachable or restarted since ``before``?
@@ -251,18 +249,14 @@ def _retrying(cfg: GrpoConfig, what: str, fn: Any) -> Any:
     """``fn()`` retried on transport errors for up to ``reconnect_timeout`` seconds."""
     import httpx
 
-    deadline = time.monotonic() + cfg.reconnect_timeout
-    attempt = 0
-    while True:
-        try:
-            return fn()
-        except httpx.TransportError as e:
-            attempt += 1
-            if time.monotonic() > deadline:
-                raise
-            delay = min(10.0, 0.5 * 2 ** min(attempt, 5))
-            log.warning("%s failed (%r); retry %d in %.1fs", what, e, attempt, delay)
-            time.sleep(delay)
+    from api.retry import RetryPolicy, retry_call
+
+    def transport_error(e: BaseException) -> bool:
+        return isinstance(e, httpx.TransportError)
+
+    return retry_call(
+        fn, what, transport_error, RetryPolicy(deadline_s=cfg.reconnect_timeout), logger=log
+    )
 
 
 def _ack_checkpointed(api: Any, recent: list[dict[str, Any]]) -> None:

@@ -21,7 +21,7 @@ import torch
 from trainer.bridge import make_bridge
 from vllm_patching.launcher import BridgeServer, restart_bridge_server, start_bridge_server
 from vllm_patching.protocol import TOKEN_HEADER, VERSION_HEADER
-from vllm_patching.transport import SHM_DIR, SHM_PREFIX
+from vllm_patching.shm_segment import SHM_DIR, SHM_PREFIX
 
 pytestmark = pytest.mark.integration
 

@@ -55,7 +55,7 @@ def test_service_pushes_scored_groups(vllm_server, tiny_model_dir, tmp_path) -> 
     ]  # fmt: skip
     env = ManagedProcess("env", argv, tmp_path / "env.log").start()
     try:
-        wait_for_log(env, "API transient failure", timeout=120)  # up, cannot reach the API
+        wait_for_log(env, "API POST /envs/register failed", timeout=120)  # cannot reach the API
         api = start_api(port, db, tmp_path / "api.log")
         assert env.wait_exit() == 0, (tmp_path / "env.log").read_text()[-3000:]
         client = ApiClient(f"http://127.0.0.1:{port}")

@@ -106,7 +106,7 @@ def test_synthesis_resumes_after_sigkill(vllm_server, tiny_model_dir, tmp_path: 
     assert len(dsd["train"]) == 12 and len(dsd["validation"]) == ROWS - 12
     assert all(r.strip() for s in ("train", "validation") for r in list(dsd[s]["rationale"]))
     by_id = {e["id"]: e["rationale"] for e in cache}
-    from env_server.synthesize import row_id
+    from env_server.synthesis.prompt import row_id
 
     for row in dsd["train"]:
         assert row["rationale"] == by_id.get(row_id(row), row["rationale"])

@@ -15,21 +15,21 @@ import pytest
 import torch
 
 from launch.procs import free_port
-from vllm_patching.transport import (
-    SHM_PREFIX,
-    ShmSegment,
-    TensorMeta,
+from vllm_patching.gloo_group import (
     allgather_flags,
     broadcast,
-    bucket_views,
-    dtype_name,
     gloo_group_on,
     gloo_store,
+    remote_group,
+)
+from vllm_patching.shm_segment import SHM_PREFIX, ShmSegment, write_nonce
+from vllm_patching.transport import (
+    TensorMeta,
+    bucket_views,
+    dtype_name,
     metas_to_wire,
     pack_into,
     plan_buckets,
-    remote_group,
-    write_nonce,
 )
 
 pytestmark = pytest.mark.unit

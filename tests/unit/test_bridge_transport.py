@@ -9,30 +9,34 @@ import pytest
 import torch
 
 from launch.procs import free_port
-from vllm_patching.transport import (
-    NONCE_BYTES,
-    SHM_DIR,
-    SHM_PREFIX,
-    Packer,
-    ShmSegment,
-    TensorMeta,
+from vllm_patching.gloo_group import (
     allgather_flags,
     broadcast,
-    bucket_views,
-    check_segment_name,
-    dtype_name,
     gloo_group,
     gloo_group_on,
     gloo_store,
+    remote_group,
+    remote_ranks,
+)
+from vllm_patching.shm_segment import (
+    NONCE_BYTES,
+    SHM_DIR,
+    SHM_PREFIX,
+    ShmSegment,
+    check_segment_name,
+    shm_handshake,
+    write_nonce,
+)
+from vllm_patching.transport import (
+    Packer,
+    TensorMeta,
+    bucket_views,
+    dtype_name,
     metas_from_wire,
     metas_to_wire,
     pack_into,
     plan_buckets,
-    remote_group,
-    remote_ranks,
-    shm_handshake,
     unpack,
-    write_nonce,
 )
 
 pytestmark = pytest.mark.unit
@@ -251,7 +255,7 @@ def test_allgather_flags_and_remote_subgroup_broadcast() -> None:
 def test_sweep_removes_only_segments_of_dead_trainers(tmp_path):
     import subprocess
 
-    from vllm_patching.transport import (
+    from vllm_patching.shm_segment import (
         SHM_PREFIX,
         check_segment_name,
         new_segment_name,

@@ -143,7 +143,8 @@ def test_inference_client_retries_a_dead_server_then_gives_up() -> None:
 
     import httpx
 
-    from env_server.inference import InferenceClient, is_transient
+    from api.retry import is_transient
+    from env_server.inference import InferenceClient
     from launch.procs import free_port
 
     client = InferenceClient(f"http://127.0.0.1:{free_port()}", "tiny", max_attempts=3)
@@ -157,7 +158,7 @@ def test_inference_client_retries_a_dead_server_then_gives_up() -> None:
     t = time.monotonic()
     with pytest.raises(httpx.ConnectError):
         asyncio.run(go())
-    assert time.monotonic() - t >= 0.5 * 0.8 + 1.0 * 0.8  # two backoffs: 0.5 s, 1 s (+-20%)
+    assert time.monotonic() - t >= 0.5 * 0.8 + 1.0 * 0.8  # two backoffs: 0.5 s, 1 s (+ jitter)
     request = httpx.Request("POST", "http://x")
     assert is_transient(httpx.HTTPStatusError("", request=request, response=httpx.Response(503)))
     assert not is_transient(

@@ -1,6 +1,6 @@
-"""Bounded reconnects: the API client and the env's retry helper keep retrying a server that is
-down for ``give_up_s`` seconds (logging every retry), carry on when it comes back, and give up
-after that. Real sockets on loopback; the whole-stack behaviour is in
+"""Bounded reconnects: the API client and the retry policy (``api.retry``) keep retrying a
+server that is down for ``give_up_s`` seconds (logging every retry), carry on when it comes
+back, and give up after that. Real sockets on loopback; the whole-stack behaviour is in
 tests/integration/test_fault_tolerance.py."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from api.client import ApiClient, ApiError
-from env_server.inference import with_retries
+from api.retry import RetryPolicy, is_transient, retry_call_async
 from launch.procs import free_port
 
 pytestmark = pytest.mark.unit
@@ -83,7 +83,8 @@ def test_env_retry_helper_is_bounded_and_skips_permanent_errors() -> None:
 
     t0 = time.monotonic()
     with pytest.raises(httpx.ConnectError):
-        asyncio.run(with_retries("down", down, base_delay=0.05, max_delay=0.1, give_up_s=0.5))
+        policy = RetryPolicy(deadline_s=0.5, base_s=0.05, cap_s=0.1)
+        asyncio.run(retry_call_async(down, "down", is_transient, policy))
     assert 0.5 <= time.monotonic() - t0 < 5.0 and calls >= 3
 
     async def bad() -> None:
@@ -93,7 +94,7 @@ def test_env_retry_helper_is_bounded_and_skips_permanent_errors() -> None:
 
     calls = 0
     with pytest.raises(ValueError):
-        asyncio.run(with_retries("bad", bad, give_up_s=30.0))
+        asyncio.run(retry_call_async(bad, "bad", is_transient, RetryPolicy(deadline_s=30.0)))
     assert calls == 1
 
 

@@ -7,15 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from env_server.synthesize import (
-    Cache,
-    InvalidAnswer,
-    SynthConfig,
-    build_request_messages,
-    clean_rationale,
-    load_input,
-    row_id,
-)
+from env_server.synthesis.cache import Cache
+from env_server.synthesis.config import SynthConfig
+from env_server.synthesis.prompt import build_request_messages, row_id
+from env_server.synthesis.rule import InvalidAnswer, clean_rationale
+from env_server.synthesize import load_input
 
 pytestmark = pytest.mark.unit
 

@@ -25,25 +25,29 @@ from launch.procs import free_port
 from trainer.bridge.base import SyncStats, WeightBridge
 from trainer.bridge.http import BridgeHTTPError, ServerClient
 from trainer.bridge.params import check_against_server, hf_parameters, wire_metas
-from vllm_patching.transport import (
-    DEFAULT_BUCKET_BYTES,
-    NONCE_BYTES,
-    Packer,
-    PackPlan,
-    ShmSegment,
-    TensorMeta,
+from vllm_patching.gloo_group import (
     allgather_flags,
     broadcast,
-    bucket_views,
     gloo_group_on,
     gloo_store,
-    metas_to_wire,
-    new_segment_name,
-    plan_buckets,
     remote_group,
     remote_ranks,
+)
+from vllm_patching.shm_segment import (
+    NONCE_BYTES,
+    ShmSegment,
+    new_segment_name,
     sweep_stale_segments,
     write_nonce,
+)
+from vllm_patching.transport import (
+    DEFAULT_BUCKET_BYTES,
+    Packer,
+    PackPlan,
+    TensorMeta,
+    bucket_views,
+    metas_to_wire,
+    plan_buckets,
 )
 
 T = TypeVar("T")

@@ -23,18 +23,15 @@ from vllm.distributed.weight_transfer.base import WeightTransferInitInfo
 from vllm.logger import init_logger
 
 from vllm_patching.engines.staged import StagedUpdateInfo, StagedWeightTransferEngine
-from vllm_patching.transport import (
-    ShmSegment,
+from vllm_patching.gloo_group import (
     allgather_flags,
     broadcast,
-    bucket_views,
     gloo_group_on,
     gloo_store,
-    plan_buckets,
     remote_group,
-    shm_handshake,
-    unpack,
 )
+from vllm_patching.shm_segment import ShmSegment, shm_handshake
+from vllm_patching.transport import bucket_views, plan_buckets, unpack
 
 logger = init_logger("vllm.shop_r1_bridge." + __name__.rsplit(".", 1)[-1])
 

@@ -15,7 +15,8 @@ import torch
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo
 
 from vllm_patching.engines.staged import StagedUpdateInfo, StagedWeightTransferEngine
-from vllm_patching.transport import ShmSegment, plan_buckets, unpack
+from vllm_patching.shm_segment import ShmSegment
+from vllm_patching.transport import plan_buckets, unpack
 
 
 @dataclass
