@@ -16,8 +16,9 @@ again) the test freezes the launcher (SIGSTOP, so it cannot stop vLLM), asks vLL
 prompt logprobs of a fixed 928-token evaluation prompt, and lets it go on (SIGCONT). Those
 logprobs must match transformers' from the last checkpoint within ``LOGPROB_TOL`` (mean
 absolute difference per token) and, in shared_vllm, differ from the start model's by more
-than ``MOVED_MIN``: a skipped or partial sync fails. Measured (shared_vllm): served vs last
-checkpoint 0.0003, served vs start model 2.4 (docs/MULTINODE.md). Under LoRA the fixture's
+than ``MOVED_MIN``: a skipped sync fails. Measured once (shared_vllm): served vs last
+checkpoint < 5e-6 (vLLM runs the tiny model in fp32), served vs start model 0.445 -- what
+the first comparison would give had vLLM kept the start weights. Under LoRA the fixture's
 rollouts all score 0 with no rationale span, so every advantage is 0, the adapter's B stays
 0 and the run checks the plumbing (2 ranks, gather, adapter per version, versions, served ==
 checkpoint), not a moved policy.
@@ -47,10 +48,10 @@ from tests.integration.test_launch_run_all import (
 pytestmark = pytest.mark.integration
 EVAL = 2
 PROMPT_TOKENS, MAX_TOKENS = 928, 96  # the cpu-tiny preset's evaluation budget
-LOGPROB_TOL = 1.0  # TEMP
+LOGPROB_TOL = 0.005
 """Largest mean |logprob difference| per token between vLLM and transformers on the same
 weights (vLLM's CPU kernels vs transformers' fp32)."""
-MOVED_MIN = 0.2
+MOVED_MIN = 0.05
 """Smallest mean |logprob difference| per token between the synced and the start model in
 shared_vllm (lr 1e-2 moves the weights far)."""
 __all__ = ["artifacts_env", "launcher"]  # fixtures shared with test_launch_run_all
@@ -183,7 +184,7 @@ def test_two_rank_trainer_drives_vllm_in_shared_vllm_and_lora_only(
         assert served == want, mode
         to_ckpt = mean_abs_diff(served_lp, transformers_logprobs(sft, ckpt / "model", lora, ids))
         to_start = mean_abs_diff(served_lp, transformers_logprobs(sft, None, lora, ids))
-        print(f"{mode}: served vs last checkpoint {to_ckpt:.5f}, vs start model {to_start:.5f}")
+        print(f"{mode}: served vs last checkpoint {to_ckpt:.2e}, vs start model {to_start:.2e}")
         assert to_ckpt < LOGPROB_TOL, (mode, to_ckpt, to_start)
         if not lora:  # the adapter cannot move here (see the module docstring)
-            assert to_start > MOVED_MIN, (mode, to_ckpt, to_start)  # TEMP
+            assert to_start > MOVED_MIN > LOGPROB_TOL, (mode, to_ckpt, to_start)
