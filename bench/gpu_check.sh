@@ -2,7 +2,7 @@
 # The sharded trainer's GPU check, for one lent GPU machine (docs/MULTINODE.md, "GPU check";
 # results go to docs/BENCHMARKS.md section 7). Run from the repository root:
 #
-#     bash bench/gpu_check.sh            # carry [".whl"] (the wheels the image lacks)
+#     bash bench/gpu_check.sh    # carry [".whl"]: the wheels the image lacks + the tiny model
 #
 # Steps, each bounded by `timeout` and by the whole run's budget (GPU_CHECK_BUDGET_S, 360 s):
 #   1. the `gpu` tests (tests/gpu);
@@ -31,6 +31,15 @@ if [ -d .whl ] && ! python3 -c "import pydantic" 2>/dev/null; then
     export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 else
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+# Building the embedded tiny model trains its tokenizer on the simulator's corpus, which needs
+# the `datasets` package (not in the image): a copy built here travels in .whl/models/, and
+# the bench models reuse its tokenizer (bench/common.py).
+if [ -d .whl/models/tiny-qwen2 ] && ! python3 -c "import datasets" 2>/dev/null; then
+    export SHOP_R1_ARTIFACTS=/tmp/gpu_check_artifacts
+    mkdir -p "$SHOP_R1_ARTIFACTS/models"
+    cp -r .whl/models/tiny-qwen2 "$SHOP_R1_ARTIFACTS/models/"
 fi
 
 log() { echo "[$(date -u +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$LOG"; }
