@@ -67,9 +67,11 @@ def model_dir(name: str) -> Path:
         if not smol_model.is_built(SMOL_MODEL_DIR):
             smol_model.build_smol_model(SMOL_MODEL_DIR)
         return SMOL_MODEL_DIR
+    if not is_built(TINY_MODEL_DIR):
+        build_tiny_model(TINY_MODEL_DIR, TinyModelSpec(**MODEL_SIZES["tiny"]))
     out = TINY_MODEL_DIR if name == "tiny" else ARTIFACTS / "models" / f"bench-{name}"
-    if not is_built(out):
-        build_tiny_model(out, TinyModelSpec(**MODEL_SIZES[name]))
+    if not is_built(out):  # the embedded tokenizer, trained once (same vocabulary and corpus)
+        build_tiny_model(out, TinyModelSpec(**MODEL_SIZES[name]), tokenizer_from=TINY_MODEL_DIR)
     return out
 
 

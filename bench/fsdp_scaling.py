@@ -1,7 +1,16 @@
-"""The trainer at 1 vs N ranks (torchrun + FSDP2, gloo on CPU): memory per rank, step time,
-and the gather a sharded trainer adds to every weight sync.
+"""The trainer at 1 vs N ranks (torchrun + FSDP2): memory per rank, step time, the gather a
+sharded trainer adds to every weight sync, and (``--checkpoint``) a sharded checkpoint.
 
     python bench/fsdp_scaling.py [--model tiny|small|base] [--ranks 1,2] [--steps 3]
+        [--device cpu|cuda] [--checkpoint] [--results FILE]
+
+On CPU the ranks use gloo and world size 1 is a plain process; with ``--device cuda`` every
+world size (1 included) runs under torchrun with NCCL, one GPU per rank, and each rank also
+records its CUDA peak memory. ``--checkpoint`` then times, per world size, the trainer's
+sharded checkpoint (``Run.checkpoint``: DCP save + the Hugging Face export), the export
+alone, and a resume (``load_sharded`` after one more step) that must restore every local
+parameter and AdamW shard exactly; rank 0 loads the exported folder with transformers and
+compares it with the gathered weights.
 
 Each world size runs the trainer's own ``start_run`` (process group, sharding, KL reference,
 rank 0's sync replica, as ``python -m trainer grpo`` builds them) and times GRPO steps on one
@@ -10,7 +19,7 @@ shards: what FSDP2 divides), its peak RSS (everything: libraries, activations, t
 reference, rank 0's replica), the median step time, and (N > 1) the median time of
 ``SyncReplica.gather`` (every parameter ``full_tensor()``-ed into rank 0's replica, the step
 before the unchanged bridge sends it). Results: ``docs/results/fsdp_scaling.json`` (key =
-``"<model> threads=<OMP threads per rank>"``), summarised in docs/BENCHMARKS.md. The box is shared: read the load average recorded
+``"<model> threads=<OMP threads per rank>"``, `` cuda`` appended on CUDA), summarised in docs/BENCHMARKS.md. The box is shared: read the load average recorded
 with every run.
 """
 
@@ -81,7 +90,7 @@ def worker(a: argparse.Namespace) -> None:
         model_name=a.model_path,
         save_path=a.save,
         lr=1e-5,
-        device="cpu",
+        device=a.device,
         precision=a.precision,
         kl_beta=0.05,
         micro_batch_tokens=a.micro_tokens,
@@ -105,6 +114,7 @@ def worker(a: argparse.Namespace) -> None:
         make_groups(vocab, a.groups, a.group_size, a.prompt, a.completion), cfg.max_seq_len
     )[0]
     gathered = SyncReplica(run.loaded.model, replica[0], d, False) if d is not None else None
+    cuda = a.device == "cuda"
     grpo_step(ctx, items)  # warm-up; creates the AdamW state
     steps, gathers = [], []
     for _ in range(a.steps):
@@ -112,9 +122,13 @@ def worker(a: argparse.Namespace) -> None:
             d.barrier()
         t0 = time.perf_counter()
         grpo_step(ctx, items)
+        _sync(cuda)
         steps.append(time.perf_counter() - t0)
         if gathered is not None:
-            gathers.append(gathered.gather())
+            t0 = time.perf_counter()
+            gathered.gather()
+            _sync(cuda)
+            gathers.append(time.perf_counter() - t0)
     state = [t for s in run.optimizer.state.values() for t in s.values() if t.dim() > 0]
     row = {
         "params_bytes": local_bytes(run.loaded.model.parameters()),
@@ -123,6 +137,12 @@ def worker(a: argparse.Namespace) -> None:
         "step_s": steps,
         "gather_s": gathers,
     }
+    if cuda:
+        row["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
+        row["cuda_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        row["gpu"] = torch.cuda.get_device_name()
+    if a.checkpoint and d is not None:
+        row.update(checkpoint_round(run, ctx, items, Path(a.save), cuda))
     rows = [row]
     if d is not None:
         rows = [None] * d.world_size
@@ -131,6 +151,75 @@ def worker(a: argparse.Namespace) -> None:
         Path(a.out).write_text(json.dumps(rows))
     run.metrics.close()
     shutdown(d)
+
+
+def _sync(cuda: bool) -> None:
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _local_copy(run: Any) -> dict[str, Any]:
+    """This rank's shards of every parameter and AdamW state tensor (clones)."""
+    out = {}
+    for name, p in run.loaded.model.named_parameters():
+        p = p.detach()
+        out[name] = (p.to_local() if hasattr(p, "to_local") else p).clone()
+        for k, v in run.optimizer.state.get(run.loaded.model.get_parameter(name), {}).items():
+            v = v.to_local() if hasattr(v, "to_local") else v
+            out[f"{name}/{k}"] = v.clone()
+    return out
+
+
+def checkpoint_round(run: Any, ctx: Any, items: list, save: Path, cuda: bool) -> dict:
+    """Time the sharded checkpoint, the HF export alone and an exact resume (all ranks)."""
+    import torch
+
+    from trainer.dist_checkpoint import export_hf, full_model_state, load_sharded
+    from trainer.grpo_step import grpo_step
+
+    d = run.dist
+    run.state.step = 1
+    d.barrier()
+    t0 = time.perf_counter()
+    path = run.checkpoint()
+    ckpt_s = time.perf_counter() - t0
+    saved = _local_copy(run)
+    d.barrier()
+    t0 = time.perf_counter()
+    export_hf(run.loaded.model, run.loaded.tokenizer, save / "export-probe", d)
+    export_s = time.perf_counter() - t0
+    grpo_step(ctx, items)  # move away from the checkpoint, then come back
+    moved = _local_copy(run)
+    moved_any = any(not torch.equal(saved[k], moved[k]) for k in saved)
+    d.barrier()
+    t0 = time.perf_counter()
+    load_sharded(path, run.loaded.model, run.optimizer, run.scheduler, d.rank)
+    _sync(cuda)
+    resume_s = time.perf_counter() - t0
+    now = _local_copy(run)
+    exact = saved.keys() == now.keys() and all(torch.equal(saved[k], now[k]) for k in saved)
+    full = full_model_state(run.loaded.model)  # a collective; rank 0 holds the weights
+    hf_diff = None
+    if d.is_main:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(path / "model", dtype=torch.float32)
+        own = hf.state_dict()
+        hf_diff = max(
+            (own[k].float() - v.float()).abs().max().item() for k, v in full.items() if k in own
+        )
+    bytes_on_disk = sum(f.stat().st_size for f in (path / "dcp").rglob("*") if f.is_file())
+    return {
+        "checkpoint_s": ckpt_s,
+        "export_hf_s": export_s,
+        "resume_s": resume_s,
+        "resume_exact": exact,
+        "step_after_save_changed_state": moved_any,
+        "hf_export_max_abs_diff": hf_diff,
+        "dcp_bytes": bytes_on_disk,
+    }
 
 
 def run_world(a: argparse.Namespace, n: int, work: Path) -> list[dict[str, Any]]:
@@ -158,13 +247,18 @@ def run_world(a: argparse.Namespace, n: int, work: Path) -> list[dict[str, Any]]
         str(a.completion),
         "--micro-tokens",
         str(a.micro_tokens),
+        "--device",
+        a.device,
+        *(["--checkpoint"] if a.checkpoint else []),
     ]
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "PYTHONPATH": str(Path.cwd())}
+    pypath = os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "PYTHONPATH": pypath}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    argv = [sys.executable, *(launcher if n > 1 else []), *args]
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=3600)
+    torchrun = n > 1 or a.device == "cuda"  # CUDA: NCCL and FSDP2 at world size 1 too
+    argv = [sys.executable, *(launcher if torchrun else []), *args]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=a.timeout)
     if done.returncode != 0:
         raise SystemExit(f"{n} ranks failed:\n{(done.stdout + done.stderr)[-3000:]}")
     return json.loads(out.read_text())
@@ -184,6 +278,10 @@ def main() -> None:
     ap.add_argument("--completion", type=int, default=64, help="completion tokens")
     ap.add_argument("--micro-tokens", type=int, default=2560, help="--micro-batch-tokens")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL")
+    ap.add_argument("--checkpoint", action="store_true", help="also time DCP save/resume/export")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per world size")
+    ap.add_argument("--results", type=Path, default=RESULTS / "fsdp_scaling.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model-path", help=argparse.SUPPRESS)
     ap.add_argument("--save", help=argparse.SUPPRESS)
@@ -206,6 +304,7 @@ def main() -> None:
                 "completion",
                 "micro_tokens",
                 "threads",
+                "device",
             )
         },
     }
@@ -222,6 +321,10 @@ def main() -> None:
                 if rows[0]["gather_s"]
                 else 0.0,
             }
+            if a.device == "cuda":
+                result[f"ranks_{n}"]["cuda_peak_mib_per_rank"] = [
+                    r["cuda_peak_bytes"] / 2**20 for r in rows
+                ]
             print(
                 n,
                 "ranks:",
@@ -229,9 +332,9 @@ def main() -> None:
                 flush=True,
             )
     result["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    key = f"{a.model} threads={a.threads}"
-    write_result(RESULTS / "fsdp_scaling.json", key, result)
-    print(f"wrote {RESULTS / 'fsdp_scaling.json'} [{key}]")
+    key = f"{a.model} threads={a.threads}" + (" cuda" if a.device == "cuda" else "")
+    write_result(a.results, key, result)
+    print(f"wrote {a.results} [{key}]")
 
 
 if __name__ == "__main__":

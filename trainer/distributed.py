@@ -144,7 +144,8 @@ def shard_model(model: torch.nn.Module, d: Dist, compute_dtype: torch.dtype) -> 
     for m in model.modules():  # every unit: the sum over ranks is the batch's gradient
         if hasattr(m, "set_gradient_divide_factor"):
             m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+            if hasattr(m, "set_force_sum_reduction_for_comms"):  # older torch lacks it (NCCL
+                m.set_force_sum_reduction_for_comms(True)  # has PREMUL_SUM; gloo needs SUM)
     return model
 
 

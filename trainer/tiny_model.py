@@ -24,6 +24,8 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 BUILDER_VERSION = 1
+TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "chat_template", "added_tokens")
+"""Name prefixes of the files ``save_pretrained`` writes for the tokenizer."""
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML, as Qwen2 models use: the SFT target ends with <|im_end|>, which is also the EOS.
 CHAT_TEMPLATE = (
@@ -84,14 +86,28 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     )
 
 
-def build_tiny_model(out_dir: Path | str, spec: TinyModelSpec | None = None) -> Path:
-    """Build tokenizer + random-weight Qwen2 model into ``out_dir`` (atomically)."""
+def build_tiny_model(
+    out_dir: Path | str, spec: TinyModelSpec | None = None, tokenizer_from: Path | None = None
+) -> Path:
+    """Build tokenizer + random-weight Qwen2 model into ``out_dir`` (atomically).
+
+    ``tokenizer_from``: a folder built with the same vocabulary, corpus and seed whose
+    tokenizer files are copied instead of trained again (the same bytes: training is
+    deterministic); it spares the corpus, whose simulator needs the ``datasets`` package."""
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        GenerationConfig,
+        PreTrainedTokenizerFast,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     spec = spec or TinyModelSpec()
     out_dir = Path(out_dir)
-    tokenizer = train_tokenizer(corpus_texts(spec), spec.vocab_size)
+    if tokenizer_from is not None:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_from)
+    else:
+        tokenizer = train_tokenizer(corpus_texts(spec), spec.vocab_size)
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config = Qwen2Config(
@@ -120,8 +136,13 @@ def build_tiny_model(out_dir: Path | str, spec: TinyModelSpec | None = None) -> 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        _portable_tokenizer_config(tmp)
+        if tokenizer_from is not None:
+            for f in Path(tokenizer_from).iterdir():
+                if f.name.startswith(TOKENIZER_FILES):
+                    shutil.copy2(f, tmp / f.name)
+        else:
+            tokenizer.save_pretrained(tmp)
+            _portable_tokenizer_config(tmp)
         info = {"builder_version": BUILDER_VERSION, "spec": spec.model_dump()}
         (tmp / "build_info.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
         if out_dir.exists():

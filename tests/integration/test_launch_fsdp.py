@@ -7,22 +7,33 @@ checkpointed (sharded, ``dcp/``), gathered to rank 0 and synced (the server repo
 version 2), every process gone at the end (``check_run``); then vLLM's greedy completions of
 the RL evaluation (``eval_rl/predictions.jsonl``, asked of the server after the last sync)
 equal transformers' greedy generation from the trainer's last checkpoint (its ``model/``
-export: the whole model, or the adapter on the SFT base). The 3-step SFT model of the
-shared fixture answers the same degenerate text before and after such an update, so this
-comparison cannot by itself reveal a sync that never happened; the bitwise check that the
-gather fills rank 0's replica with the trained weights is in test_trainer_fsdp.py, and the
-bridge's token-level check of what vLLM serves in test_bridge_modes.py. Under LoRA the
-fixture's rollouts all score 0 with no rationale span, so every advantage is 0, the adapter's
-B stays 0 and the run checks the plumbing (2 ranks, gather, adapter per version, versions),
-not a moved policy.
+export: the whole model, or the adapter on the SFT base).
+
+The 3-step SFT model of the shared fixture answers the same degenerate text before and after
+such an update, so the greedy comparison alone cannot reveal a sync that never happened. The
+sensitive check: once the launcher prints "trainer done" (the env is stopped, nothing syncs
+again) the test freezes the launcher (SIGSTOP, so it cannot stop vLLM), asks vLLM for the
+prompt logprobs of a fixed 928-token evaluation prompt, and lets it go on (SIGCONT). Those
+logprobs must match transformers' from the last checkpoint within ``LOGPROB_TOL`` (mean
+absolute difference per token) and, in shared_vllm, differ from the start model's by more
+than ``MOVED_MIN``: a skipped sync fails. Measured in two runs (shared_vllm): served vs last
+checkpoint < 5e-6 and 3.1e-7 (vLLM runs the tiny model in fp32), served vs start model 0.445
+and 0.799 -- what the first comparison would give had vLLM kept the start weights. Under LoRA the fixture's
+rollouts all score 0 with no rationale span, so every advantage is 0, the adapter's B stays
+0 and the run checks the plumbing (2 ranks, gather, adapter per version, versions, served ==
+checkpoint), not a moved policy.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -32,13 +43,71 @@ from tests.integration.test_launch_run_all import (
     artifacts_env,
     check_run,
     launcher,
-    run_all,
 )
 
 pytestmark = pytest.mark.integration
 EVAL = 2
 PROMPT_TOKENS, MAX_TOKENS = 928, 96  # the cpu-tiny preset's evaluation budget
+LOGPROB_TOL = 0.005
+"""Largest mean |logprob difference| per token between vLLM and transformers on the same
+weights (vLLM's CPU kernels vs transformers' fp32)."""
+MOVED_MIN = 0.05
+"""Smallest mean |logprob difference| per token between the synced and the start model in
+shared_vllm (lr 1e-2 moves the weights far)."""
 __all__ = ["artifacts_env", "launcher"]  # fixtures shared with test_launch_run_all
+
+
+def first_prompt(model_dir: Path, data_dir: Path) -> list[int]:
+    """The token ids of the first test row's prompt (the evaluation's first request)."""
+    from transformers import AutoTokenizer
+
+    from env_server.data.dataset import load_or_build
+    from env_server.rollout import prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return prompt_ids(load_or_build(data_dir)["test"].to_list()[0], tok, PROMPT_TOKENS, False)
+
+
+def served_prompt_logprobs(run: LauncherRun, ids: list[int]) -> list[float]:
+    """vLLM's logprobs of ``ids[1:]`` once the trainer is done, asked while the launcher is
+    frozen (it would otherwise stop vLLM after the evaluation)."""
+    run.wait_until(lambda: "[run_all] trainer done" in run.output(), "the trainer's end")
+    os.kill(run.pid, signal.SIGSTOP)
+    try:
+        url = re.search(r"\[run_all\] vllm up at (\S+)", run.output()).group(1)
+        name = httpx.get(f"{url}/bridge/info", timeout=30).json()["served_model"]
+        body = {
+            "model": name,
+            "prompt": ids,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+        }
+        got = httpx.post(f"{url}/v1/completions", json=body, timeout=300).json()
+    finally:
+        os.kill(run.pid, signal.SIGCONT)
+    rows = got["choices"][0]["prompt_logprobs"][1:]
+    return [row[str(t)]["logprob"] for row, t in zip(rows, ids[1:], strict=True)]
+
+
+@torch.no_grad()
+def transformers_logprobs(model_dir: Path, ckpt_model: Path | None, lora: bool, ids: list) -> list:
+    """fp32 logprobs of ``ids[1:]``: the start model (``ckpt_model`` None) or a checkpoint's."""
+    from transformers import AutoModelForCausalLM
+
+    path = model_dir if ckpt_model is None or lora else ckpt_model
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if lora and ckpt_model is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, ckpt_model)
+    logits = model.eval()(input_ids=torch.tensor([ids])).logits[0, :-1]
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return lp.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+
+
+def mean_abs_diff(a: list[float], b: list[float]) -> float:
+    return float(torch.tensor(a).sub(torch.tensor(b)).abs().mean())
 
 
 @torch.no_grad()
@@ -78,12 +147,16 @@ def test_two_rank_trainer_drives_vllm_in_shared_vllm_and_lora_only(
 ) -> None:
     root = Path(artifacts_env["SHOP_R1_ARTIFACTS"])
     sft = root / "models" / "tiny-qwen2-sft"
+    data = root / "data" / "shop_r1"
+    ids = first_prompt(sft, data)
     for mode in ("shared_vllm", "lora_only"):
         run_dir = tmp_path / mode
-        out = run_all(
-            launcher,
+        run = launcher(
             run_dir,
             artifacts_env,
+            "--steps",
+            str(STEPS),
+            "--keep-constant-groups",
             "--trainer-procs",
             "2",
             "--weight-bridge-mode",
@@ -92,6 +165,9 @@ def test_two_rank_trainer_drives_vllm_in_shared_vllm_and_lora_only(
             str(EVAL),
             "--trainer-args=--lr 1e-2",
         )
+        served_lp = served_prompt_logprobs(run, ids)
+        assert run.wait() == 0, run.tails()
+        out = run.output()
         check_run(run_dir, out, ["vllm"])
         log = (run_dir / "trainer.log").read_text()
         assert "rank 0 of 2" in log and "rank 1 of 2" in log, log[-3000:]
@@ -103,7 +179,12 @@ def test_two_rank_trainer_drives_vllm_in_shared_vllm_and_lora_only(
         assert (ckpt / "dcp" / ".metadata").is_file()
         preds = (run_dir / "eval_rl" / "predictions.jsonl").read_text().splitlines()
         served = [json.loads(x)["completion"] for x in preds]
-        want = transformers_greedy(
-            sft, ckpt / "model", root / "data" / "shop_r1", lora=mode == "lora_only"
-        )
+        lora = mode == "lora_only"
+        want = transformers_greedy(sft, ckpt / "model", data, lora=lora)
         assert served == want, mode
+        to_ckpt = mean_abs_diff(served_lp, transformers_logprobs(sft, ckpt / "model", lora, ids))
+        to_start = mean_abs_diff(served_lp, transformers_logprobs(sft, None, lora, ids))
+        print(f"{mode}: served vs last checkpoint {to_ckpt:.2e}, vs start model {to_start:.2e}")
+        assert to_ckpt < LOGPROB_TOL, (mode, to_ckpt, to_start)
+        if not lora:  # the adapter cannot move here (see the module docstring)
+            assert to_start > MOVED_MIN > LOGPROB_TOL, (mode, to_ckpt, to_start)
