@@ -55,7 +55,7 @@ from launch.run_all_help import HELP_EPILOG, flag_help
 from launch.supervisor import PY, ServiceFailed, Stack, wait_http
 from launch.threads import ThreadPlan, available_cores, plan_threads
 from launch.trainer_node import launcher_argv, publish_trainer_argv
-from vllm_patching.launcher import BridgeServer
+from launch.vllm_server import BridgeServer, server_env, spawn_bridge_server
 
 
 class RunAllConfig(BaseModel):
@@ -231,8 +231,6 @@ def start_vllm_servers(cfg: RunAllConfig, preset: Preset, place: Placement, mode
                        threads: ThreadPlan | None = None) -> list[BridgeServer]:  # fmt: skip
     """Start every vLLM server side by side (recorded in the stack at once), then wait for
     each health check."""
-    from vllm_patching.launcher import server_env, spawn_bridge_server
-
     device = "cuda" if place.trainer_device.startswith("cuda") else "cpu"
     servers = []
     for i, name in enumerate(vllm_names(cfg.num_inference_servers)):

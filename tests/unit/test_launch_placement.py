@@ -23,8 +23,8 @@ from launch.run_all import (
     vllm_names,
 )
 from launch.supervisor import ServiceFailed
+from launch.vllm_server import server_env
 from trainer.bridge import rendezvous_from_env
-from vllm_patching.launcher import server_env
 from vllm_patching.protocol import TOKEN_ENV
 
 pytestmark = pytest.mark.unit

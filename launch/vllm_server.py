@@ -1,4 +1,6 @@
-"""Start/stop a patched vLLM server as a child process (tests, benchmarks, restart mode).
+"""Start/stop a patched vLLM server (``python -m vllm_patching.serve``) as a child process:
+launch/run_all.py, the tests, the benchmarks and the trainer's restart mode
+(trainer/bridge/reload.py). docs/BRIDGE.md describes the server's bridge.
 
 The process runs in its own process group, is stopped by its PID, and dies with the process
 that started it, engine core and worker included (launch.procs, launch.lifeline).
