@@ -207,7 +207,7 @@ class GrpoConfig(CommonConfig):
     poll_interval: float = 1.0
     """Seconds between lease attempts while the API has not enough data."""
     weight_bridge_mode: Literal["shared_vllm", "lora_only", "none"] = "shared_vllm"
-    """How new weights reach vLLM after each step (see DESIGN.md, weight bridge)."""
+    """How new weights reach vLLM after each step (docs/BRIDGE.md)."""
     single_copy: bool = False
     """shared_vllm on the same device: share one copy of the weights (IPC / shared memory)."""
     vllm_host: str = "127.0.0.1"
