@@ -251,7 +251,7 @@ class GrpoConfig(CommonConfig):
     """Completions per step kept in ``<save_path>/rollouts.jsonl``, TensorBoard text and a W&B
     table: prompt end, completion, parsed and gold action, reward terms (0: none)."""
     gail: GailConfig = Field(default_factory=GailConfig.from_env)
-    """Optional discriminator reward (GRAIL; trainer/gail.py, docs/GAIL.md): off unless
+    """Optional discriminator reward (GRAIL; trainer/gail/, docs/GAIL.md): off unless
     ``GAIL_USE=1``, ``gail: {use: true}`` in the recipe, or ``--gail.use``."""
 
     @model_validator(mode="after")
