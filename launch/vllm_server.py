@@ -37,6 +37,12 @@ class BridgeServer:
     def stop(self) -> None:
         self.proc.stop()
 
+    def restart(self, model: str | Path, initial_version: int) -> BridgeServer:
+        """This server stopped and started again from ``model`` (``restart_bridge_server``):
+        what the trainer's restart mode calls (trainer/bridge/reload.py), so the trainer
+        needs no import of the launcher."""
+        return restart_bridge_server(self, model, initial_version)
+
     def wait(self, timeout: float = 600.0) -> None:
         """Until /bridge/health answers; on failure (or Ctrl-C) the server is stopped and
         the error names its log."""
