@@ -1,4 +1,4 @@
-"""Wire schemas of the batching API (pydantic). The data contract is in ../shared/DESIGN.md.
+"""Wire schemas of the batching API (pydantic). The data contract is docs/INTERFACES.md.
 
 Everything that crosses the wire is JSON validated by these models; nothing is pickled.
 Validation is strict where a bad value would poison training (lengths that disagree, non-finite

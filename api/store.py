@@ -9,7 +9,8 @@ A batch the trainer could not train on (a non-finite gradient) is marked ``skipp
 groups leave the queue, are never counted as acked, and keep their payload for inspection.
 
 Groups posted on the Atropos routes can also be ``buffered`` (their size differs from their
-env's group size, as Atropos buffers them) until buffered groups add up to that size.
+env's group size, as Atropos buffers them) until buffered groups add up to that size
+(``api.store_buffer``).
 Ingest is a group commit: concurrent pushes share one transaction and one fsync.
 Native batch formation (``lease``, in ``api.store_leases``) is a weighted fair share across environments by stride
 scheduling: each env has a ``pass`` that grows by ``sequences / weight`` whenever it is served,
@@ -31,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from api.atropos_packing import find_groups_summing_to_target
 from api.db import Readers, Synchronous, connect
 from api.protocol import ScoredGroup
+from api.store_buffer import AtroposBufferMixin
 from api.store_leases import LeasedBatch, LeaseMixin, UnknownBatch
 from api.store_status import StatusMixin, _Rate
 
@@ -74,7 +75,7 @@ class _Pending:
     error: BaseException | None = None
 
 
-class Store(LeaseMixin, StatusMixin):
+class Store(LeaseMixin, StatusMixin, AtroposBufferMixin):
     """The API's state. Thread-safe: FastAPI runs sync routes in a thread pool."""
 
     def __init__(
@@ -265,15 +266,7 @@ class Store(LeaseMixin, StatusMixin):
         for r in rows:
             state, env = "queued", r.env
             if r.atropos_env is not None:
-                if r.atropos_env not in envs:
-                    row = db.execute(
-                        "SELECT name, group_size FROM envs WHERE atropos_id=?", (r.atropos_env,)
-                    ).fetchone()
-                    envs[r.atropos_env] = row if row else ("", 0)
-                name, group_size = envs[r.atropos_env]
-                env = env or name or None
-                if group_size and r.n_seqs != group_size:
-                    state = "buffered"  # as Atropos: wait for groups adding up to its size
+                env, state = self._atropos_placement(db, r.atropos_env, r.env, r.n_seqs, envs)
             env = env or "atropos"
             version = live if r.policy_version is None else r.policy_version
             stale = version < min_version
@@ -299,23 +292,6 @@ class Store(LeaseMixin, StatusMixin):
                     db, r.atropos_env, envs[r.atropos_env][1]
                 )
         return result
-
-    def _promote_buffered(self, db: sqlite3.Connection, env_id: int | None, target: int) -> int:
-        """Atropos's buffer: queue the buffered groups of ``env_id`` whose sizes add up to
-        its group size (FIFO first, else a subset), at the end of the queue. Returns the
-        sequences left in the buffer."""
-        rows = db.execute(
-            "SELECT seq, n_seqs FROM groups WHERE state='buffered' AND atropos_env=? ORDER BY seq",
-            (env_id,),
-        ).fetchall()
-        picked = find_groups_summing_to_target([n for _, n in rows], target)
-        if picked:
-            (top,) = db.execute("SELECT COALESCE(MAX(qorder), 0) FROM groups").fetchone()
-            db.executemany(
-                "UPDATE groups SET state='queued', qorder=? WHERE seq=?",
-                [(top + k + 1, rows[i][0]) for k, i in enumerate(picked)],
-            )
-        return sum(n for k, (_, n) in enumerate(rows) if k not in set(picked))
 
     # -- versions and staleness ----------------------------------------------------------
 

@@ -328,7 +328,7 @@ def bench_group(
 ) -> list:
     """Start one server for ``keys`` (see ``server_groups``), bench each mode (handing each
     result to ``on_result`` as soon as it is there), stop it."""
-    from vllm_patching.launcher import start_bridge_server
+    from launch.vllm_server import start_bridge_server
 
     _, _, bridge_kw, server_kw = next(m for m in MODES if m[0] == keys[0])
     log = work / f"{model_dir.name}-{'+'.join(keys)}.log"

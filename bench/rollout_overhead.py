@@ -176,7 +176,7 @@ def main() -> None:
     from env_server.rollout import prompt_ids
     from launch.paths import DATA_DIR
     from launch.procs import ManagedProcess, free_port
-    from vllm_patching.launcher import start_bridge_server
+    from launch.vllm_server import start_bridge_server
 
     mdir = model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(mdir)

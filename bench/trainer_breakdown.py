@@ -68,7 +68,7 @@ def run_one(staleness: int, mdir: Path, args: argparse.Namespace, work: Path) ->
 
     from launch.paths import DATA_DIR
     from launch.procs import ManagedProcess, free_port
-    from vllm_patching.launcher import start_bridge_server
+    from launch.vllm_server import start_bridge_server
 
     py = sys.executable
     run = work / f"s{staleness}"

@@ -84,7 +84,7 @@ class EnvConfig(BaseModel):
     """Flat form of every Table-1 constant (recipe/config only); overrides ``reward_variant``."""
     rewards: RewardSpec | None = None
     """The reward as registry entries with weights (a recipe's ``rewards:`` section;
-    env_server/reward.py lists the entries). Excludes ``reward`` and ``reward_variant``."""
+    env_server/reward/registry.py lists the entries). Excludes ``reward`` and ``reward_variant``."""
     concurrency: int = Field(4, ge=1)
     """Prompts in flight at once (each asks for ``group_size`` completions)."""
     drop_constant_groups: bool = True

@@ -5,7 +5,7 @@ mask     = 0 on the prompt, 1 on every completion token (EOS included: stopping 
 logprobs = 0.0 on the prompt, the inference server's sampled-token logprobs after it
 spans.rationale = 1 on completion tokens that carry the rationale string's characters
 score    = the Shop-R1 reward of the completion against the row's gold action
-extras.gold = {"rationale", "action"} of the row (the human target; used by trainer/gail.py)
+extras.gold = {"rationale", "action"} of the row (the human target; used by trainer/gail/)
 extras.rollouts = per sequence, what the reward saw: {"action": parsed action or None,
                   "error": format failure or None, "exact": bool, "reward": {registry term:
                   credit}} (the trainer's rollout samples, trainer/rollout_log.py)
@@ -132,7 +132,7 @@ def build_group(
         "sequences": [s for s, _ in pairs],
         "metrics": metrics,
         # The human target of this prompt: the trainer's optional discriminator reward
-        # (trainer/gail.py, docs/GAIL.md) learns to tell it from the policy's completions.
+        # (trainer/gail/, docs/GAIL.md) learns to tell it from the policy's completions.
         "extras": {
             "gold": {"rationale": row["rationale"], "action": row["action"]},
             # What the reward saw in each completion, for the trainer's rollout samples.

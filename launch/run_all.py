@@ -9,6 +9,12 @@ Every process is a ``ManagedProcess`` (own process group, own log under the run 
 stopped by its PID on Ctrl-C / SIGTERM, when a service dies, or when the trainer is done; if
 the launcher itself dies (SIGKILL included), they die with it (``launch.lifeline``). Each
 gets a share of the cores (``launch.threads``).
+
+This module is the command line and the order of the run; the rest lives beside it:
+launch/supervisor.py (the processes it keeps and stops), launch/prepare.py (base model,
+dataset, SFT cold start), launch/evaluation.py (the SFT and RL evaluations),
+launch/eval_table.py (the SFT-vs-RL table), launch/reward_curve.py (the reward plot) and
+launch/report.py (the run's page). docs/CODE_MAP.md maps the whole tree.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ import httpx
 from pydantic import BaseModel, Field, FilePath, ValidationError
 
 from launch import progress
-from launch.follow import LogSource, Source, eval_source, grpo_source, sft_source
+from launch.eval_table import eval_table
+from launch.evaluation import evaluate
+from launch.follow import LogSource, grpo_source
 from launch.paths import DATA_DIR, RUNS_DIR
 from launch.placement import (
     Placement,
@@ -38,31 +46,16 @@ from launch.placement import (
     plan_placement,
     visible_gpus,
 )
+from launch.prepare import context_warning, prepare_embedded
 from launch.presets import PRESETS, Preset
-from launch.procs import ManagedProcess, free_port, tail
+from launch.procs import free_port, tail
 from launch.report import build_report
+from launch.reward_curve import reward_curve
 from launch.run_all_help import HELP_EPILOG, flag_help
-from launch.threads import ThreadPlan, available_cores, light_env, plan_threads
+from launch.supervisor import PY, ServiceFailed, Stack, wait_http
+from launch.threads import ThreadPlan, available_cores, plan_threads
 from launch.trainer_node import launcher_argv, publish_trainer_argv
-from vllm_patching.launcher import BridgeServer
-
-PY = sys.executable
-METRICS = [
-    ("exact_match", "exact match", "pct"),
-    ("type_accuracy", "type accuracy", "pct"),
-    ("macro_f1", "macro-F1", "pct"),
-    ("format_rate", "format rate", "pct"),
-    ("mean_reward", "mean reward (paper: DARS 1000)", "reward"),
-    ("reward_components.format", "reward part: format (0.5)", "part"),
-    ("reward_components.type", "reward part: type (0.3)", "part"),
-    ("reward_components.attr_presence", "reward part: attribute presence", "part"),
-    ("reward_components.attr_rouge", "reward part: attribute ROUGE-L (unscaled)", "part"),
-    ("reward_components.dars", "reward part: DARS x ROUGE-L (hard attribute)", "reward"),
-    ("reward_components.no_dars", "reward without the DARS part", "part"),
-    ("binary_reward", "binary reward (exact action, paper ablation)", "part"),
-]
-"""Rows of the SFT-vs-RL table: (key in env_server.evaluate's metrics.json, dotted for nested
-keys; label; how to print it). A key missing from either side's metrics is left out."""
+from launch.vllm_server import BridgeServer, server_env, spawn_bridge_server
 
 
 class RunAllConfig(BaseModel):
@@ -167,238 +160,8 @@ def parse_args(argv: list[str] | None = None) -> RunAllConfig:
         p.error(str(e))
 
 
-class ServiceFailed(RuntimeError):
-    """A service did not come up or died; the message names the log to read."""
-
-
-class Stack:
-    """The processes this launcher started, in start order; stopped in reverse order."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
-        self.procs: list[ManagedProcess] = []
-
-    def add(self, proc: ManagedProcess) -> ManagedProcess:
-        self.procs.append(proc)
-        self.write_pids()
-        return proc
-
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None):
-        return self.add(ManagedProcess(name, argv, self.run_dir / f"{name}.log", env=env).start())
-
-    def check_alive(self, *names: str) -> None:
-        for p in self.procs:
-            if p.name in names and not p.alive():
-                raise ServiceFailed(
-                    f"{p.name} died (exit {p.popen.returncode}); read {p.log_path}:\n"
-                    f"{tail(p.log_path, 20)}"
-                )
-
-    def stop(self, name: str) -> None:
-        for p in self.procs:
-            if p.name == name:
-                p.stop()
-        self.write_pids()
-
-    def stop_all(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
-        self.write_pids()
-
-    def write_pids(self) -> None:
-        pids = {
-            p.name: {"pid": p.pid, "alive": p.alive(), "log": str(p.log_path)} for p in self.procs
-        }
-        tmp = self.run_dir / "pids.json.tmp"  # atomic: a reader never sees half a file
-        tmp.write_text(json.dumps(pids, indent=2) + "\n")
-        os.replace(tmp, self.run_dir / "pids.json")
-
-
 def _raise_interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-def run_step(
-    name: str,
-    argv: list[str],
-    log: Path,
-    env: dict[str, str] | None = None,
-    title: str | None = None,
-    source: Source | None = None,
-) -> None:
-    """A preparation command in the foreground (stopped by PID if we are interrupted), shown
-    on the console as phase ``title`` (launch/progress.py; ``source``: its latest log line)."""
-    print(f"[run_all] {name}: {' '.join(argv[1:])}  (log: {log})", flush=True)
-    proc = ManagedProcess(name, argv, log, env=env).start()
-    try:
-        with progress.phase(title or name, source=source or LogSource(log)):
-            rc = proc.popen.wait()
-    finally:
-        proc.stop()
-    if rc != 0:
-        raise ServiceFailed(f"{name} failed (exit {rc}); read {log}:\n{tail(log, 20)}")
-
-
-def prepare_embedded(cfg: RunAllConfig, run_dir: Path) -> None:
-    """The preset's base model (the tiny model, or SmolLM2 for cpu-smol), the dataset and the
-    SFT cold start, each only if missing."""
-    preset = PRESETS[cfg.preset]
-    base, sft_dir = Path(preset.base_model), Path(preset.model)
-    if not (base / "config.json").exists():
-        name = preset.build_module.rsplit(".", 1)[-1]
-        argv = [PY, "-m", preset.build_module, "--out", str(base)]
-        run_step(name, argv, run_dir / f"{name}.log", title=f"build {name.replace('_', ' ')}")
-    if not (DATA_DIR / "test.jsonl").exists():
-        argv = [PY, "-m", "env_server.data", "build", "--out", str(DATA_DIR)]
-        if cfg.num_sessions:
-            argv += ["--num-sessions", str(cfg.num_sessions)]
-        run_step("dataset", argv, run_dir / "dataset.log", title="build dataset")
-    if not (sft_dir / "model.safetensors").exists():
-        # An interrupted SFT left checkpoints: continue it rather than start over.
-        resume = (sft_dir / "checkpoints").is_dir()
-        # --eval-generate 0: the launcher measures the SFT model itself, with vLLM (much faster).
-        argv = [PY, "-m", "trainer", "sft", *recipe_args(cfg), "--model-name", str(base),
-                "--save-path", str(sft_dir), "--data-dir", str(DATA_DIR),
-                "--no-tensorboard", "--eval-generate", "0", *preset.sft_extra,
-                "--resume" if resume else "--overwrite"]  # fmt: skip
-        if not cfg.recipe and "--precision" not in preset.sft_extra:
-            # cpu-tiny: fp32 on every CPU: the SFT checkpoint docs/results/ start from was
-            # trained in fp32 (`auto` would make it a bf16-trained, different model on CPUs
-            # with bf16). A preset or recipe that names a precision decides its own.
-            argv += ["--precision", "fp32"]
-        if cfg.sft_steps:
-            argv += ["--training-steps", str(cfg.sft_steps)]
-        source = sft_source(sft_dir, cfg.sft_steps)
-        run_step("sft", argv, run_dir / "sft.log", title="SFT", source=source)
-
-
-def wait_http(proc: ManagedProcess, url: str, timeout: float) -> None:
-    try:
-        proc.wait_http(url, timeout=timeout)
-    except (RuntimeError, TimeoutError) as e:
-        raise ServiceFailed(str(e)) from e
-
-
-def evaluate(label: str, vllm_url: str, cfg: RunAllConfig, run_dir: Path, model: str) -> dict:
-    out = run_dir / f"eval_{label}"
-    preset = PRESETS[cfg.preset]
-    argv = [PY, "-m", "env_server.evaluate", "--split", "test", "--limit", str(cfg.eval_samples),
-            "--inference-url", vllm_url, "--data-dir", str(DATA_DIR), "--tokenizer", model,
-            "--max-prompt-tokens", str(preset.max_prompt_tokens),
-            "--max-tokens", str(preset.max_tokens), "--out-dir", str(out)]  # fmt: skip
-    log = run_dir / f"eval_{label}.log"
-    env = {**os.environ, **light_env()}
-    run_step(f"eval_{label}", argv, log, env, f"evaluate {label.upper()}", eval_source(log))
-    return json.loads((out / "metrics.json").read_text())
-
-
-def _metric(m: dict, key: str) -> float | None:
-    for part in key.split("."):
-        if not isinstance(m, dict) or part not in m:
-            return None
-        m = m[part]
-    return float(m)  # type: ignore[arg-type]
-
-
-def _cell(m: dict, key: str, kind: str) -> str:
-    v = _metric(m, key)
-    assert v is not None
-    if kind == "pct":
-        ci = m.get(f"{key}_ci95")
-        return f"{v:.1%}" + (f" [{ci[0]:.1%}, {ci[1]:.1%}]" if ci else "")
-    if kind == "reward":
-        se = m.get(f"{key}_se")
-        return f"{v:.2f}" + (f" ± {se:.2f}" if se is not None else "")
-    return f"{v:.3f}"
-
-
-def _paired_line(sft: dict, rl: dict, key: str, label: str, scale: float, unit: str) -> str:
-    from env_server.evaluate import paired_difference
-
-    a, b = sft.get("per_sample", {}).get(key), rl.get("per_sample", {}).get(key)
-    if not a or not b or len(a) != len(b):
-        return ""
-    d, se = paired_difference(a, b)
-    z = f", {d / se:+.1f} SE" if se else ""
-    return (f"- {label}, RL - SFT on the same {len(a)} rows (paired): "
-            f"{scale * d:+.2f}{unit} ± {scale * se:.2f}{unit} (SE){z}\n")  # fmt: skip
-
-
-def eval_table(sft: dict, rl: dict, note: str) -> str:
-    """Markdown table of every metric for SFT and RL (95% CI for exact match, ± SE for the
-    reward), the relative change, then the paired differences of exact match and reward."""
-    rows = ["| metric | SFT | RL | change |", "|---|---|---|---|"]
-    for key, label, kind in METRICS:
-        a, b = _metric(sft, key), _metric(rl, key)
-        if a is None or b is None:
-            continue
-        rel = f"{100 * (b - a) / abs(a):+.0f}%" if a else "n/a"
-        if kind == "pct":
-            rel = f"{100 * (b - a):+.1f} pts ({rel})"
-        rows.append(f"| {label} | {_cell(sft, key, kind)} | {_cell(rl, key, kind)} | {rel} |")
-    paired = _paired_line(sft, rl, "exact", "exact match", 100, " points")
-    paired += _paired_line(sft, rl, "reward", "mean reward", 1, "")
-    oracle = sft.get("oracle_exact_match")
-    if oracle is not None:
-        paired += f"- best reachable exact match on these rows (simulated users): {oracle:.1%}\n"
-    return "\n".join(rows) + "\n\n" + paired + f"\n{note}\n"
-
-
-def _env_rates(env_metrics: Path) -> dict[str, list[tuple[int, float]]]:
-    """Per policy version, the mean over the env's pushed groups of each [0, 1] rate."""
-    by_version: dict[int, list[dict]] = {}
-    for line in env_metrics.read_text().splitlines():
-        row = json.loads(line) if line.strip() else {}
-        if row.get("kind") == "group":
-            by_version.setdefault(int(row["policy_version"]), []).append(row)
-    out: dict[str, list[tuple[int, float]]] = {}
-    for key in ("valid", "type_match", "exact_match"):
-        out[key] = [(v, sum(float(r.get(key, 0.0)) for r in rs) / len(rs))
-                    for v, rs in sorted(by_version.items())]  # fmt: skip
-    return out
-
-
-def reward_curve(metrics_path: Path, png: Path, env_metrics: Path | None = None) -> None:
-    """The trainer's batch reward per step and, from the env's group metrics
-    (``env_metrics.jsonl`` beside ``png`` unless given), the format / type / exact-match rates
-    of the rollouts per policy version."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
-    env_metrics = env_metrics or png.parent / "env_metrics.jsonl"
-    rates = _env_rates(env_metrics) if env_metrics.exists() else {}
-    fig, axes = plt.subplots(1, 2 if rates else 1, figsize=(11 if rates else 6, 3.8))
-    ax = axes[0] if rates else axes
-    steps = [r["step"] for r in rows]
-    ax.plot(steps, [r["score_mean"] for r in rows], marker="o", ms=3, label="batch mean")
-    k = max(1, len(rows) // 10)  # a running mean: one batch is a handful of prompts
-    run = [sum(r["score_mean"] for r in rows[max(0, i - k + 1) : i + 1]) / min(k, i + 1)
-           for i in range(len(rows))]  # fmt: skip
-    ax.plot(steps, run, lw=2, label=f"running mean ({k})")
-    if max(r["score_mean"] for r in rows) > 10:  # DARS: one ROUGE hit is worth ~1000
-        ax.set_yscale("symlog", linthresh=1.0)
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("Shop-R1 reward (symlog above 1)")
-    ax.set_title("Training batches: total reward")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    if rates:
-        labels = {"valid": "valid format", "type_match": "type match", "exact_match": "exact"}
-        for key, pts in rates.items():
-            axes[1].plot([v for v, _ in pts], [y for _, y in pts], marker="o", ms=3,
-                         label=labels[key])  # fmt: skip
-        axes[1].set_ylim(0, 1)
-        axes[1].set_xlabel("policy version of the rollouts")
-        axes[1].set_ylabel("rate in the env's pushed groups")
-        axes[1].set_title("Rollouts: reward components")
-        axes[1].legend(fontsize=8)
-        axes[1].grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
 
 
 def vllm_names(n: int) -> list[str]:
@@ -468,8 +231,6 @@ def start_vllm_servers(cfg: RunAllConfig, preset: Preset, place: Placement, mode
                        threads: ThreadPlan | None = None) -> list[BridgeServer]:  # fmt: skip
     """Start every vLLM server side by side (recorded in the stack at once), then wait for
     each health check."""
-    from vllm_patching.launcher import server_env, spawn_bridge_server
-
     device = "cuda" if place.trainer_device.startswith("cuda") else "cpu"
     servers = []
     for i, name in enumerate(vllm_names(cfg.num_inference_servers)):
@@ -506,28 +267,6 @@ def weight_versions(servers: list[BridgeServer]) -> dict[str, str | None]:
     return out
 
 
-def context_warning(model: str, preset: Preset) -> str | None:
-    """A warning when rollouts and evaluation would reach past the sequences ``model`` was
-    fine-tuned on (its ``trainer_config.json``, written by ``python -m trainer sft``).
-
-    A tiny model trained from scratch has never seen the positions beyond them: at a
-    1536-token budget the embedded SFT model scored a mean reward of 6.5 against 45.7 at
-    928 (env_server.config.DEFAULT_MAX_PROMPT_TOKENS).
-    """
-    path = Path(model) / "trainer_config.json"
-    try:
-        trained = int(json.loads(path.read_text())["max_seq_len"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # a hub model or no SFT record: nothing to compare with
-    need = preset.max_prompt_tokens + preset.max_tokens
-    if need <= trained:
-        return None
-    return (f"{model} was fine-tuned on sequences of {trained} tokens, but prompts of up to "
-            f"{preset.max_prompt_tokens} + completions of {preset.max_tokens} tokens reach "
-            f"position {need}: the model has never seen those positions. Lower the preset's "
-            f"max_prompt_tokens or fine-tune with a larger --max-seq-len.")  # fmt: skip
-
-
 def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     preset = PRESETS[cfg.preset]
     model = cfg.model or preset.model
@@ -536,7 +275,7 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     threads = plan_threads(available_cores(), cfg.num_inference_servers, device)
     light = {**os.environ, **threads.light_env}
     if preset.build_embedded and cfg.model is None:
-        prepare_embedded(cfg, run_dir)
+        prepare_embedded(preset, run_dir, recipe_args(cfg), cfg.num_sessions, cfg.sft_steps)
     if (warning := context_warning(model, preset)) is not None:
         print(f"[run_all] WARNING: {warning}", flush=True)
     if cfg.prepare_only:
@@ -569,7 +308,9 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     urls = [s.base_url for s in servers]
 
     sft_metrics = (
-        evaluate("sft", server.base_url, cfg, run_dir, model) if cfg.eval_samples else None
+        evaluate("sft", server.base_url, preset, cfg.eval_samples, run_dir, model)
+        if cfg.eval_samples
+        else None
     )
 
     env_argv = [
@@ -609,7 +350,7 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     reward_curve(save / "metrics.jsonl", run_dir / "reward_curve.png")
     if sft_metrics is not None:
         health = httpx.get(f"{server.base_url}/bridge/health", timeout=10).json()
-        rl_metrics = evaluate("rl", server.base_url, cfg, run_dir, model)
+        rl_metrics = evaluate("rl", server.base_url, preset, cfg.eval_samples, run_dir, model)
         note = (
             f"{cfg.eval_samples} test steps, greedy. SFT = {model}; RL = the trainer's final "
             f"weights ({save}) as served by vLLM after the last sync "

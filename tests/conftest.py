@@ -17,7 +17,7 @@ import pytest
 
 from launch.paths import SMOL_MODEL_DIR, TINY_MODEL_DIR
 from launch.procs import ManagedProcess, free_port
-from vllm_patching.launcher import cpu_env
+from launch.vllm_server import cpu_env
 
 
 def _pin_vllm_to_this_workers_core() -> None:

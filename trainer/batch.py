@@ -1,4 +1,5 @@
-"""Scored groups (the data contract in DESIGN.md) -> padded tensors in token-budget micro-batches."""
+"""Scored groups (the data contract: docs/INTERFACES.md) -> padded tensors in token-budget
+micro-batches."""
 
 from __future__ import annotations
 

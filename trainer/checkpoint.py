@@ -6,7 +6,7 @@ Layout of ``<save_path>/checkpoints/step_000042/``:
 - ``optimizer.pt``, ``scheduler.pt``, ``rng.pt``: the exact training state;
 - ``trainer_state.json``: step, policy version, data position, consumed batch/group ids;
 - ``<name>.pt``: the ``state_dict()`` of each extra stateful part (e.g. ``gail.pt``, the GAIL
-  discriminator of trainer/gail.py), see ``save_checkpoint(extra_state=...)``.
+  discriminator of trainer/gail/), see ``save_checkpoint(extra_state=...)``.
 
 A checkpoint is built in a temporary sibling directory and renamed into place, so a
 ``step_*`` directory is always complete: a kill at any moment leaves either the previous

@@ -207,7 +207,7 @@ class GrpoConfig(CommonConfig):
     poll_interval: float = 1.0
     """Seconds between lease attempts while the API has not enough data."""
     weight_bridge_mode: Literal["shared_vllm", "lora_only", "none"] = "shared_vllm"
-    """How new weights reach vLLM after each step (see DESIGN.md, weight bridge)."""
+    """How new weights reach vLLM after each step (docs/BRIDGE.md)."""
     single_copy: bool = False
     """shared_vllm on the same device: share one copy of the weights (IPC / shared memory)."""
     vllm_host: str = "127.0.0.1"
@@ -251,7 +251,7 @@ class GrpoConfig(CommonConfig):
     """Completions per step kept in ``<save_path>/rollouts.jsonl``, TensorBoard text and a W&B
     table: prompt end, completion, parsed and gold action, reward terms (0: none)."""
     gail: GailConfig = Field(default_factory=GailConfig.from_env)
-    """Optional discriminator reward (GRAIL; trainer/gail.py, docs/GAIL.md): off unless
+    """Optional discriminator reward (GRAIL; trainer/gail/, docs/GAIL.md): off unless
     ``GAIL_USE=1``, ``gail: {use: true}`` in the recipe, or ``--gail.use``."""
 
     @model_validator(mode="after")

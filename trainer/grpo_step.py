@@ -80,7 +80,7 @@ def grpo_step(
 ) -> dict[str, float]:
     """Advantages, loss, backward over micro-batches, clip, optimizer step. Returns metrics.
 
-    ``extra_reward`` (``[len(items)]``, e.g. the GAIL bonus of trainer/gail.py) is added to
+    ``extra_reward`` (``[len(items)]``, e.g. the GAIL bonus of trainer/gail/) is added to
     the scores before the group advantages; ``extra_adv_shift`` reports how much it moved them.
     """
     lm, cfg = ctx.loaded, ctx.cfg

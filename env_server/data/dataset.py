@@ -23,21 +23,10 @@ from typing import Any
 import datasets
 
 from env_server.actions import action_to_json
-from env_server.data.simulator import Session, generate_sessions
-
-SPLITS = ("train", "validation", "test")
-FEATURES = datasets.Features(
-    {
-        "session_id": datasets.Value("string"),
-        "step": datasets.Value("int64"),
-        "pages": datasets.Sequence(datasets.Value("string")),
-        "previous_actions": datasets.Sequence(datasets.Value("string")),
-        "rationale": datasets.Value("string"),
-        "action": datasets.Value("string"),
-        "action_type": datasets.Value("string"),
-        "alternatives": datasets.Value("string"),
-    }
-)
+from env_server.data.loaders import load_rows
+from env_server.data.schema import FEATURES, SPLITS
+from env_server.data.shopper import Session
+from env_server.data.simulator import generate_sessions
 
 
 def rows_from_session(session: Session) -> list[dict[str, Any]]:
@@ -114,8 +103,6 @@ def save_dataset(dsd: datasets.DatasetDict, out_dir: Path | str) -> dict[str, in
 
 def load_dataset_dir(data_dir: Path | str) -> datasets.DatasetDict:
     """Read the ``<split>.jsonl`` files of a folder, validating every row (clear errors)."""
-    from env_server.data.loaders import load_rows
-
     d = Path(data_dir)
     found = {s: d / f"{s}.jsonl" for s in SPLITS if (d / f"{s}.jsonl").exists()}
     if not found:

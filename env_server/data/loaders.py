@@ -1,4 +1,4 @@
-"""Loaders for user data, turned into the dataset's row schema (see ``dataset.py``).
+"""Loaders for user data, turned into the dataset's row schema (``schema.py``).
 
 Three input formats, read from ``.jsonl`` / ``.json`` (line by line, so errors name the line)
 or ``.csv`` / ``.parquet`` (through ``datasets``; errors name the row):
@@ -27,6 +27,7 @@ from typing import Any
 import datasets
 
 from env_server.actions import ACTION_TYPES, REQUIRED_KEYS, action_to_json
+from env_server.data.schema import FEATURES
 
 MISSING_PAGE = "(page HTML not recorded)"
 """Stands in for earlier pages a Shop-R1 row gives only actions for."""
@@ -150,8 +151,6 @@ def parse_action(value: Any, ctx: tuple[Path, str], field: str = "action") -> st
 
 
 def _to_dataset(rows: list[dict[str, Any]], path: Path) -> datasets.Dataset:
-    from env_server.data.dataset import FEATURES
-
     if not rows:
         raise DataFormatError(path, "line 0", "<file>", "no rows")
     return datasets.Dataset.from_list(rows, features=FEATURES)

@@ -1,12 +1,11 @@
-"""First-person rationales for simulated actions (what the shopper would say they think)."""
+"""First-person rationales for simulated actions (what the shopper would say they think), for
+env_server/data/simulator.py."""
 
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # circular at runtime: the simulator imports this module
-    from env_server.data.simulator import Shopper, State
+from env_server.data.shopper import Shopper, State
 
 
 def _wants(sh: Shopper) -> str:

@@ -18,8 +18,8 @@ import httpx
 import pytest
 import torch
 
+from launch.vllm_server import BridgeServer, restart_bridge_server, start_bridge_server
 from trainer.bridge import make_bridge
-from vllm_patching.launcher import BridgeServer, restart_bridge_server, start_bridge_server
 from vllm_patching.protocol import TOKEN_HEADER, VERSION_HEADER
 from vllm_patching.shm_segment import SHM_DIR, SHM_PREFIX
 

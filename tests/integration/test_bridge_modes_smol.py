@@ -19,9 +19,9 @@ import httpx
 import pytest
 import torch
 
+from launch.vllm_server import BridgeServer, start_bridge_server
 from tests.integration.test_bridge_modes import hf_model, optimizer_step, vllm_greedy
 from trainer.bridge import make_bridge
-from vllm_patching.launcher import BridgeServer, start_bridge_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.smol]
 

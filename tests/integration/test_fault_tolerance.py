@@ -43,8 +43,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from api.client import ApiClient
 from launch.procs import ManagedProcess, free_port, tail
+from launch.vllm_server import BridgeServer, start_bridge_server
 from tests.integration.test_bridge_modes import hf_greedy, vllm_greedy
-from vllm_patching.launcher import BridgeServer, start_bridge_server
 
 pytestmark = pytest.mark.integration
 TOKEN = "fault-tolerance-token"

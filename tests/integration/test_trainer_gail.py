@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from launch.vllm_server import start_bridge_server
 from tests.integration.grpo_harness import GROUP, TOKEN, run_trainer, start_api
-from vllm_patching.launcher import start_bridge_server
 
 pytestmark = pytest.mark.integration
 

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
+from launch.vllm_server import start_bridge_server
 from tests.integration.grpo_harness import GROUP, TOKEN, run_trainer, start_api
-from vllm_patching.launcher import start_bridge_server
 
 pytestmark = pytest.mark.integration
 

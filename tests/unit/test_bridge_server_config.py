@@ -172,3 +172,26 @@ def test_stage_and_apply_refuse_another_server_run_and_other_modes() -> None:
         StageRequest.model_validate({"run_id": "run-a"})  # update_info is required
     with pytest.raises(ValueError):
         ApplyRequest(version=-1)
+
+
+def test_restart_mode_restarts_its_own_server_from_the_checkpoint(tmp_path) -> None:
+    """``none`` + ``restart=True``: each sync saves the weights and asks the server object the
+    bridge was given to restart from them (``BridgeServer.restart``, launch/vllm_server.py)."""
+
+    class Server:
+        def __init__(self, model: str = "start", version: int = 0) -> None:
+            self.model, self.version = model, version
+
+        def restart(self, model, initial_version: int) -> Server:
+            return Server(str(model), initial_version)
+
+    bridge = make_bridge(
+        "none", ["http://127.0.0.1:9"], save_dir=tmp_path, restart=True, server=Server()
+    )
+    try:
+        stats = bridge.sync(torch.nn.Linear(2, 2), version=3)
+    finally:
+        bridge.close()
+    assert bridge.server.model == str(tmp_path / "v3") and bridge.server.version == 3
+    assert (tmp_path / "v3" / "model.safetensors").exists()
+    assert stats.detail["servers"][0]["restarted"] is True

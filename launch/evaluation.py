@@ -1,0 +1,32 @@
+"""The evaluations of ``launch/run_all.sh``: ``python -m env_server.evaluate`` on the test
+split against a running vLLM server, once before GRPO (the SFT model) and once after (the
+trainer's final weights as vLLM serves them). launch/eval_table.py compares the two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from launch.follow import eval_source
+from launch.paths import DATA_DIR
+from launch.presets import Preset
+from launch.supervisor import PY, run_step
+from launch.threads import light_env
+
+
+def evaluate(
+    label: str, vllm_url: str, preset: Preset, samples: int, run_dir: Path, model: str
+) -> dict:
+    """Evaluate ``samples`` test steps greedily on ``vllm_url`` (tokenizer: ``model``) into
+    ``run_dir/eval_<label>/``; return its ``metrics.json``."""
+    out = run_dir / f"eval_{label}"
+    argv = [PY, "-m", "env_server.evaluate", "--split", "test", "--limit", str(samples),
+            "--inference-url", vllm_url, "--data-dir", str(DATA_DIR), "--tokenizer", model,
+            "--max-prompt-tokens", str(preset.max_prompt_tokens),
+            "--max-tokens", str(preset.max_tokens), "--out-dir", str(out)]  # fmt: skip
+    log = run_dir / f"eval_{label}.log"
+    env = {**os.environ, **light_env()}
+    run_step(f"eval_{label}", argv, log, env, f"evaluate {label.upper()}", eval_source(log))
+    return json.loads((out / "metrics.json").read_text())

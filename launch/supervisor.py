@@ -1,0 +1,95 @@
+"""The processes ``launch/run_all.sh`` supervises: the services it keeps running (``Stack``,
+stopped in reverse start order, their PIDs in ``pids.json``) and the preparation and
+evaluation commands it runs in the foreground (``run_step``). Each is a ``ManagedProcess``
+(launch/procs.py): own process group, own log under the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from launch import progress
+from launch.follow import LogSource, Source
+from launch.procs import ManagedProcess, tail
+
+PY = sys.executable
+"""The interpreter every service and step runs under."""
+
+
+class ServiceFailed(RuntimeError):
+    """A service did not come up or died; the message names the log to read."""
+
+
+class Stack:
+    """The processes this launcher started, in start order; stopped in reverse order."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.procs: list[ManagedProcess] = []
+
+    def add(self, proc: ManagedProcess) -> ManagedProcess:
+        self.procs.append(proc)
+        self.write_pids()
+        return proc
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None):
+        return self.add(ManagedProcess(name, argv, self.run_dir / f"{name}.log", env=env).start())
+
+    def check_alive(self, *names: str) -> None:
+        for p in self.procs:
+            if p.name in names and not p.alive():
+                raise ServiceFailed(
+                    f"{p.name} died (exit {p.popen.returncode}); read {p.log_path}:\n"
+                    f"{tail(p.log_path, 20)}"
+                )
+
+    def stop(self, name: str) -> None:
+        for p in self.procs:
+            if p.name == name:
+                p.stop()
+        self.write_pids()
+
+    def stop_all(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        self.write_pids()
+
+    def write_pids(self) -> None:
+        pids = {
+            p.name: {"pid": p.pid, "alive": p.alive(), "log": str(p.log_path)} for p in self.procs
+        }
+        tmp = self.run_dir / "pids.json.tmp"  # atomic: a reader never sees half a file
+        tmp.write_text(json.dumps(pids, indent=2) + "\n")
+        os.replace(tmp, self.run_dir / "pids.json")
+
+
+def run_step(
+    name: str,
+    argv: list[str],
+    log: Path,
+    env: dict[str, str] | None = None,
+    title: str | None = None,
+    source: Source | None = None,
+) -> None:
+    """A preparation command in the foreground (stopped by PID if we are interrupted), shown
+    on the console as phase ``title`` (launch/progress.py; ``source``: its latest log line)."""
+    print(f"[run_all] {name}: {' '.join(argv[1:])}  (log: {log})", flush=True)
+    proc = ManagedProcess(name, argv, log, env=env).start()
+    try:
+        with progress.phase(title or name, source=source or LogSource(log)):
+            rc = proc.popen.wait()
+    finally:
+        proc.stop()
+    if rc != 0:
+        raise ServiceFailed(f"{name} failed (exit {rc}); read {log}:\n{tail(log, 20)}")
+
+
+def wait_http(proc: ManagedProcess, url: str, timeout: float) -> None:
+    """Wait for ``proc`` to answer ``url``; a death or a timeout is a ``ServiceFailed``."""
+    try:
+        proc.wait_http(url, timeout=timeout)
+    except (RuntimeError, TimeoutError) as e:
+        raise ServiceFailed(str(e)) from e
