@@ -174,8 +174,9 @@ def main() -> None:
 
     from env_server.data.dataset import load_or_build
     from env_server.rollout import prompt_ids
-    from launch.paths import DATA_DIR
-    from launch.procs import ManagedProcess, free_port
+    from settings.paths import DATA_DIR
+    from launch.procs import ManagedProcess
+    from settings.ports import free_port
     from vllm_patching.launcher import start_bridge_server
 
     mdir = model_dir(args.model)

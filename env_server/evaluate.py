@@ -305,7 +305,7 @@ async def _predict_with_model(args: argparse.Namespace, rows: list[dict[str, Any
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from env_server.config import DEFAULT_MAX_PROMPT_TOKENS
     from env_server.data.dataset import load_or_build
-    from launch.paths import DATA_DIR
+    from settings.paths import DATA_DIR
 
     ap = argparse.ArgumentParser(
         "python -m env_server.evaluate",
@@ -316,7 +316,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--data-dir", type=Path, default=DATA_DIR, help="dataset folder (built if missing)"
     )
     ap.add_argument(
-        "--num-sessions", type=int, default=3000, help="sessions to simulate if missing"
+        "--num-sessions",
+        type=int,
+        default=None,
+        help="sessions of the dataset (built if missing; default 3000, settings.paths)",
     )
     ap.add_argument("--split", default="test", choices=["train", "validation", "test"])
     ap.add_argument("--limit", "--max-eval-samples", dest="limit", type=int, default=None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from launch.paths import SFT_MODEL_DIR, SMOL_MODEL_DIR, SMOL_SFT_MODEL_DIR, TINY_MODEL_DIR
+from settings.paths import SFT_MODEL_DIR, SMOL_MODEL_DIR, SMOL_SFT_MODEL_DIR, TINY_MODEL_DIR
 
 
 class Preset(BaseModel):

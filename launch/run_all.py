@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field, FilePath, ValidationError
 
 from launch import progress
 from launch.follow import LogSource, Source, eval_source, grpo_source, sft_source
-from launch.paths import DATA_DIR, RUNS_DIR
+from settings.paths import DATA_DIR, RUNS_DIR
 from launch.placement import (
     Placement,
     PlacementError,
@@ -39,7 +39,8 @@ from launch.placement import (
     visible_gpus,
 )
 from launch.presets import PRESETS, Preset
-from launch.procs import ManagedProcess, free_port, tail
+from launch.procs import ManagedProcess, tail
+from settings.ports import free_port
 from launch.report import build_report
 from launch.run_all_help import HELP_EPILOG, flag_help
 from launch.threads import ThreadPlan, available_cores, light_env, plan_threads

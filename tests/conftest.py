@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from launch.paths import SMOL_MODEL_DIR, TINY_MODEL_DIR
-from launch.procs import ManagedProcess, free_port
+from settings.paths import SMOL_MODEL_DIR, TINY_MODEL_DIR
+from launch.procs import ManagedProcess
+from settings.ports import free_port
 from vllm_patching.launcher import cpu_env
 
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launch.procs import ManagedProcess, free_port
+from launch.procs import ManagedProcess
+from settings.ports import free_port
 from vllm_patching.protocol import TOKEN_ENV
 
 

@@ -40,7 +40,7 @@ BRIDGE_KEYS = {"bridge_mode", "single_copy", "bridge_config", "bridge_initial_ve
 
 def recipe_argv(path: Path) -> list[str]:
     """A recipe's ``vllm:`` section (plus the shared keys vLLM reads) as arguments."""
-    from launch.cli import load_recipe, section_values
+    from settings.recipe import load_recipe, section_values
 
     argv: list[str] = []
     for key, value in section_values(load_recipe(path), "vllm", None, path).items():

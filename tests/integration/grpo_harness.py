@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 from api.client import ApiClient
-from launch.procs import ManagedProcess, free_port
+from launch.procs import ManagedProcess
+from settings.ports import free_port
 
 TOKEN = "trainer-test-token"
 GROUP = 4

@@ -41,7 +41,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from api.client import ApiClient
-from launch.procs import ManagedProcess, free_port, tail
+from launch.procs import ManagedProcess, tail
+from settings.ports import free_port
 from tests.integration.test_bridge_modes import hf_greedy, vllm_greedy
 from vllm_patching.launcher import BridgeServer, start_bridge_server
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from launch.lifeline import descendants, is_running
-from launch.procs import free_port
+from settings.ports import free_port
 from tests.integration.launcher_harness import LauncherRun, gone, start_launcher
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,7 @@ import pytest
 from launch.procs import REPO_ROOT
 
 pytestmark = pytest.mark.unit
-PACKAGES = ("api", "env_server", "launch", "trainer", "vllm_patching")
+PACKAGES = ("api", "env_server", "launch", "settings", "trainer", "vllm_patching")
 KNOWN_MODULE_CYCLES = [
     ["env_server.data.dataset", "env_server.data.loaders"],
     ["env_server.data.rationales", "env_server.data.simulator"],

@@ -191,7 +191,7 @@ def test_trainer_and_env_args_pass_through_last() -> None:
     """--trainer-args / --env-args reach the service last, so they win over the preset."""
     import argparse
 
-    from launch.cli import resolve_args
+    from settings.cli import resolve_args
     from trainer.config import SECTIONS, GrpoConfig, build_parser
 
     cfg = parse_args(["--trainer-args=--lr 1e-4 --kl-beta 0.05", "--env-args=--group-size 8"])

@@ -14,8 +14,8 @@ from api.config import parse_config as parse_api
 from env_server.config import EnvConfig
 from env_server.config import parse_config as parse_env
 from env_server.reward import RewardConfig, score
-from launch.cli import resolve
-from launch.paths import REPO_ROOT
+from settings.cli import resolve
+from settings.paths import REPO_ROOT
 from launch.presets import PRESETS
 from trainer.config import GrpoConfig, SftConfig, build_parser, config_from_args
 from vllm_patching.serve import build
@@ -149,7 +149,7 @@ SMOL = REPO_ROOT / "recipes" / "smollm2-135m-instruct" / "shop-r1"
 
 
 def test_smol_recipes_match_the_cpu_smol_preset() -> None:
-    from launch.paths import SMOL_MODEL_DIR, SMOL_SFT_MODEL_DIR
+    from settings.paths import SMOL_MODEL_DIR, SMOL_SFT_MODEL_DIR
 
     preset = PRESETS["cpu-smol"]
     cfgs = _all(SMOL / "grpo.yaml")

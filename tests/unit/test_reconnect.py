@@ -16,7 +16,7 @@ import pytest
 
 from api.client import ApiClient, ApiError
 from env_server.inference import with_retries
-from launch.procs import free_port
+from settings.ports import free_port
 
 pytestmark = pytest.mark.unit
 
