@@ -2,13 +2,15 @@
 the SFT-vs-RL evaluation table, the reward curve and the run's page (report.html).
 
     launch/run_all.sh                                  # cpu-tiny, shared_vllm, 120 GRPO steps
-    launch/run_all.sh --weight-bridge-mode none --steps 5 --run-dir runs/try
+    launch/run_all.sh --recipe recipes/tiny-qwen2/shop-r1/grpo.yaml   # preset < recipe < flags
+    launch/run_all.sh --weight-bridge-mode none --training-steps 5 --run-dir runs/try
     launch/run_all.sh --num-inference-servers 2        # one trainer broadcast feeds both
 
 Every process is a ``ManagedProcess`` (own process group, own log under the run dir) and is
 stopped by its PID on Ctrl-C / SIGTERM, when a service dies, or when the trainer is done; if
 the launcher itself dies (SIGKILL included), they die with it (``launch.lifeline``). Each
-gets a share of the cores (``launch.threads``).
+gets a share of the cores (``launch.threads``). Each service's config is resolved once (preset
+< recipe < flags, ``launch.configs``) and handed to it as ``<run>/config/<service>.yaml``.
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel, Field, FilePath, ValidationError
 
 from launch import progress
+from launch.configs import Layers, service_config, vllm_config, write_config, write_service_config
 from launch.follow import LogSource, Source, eval_source, grpo_source, sft_source
-from settings.paths import DATA_DIR, RUNS_DIR
 from launch.placement import (
     Placement,
     PlacementError,
@@ -38,13 +40,14 @@ from launch.placement import (
     plan_placement,
     visible_gpus,
 )
-from launch.presets import PRESETS, Preset
+from launch.presets import Preset, PresetName, load_preset
 from launch.procs import ManagedProcess, tail
-from settings.ports import free_port
 from launch.report import build_report
 from launch.run_all_help import HELP_EPILOG, flag_help
 from launch.threads import ThreadPlan, available_cores, light_env, plan_threads
 from launch.trainer_node import launcher_argv, publish_trainer_argv
+from settings.paths import DATA_DIR, RUNS_DIR
+from settings.ports import free_port
 from vllm_patching.launcher import BridgeServer
 
 PY = sys.executable
@@ -69,22 +72,25 @@ keys; label; how to print it). A key missing from either side's metrics is left 
 class RunAllConfig(BaseModel):
     """Options of launch/run_all.sh."""
 
-    preset: Literal["cpu-tiny", "cpu-smol", "gpu-0.5b", "gpu-3b"] = Field(
-        "cpu-tiny", description="Model/device preset (launch/presets.py)."
+    preset: PresetName = Field(
+        "cpu-tiny",
+        description="Model/device preset (recipes/presets/<name>.yaml; the lowest layer: "
+        "--recipe and flags override it).",
     )
     model: str | None = Field(None, description="Override the preset's model (dir or hub id).")
     weight_bridge_mode: Literal["shared_vllm", "lora_only", "none"] = Field(
         "shared_vllm", description="How trainer weights reach vLLM (docs/BRIDGE.md)."
     )
     single_copy: bool = Field(False, description="shared_vllm: one weight copy in shared memory.")
-    steps: int = Field(120, ge=1, description="GRPO training steps.")
+    training_steps: int = Field(120, ge=1, description="GRPO training steps.")
     sft_steps: int | None = Field(
         None, ge=1, description="SFT steps if SFT must run (default: trainer's)."
     )
     num_sessions: int | None = Field(
         None,
         ge=10,
-        description="Sessions to simulate if the dataset is missing (default: builder's).",
+        description="Sessions of the dataset, built if missing (default: the recipe's, "
+        "else the dataset on disk, else 3000); a dataset of another size is an error.",
     )
     keep_constant_groups: bool = Field(
         False, description="Keep groups whose rewards are all equal (zero advantage)."
@@ -116,7 +122,8 @@ class RunAllConfig(BaseModel):
     vllm_args: str | None = Field(
         None,
         description="More vLLM flags for every server, one quoted string after '=' (e.g. "
-        "--vllm-args='--gpu-memory-utilization 0.3'); they win over the preset's.",
+        "--vllm-args='--gpu-memory-utilization 0.3'); they win over the preset's and the "
+        "recipe's.",
     )
     env_args: str | None = Field(
         None,
@@ -138,14 +145,47 @@ class RunAllConfig(BaseModel):
     )
     health_timeout: float = Field(600.0, description="Seconds to wait for each health check.")
     recipe: FilePath | None = Field(
-        None, description="Recipe passed to every service (recipes/<model>/<task>/*.yaml, "
-        "docs/RECIPES.md); the launcher's own flags (ports, paths, preset values) still win."
-    )  # fmt: skip
+        None,
+        description="Recipe over the preset for every service (recipes/<model>/<task>/*.yaml, "
+        "docs/RECIPES.md); the launcher's flags, ports and paths win over it.",
+    )
 
 
-def recipe_args(cfg: RunAllConfig) -> list[str]:
-    """``--recipe PATH`` for a service command line (nothing without a recipe)."""
-    return ["--recipe", str(cfg.recipe.resolve())] if cfg.recipe else []
+def layers(cfg: RunAllConfig, preset: Preset) -> Layers:
+    """The preset, the recipe and the launcher's own settings of every service (their
+    precedence: launch/configs.py). A launcher flag left at its default counts under the
+    recipe; given on the command line, over it."""
+    given = cfg.model_fields_set
+    defaults: dict[str, dict] = {"trainer.grpo": {}}
+    flags: dict[str, dict] = {"trainer.grpo": {}, "trainer.sft": {}, "env": {}}
+    steps = flags if "training_steps" in given else defaults
+    steps["trainer.grpo"]["training_steps"] = cfg.training_steps
+    if cfg.weight_bridge_mode == "lora_only":
+        defaults["trainer.grpo"]["lora_r"] = 8
+    if cfg.keep_constant_groups:
+        flags["env"]["drop_constant_groups"] = False
+    if cfg.num_sessions:
+        flags["env"]["num_sessions"] = flags["trainer.sft"]["num_sessions"] = cfg.num_sessions
+    if cfg.sft_steps:
+        flags["trainer.sft"]["training_steps"] = cfg.sft_steps
+    recipe = cfg.recipe.resolve() if cfg.recipe else None
+    return Layers(preset, recipe, defaults, flags)
+
+
+LAUNCHER_VLLM_KEYS = ("model", "host", "port", "weight_bridge_mode", "single_copy",
+                      "bridge_config", "served_model_name")  # fmt: skip
+"""vLLM options the launcher sets for every server itself (a recipe's are not used)."""
+
+
+def run_model(cfg: RunAllConfig, lay: Layers) -> str:
+    """The model of the run: --model, else the recipe's, else the preset's."""
+    return cfg.model or str(vllm_config(lay).get("model") or lay.preset.model)
+
+
+def write_vllm_config(lay: Layers, run_dir: Path) -> Path:
+    """``<run>/config/vllm.yaml``: the preset's and the recipe's vLLM options."""
+    values = {k: v for k, v in vllm_config(lay).items() if k not in LAUNCHER_VLLM_KEYS}
+    return write_config(run_dir, "vllm", values)
 
 
 def parse_args(argv: list[str] | None = None) -> RunAllConfig:
@@ -240,34 +280,37 @@ def run_step(
         raise ServiceFailed(f"{name} failed (exit {rc}); read {log}:\n{tail(log, 20)}")
 
 
-def prepare_embedded(cfg: RunAllConfig, run_dir: Path) -> None:
+def sft_config(lay: Layers, sft_dir: Path, resume: bool):
+    """The SFT cold start's config: preset < recipe < the launcher's paths and flags."""
+    from trainer.config import ALIASES, SftConfig
+
+    run = {"model_name": lay.preset.launch.base_model, "save_path": str(sft_dir),
+           "data_dir": str(DATA_DIR), "tensorboard": False,
+           # the launcher measures the SFT model itself, with vLLM (much faster)
+           "eval_generate": 0, "resume" if resume else "overwrite": True}  # fmt: skip
+    return service_config(SftConfig, "trainer.sft", lay, run, aliases=ALIASES)
+
+
+def prepare_embedded(cfg: RunAllConfig, lay: Layers, num_sessions: int | None,
+                     run_dir: Path) -> None:  # fmt: skip
     """The preset's base model (the tiny model, or SmolLM2 for cpu-smol), the dataset and the
     SFT cold start, each only if missing."""
-    preset = PRESETS[cfg.preset]
-    base, sft_dir = Path(preset.base_model), Path(preset.model)
+    launch_cfg = lay.preset.launch
+    base, sft_dir = Path(launch_cfg.base_model), Path(lay.preset.model)
     if not (base / "config.json").exists():
-        name = preset.build_module.rsplit(".", 1)[-1]
-        argv = [PY, "-m", preset.build_module, "--out", str(base)]
+        name = launch_cfg.build_module.rsplit(".", 1)[-1]
+        argv = [PY, "-m", launch_cfg.build_module, "--out", str(base)]
         run_step(name, argv, run_dir / f"{name}.log", title=f"build {name.replace('_', ' ')}")
     if not (DATA_DIR / "test.jsonl").exists():
         argv = [PY, "-m", "env_server.data", "build", "--out", str(DATA_DIR)]
-        if cfg.num_sessions:
-            argv += ["--num-sessions", str(cfg.num_sessions)]
+        if num_sessions:
+            argv += ["--num-sessions", str(num_sessions)]
         run_step("dataset", argv, run_dir / "dataset.log", title="build dataset")
     if not (sft_dir / "model.safetensors").exists():
         # An interrupted SFT left checkpoints: continue it rather than start over.
         resume = (sft_dir / "checkpoints").is_dir()
-        # --eval-generate 0: the launcher measures the SFT model itself, with vLLM (much faster).
-        argv = [PY, "-m", "trainer", "sft", *recipe_args(cfg), "--model-name", str(base),
-                "--save-path", str(sft_dir), "--data-dir", str(DATA_DIR),
-                "--no-tensorboard", "--eval-generate", "0", *preset.sft_extra,
-                "--resume" if resume else "--overwrite"]  # fmt: skip
-        if not cfg.recipe:  # a recipe decides its own precision
-            # fp32 on every CPU: the SFT checkpoint docs/results/ start from was trained in
-            # fp32 (`auto` would make it a bf16-trained, different model on CPUs with bf16).
-            argv += ["--precision", "fp32"]
-        if cfg.sft_steps:
-            argv += ["--training-steps", str(cfg.sft_steps)]
+        path = write_service_config(run_dir, "trainer_sft", sft_config(lay, sft_dir, resume))
+        argv = [PY, "-m", "trainer", "sft", "--config", str(path)]
         source = sft_source(sft_dir, cfg.sft_steps)
         run_step("sft", argv, run_dir / "sft.log", title="SFT", source=source)
 
@@ -279,13 +322,14 @@ def wait_http(proc: ManagedProcess, url: str, timeout: float) -> None:
         raise ServiceFailed(str(e)) from e
 
 
-def evaluate(label: str, vllm_url: str, cfg: RunAllConfig, run_dir: Path, model: str) -> dict:
+def evaluate(label: str, vllm_url: str, cfg: RunAllConfig, run_dir: Path, model: str,
+             env_cfg: Any) -> dict:  # fmt: skip
+    """The SFT-vs-RL evaluation with the rollouts' budgets and dataset (the env's config)."""
     out = run_dir / f"eval_{label}"
-    preset = PRESETS[cfg.preset]
     argv = [PY, "-m", "env_server.evaluate", "--split", "test", "--limit", str(cfg.eval_samples),
-            "--inference-url", vllm_url, "--data-dir", str(DATA_DIR), "--tokenizer", model,
-            "--max-prompt-tokens", str(preset.max_prompt_tokens),
-            "--max-tokens", str(preset.max_tokens), "--out-dir", str(out)]  # fmt: skip
+            "--inference-url", vllm_url, "--data-dir", str(env_cfg.data_dir), "--tokenizer", model,
+            "--max-prompt-tokens", str(env_cfg.max_prompt_tokens),
+            "--max-tokens", str(env_cfg.max_tokens), "--out-dir", str(out)]  # fmt: skip
     log = run_dir / f"eval_{label}.log"
     env = {**os.environ, **light_env()}
     run_step(f"eval_{label}", argv, log, env, f"evaluate {label.upper()}", eval_source(log))
@@ -408,7 +452,7 @@ def vllm_names(n: int) -> list[str]:
 
 def placement(cfg: RunAllConfig, preset: Preset) -> Placement:
     """Devices of every process (launch/placement.py); fails before anything starts."""
-    device = "cuda" if preset.trainer_device.startswith("cuda") else "cpu"
+    device = preset.launch.trainer_device
     gpus = [g.strip() for g in cfg.gpus.split(",") if g.strip()] if cfg.gpus else None
     if device == "cuda" and gpus is None:
         gpus = visible_gpus()
@@ -420,9 +464,9 @@ def placement(cfg: RunAllConfig, preset: Preset) -> Placement:
         raise ServiceFailed(f"cannot place the processes of preset {cfg.preset}: {e}") from e
 
 
-def vllm_extra(cfg: RunAllConfig, preset: Preset) -> list[str]:
-    """Flags every vLLM server gets beyond the launcher's defaults."""
-    extra = list(preset.vllm_extra)
+def vllm_extra(cfg: RunAllConfig) -> list[str]:
+    """Flags every vLLM server gets after its config file (they win over it)."""
+    extra: list[str] = []
     if cfg.tensor_parallel_size > 1:
         extra += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
     return extra + shlex.split(cfg.vllm_args or "")  # last: vLLM takes the last value of a flag
@@ -445,26 +489,42 @@ def trainer_launcher(cfg: RunAllConfig, environ: dict[str, str] | None = None) -
         raise ServiceFailed(str(e)) from e
 
 
-def trainer_argv(cfg: RunAllConfig, preset: Preset, model: str, api_url: str,
-                 vllm_urls: list[str], token: str, save: Path,
-                 device: str = "cpu") -> list[str]:  # fmt: skip
-    argv = [
-        *trainer_launcher(cfg), "-m", "trainer", "grpo", *recipe_args(cfg), "--model-name", model, "--save-path", str(save),
-        "--api-url", api_url, "--weight-bridge-mode", cfg.weight_bridge_mode,
-        "--server-urls", *vllm_urls, "--bridge-token", token, "--device", device,
-        "--training-steps", str(cfg.steps), "--batch-size", str(preset.group_size * preset.batch_groups),
-        "--lr", str(preset.lr), "--overwrite",
-    ]  # fmt: skip
-    argv += preset.trainer_extra
-    if cfg.single_copy:
-        argv.append("--single-copy")
-    if cfg.weight_bridge_mode == "lora_only":
-        argv += ["--lora-r", "8"]
-    return argv + shlex.split(cfg.trainer_args or "")  # last: the trainer takes the last value
+def service_configs(cfg: RunAllConfig, lay: Layers, model: str, api_url: str,
+                    vllm_urls: list[str], save: Path, run_dir: Path,
+                    device: str = "cpu") -> dict[str, Any]:  # fmt: skip
+    """The API's, the env's and the GRPO trainer's resolved configs (launch/configs.py)."""
+    from api.config import ApiConfig
+    from env_server.config import ALIASES as ENV_ALIASES
+    from env_server.config import EnvConfig
+    from trainer.config import ALIASES, GrpoConfig
+
+    urls = ",".join(vllm_urls)
+    api = {"port": int(api_url.rsplit(":", 1)[1]), "db_path": str(run_dir / "api.sqlite")}
+    env = {"api_url": api_url, "inference_url": urls, "tokenizer": model,
+           "data_dir": str(DATA_DIR), "metrics_path": str(run_dir / "env_metrics.jsonl")}  # fmt: skip
+    grpo = {"model_name": model, "save_path": str(save), "api_url": api_url,
+            "weight_bridge_mode": cfg.weight_bridge_mode, "single_copy": cfg.single_copy,
+            "inference_url": urls, "device": device, "overwrite": True}  # fmt: skip
+    return {
+        "api": service_config(ApiConfig, "api", lay, api),
+        "env": service_config(
+            EnvConfig, "env", lay, env, shlex.split(cfg.env_args or ""), ENV_ALIASES
+        ),  # fmt: skip
+        "trainer_grpo": service_config(
+            GrpoConfig, "trainer.grpo", lay, grpo, shlex.split(cfg.trainer_args or ""), ALIASES
+        ),  # fmt: skip
+    }
 
 
-def start_vllm_servers(cfg: RunAllConfig, preset: Preset, place: Placement, model: str,
-                       token: str, stack: Stack, run_dir: Path,
+def trainer_argv(cfg: RunAllConfig, config: Path, token: str) -> list[str]:
+    """``python -m trainer grpo --config <run>/config/trainer_grpo.yaml`` (under torchrun for
+    several ranks); the bridge token on the command line, never in the file."""
+    return [*trainer_launcher(cfg), "-m", "trainer", "grpo", "--config", str(config),
+            "--bridge-token", token]  # fmt: skip
+
+
+def start_vllm_servers(cfg: RunAllConfig, ports: list[int], config: Path, place: Placement,
+                       model: str, token: str, stack: Stack, run_dir: Path,
                        threads: ThreadPlan | None = None) -> list[BridgeServer]:  # fmt: skip
     """Start every vLLM server side by side (recorded in the stack at once), then wait for
     each health check."""
@@ -473,12 +533,12 @@ def start_vllm_servers(cfg: RunAllConfig, preset: Preset, place: Placement, mode
     device = "cuda" if place.trainer_device.startswith("cuda") else "cpu"
     servers = []
     for i, name in enumerate(vllm_names(cfg.num_inference_servers)):
-        port = cfg.vllm_port if (i == 0 and cfg.vllm_port) else free_port()
+        port = ports[i]
         env = server_env(token, device, place.server_gpus[i])
         env.update(threads.for_server(i) if threads else {})
         server = spawn_bridge_server(
             model, cfg.weight_bridge_mode, run_dir / f"{name}.log", token=token,
-            single_copy=cfg.single_copy, extra=[*recipe_args(cfg), *vllm_extra(cfg, preset)], port=port,
+            single_copy=cfg.single_copy, extra=["--config", str(config), *vllm_extra(cfg)], port=port,
             timeout=cfg.health_timeout, env=env, name=name,
         )  # fmt: skip
         stack.add(server.proc)
@@ -506,7 +566,7 @@ def weight_versions(servers: list[BridgeServer]) -> dict[str, str | None]:
     return out
 
 
-def context_warning(model: str, preset: Preset) -> str | None:
+def context_warning(model: str, max_prompt_tokens: int, max_tokens: int) -> str | None:
     """A warning when rollouts and evaluation would reach past the sequences ``model`` was
     fine-tuned on (its ``trainer_config.json``, written by ``python -m trainer sft``).
 
@@ -519,32 +579,44 @@ def context_warning(model: str, preset: Preset) -> str | None:
         trained = int(json.loads(path.read_text())["max_seq_len"])
     except (OSError, ValueError, KeyError, TypeError):
         return None  # a hub model or no SFT record: nothing to compare with
-    need = preset.max_prompt_tokens + preset.max_tokens
+    need = max_prompt_tokens + max_tokens
     if need <= trained:
         return None
     return (f"{model} was fine-tuned on sequences of {trained} tokens, but prompts of up to "
-            f"{preset.max_prompt_tokens} + completions of {preset.max_tokens} tokens reach "
-            f"position {need}: the model has never seen those positions. Lower the preset's "
+            f"{max_prompt_tokens} + completions of {max_tokens} tokens reach "
+            f"position {need}: the model has never seen those positions. Lower the env's "
             f"max_prompt_tokens or fine-tune with a larger --max-seq-len.")  # fmt: skip
 
 
 def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
-    preset = PRESETS[cfg.preset]
-    model = cfg.model or preset.model
+    preset = load_preset(cfg.preset)
+    lay = layers(cfg, preset)
+    model = run_model(cfg, lay)
     place = placement(cfg, preset)
     device = "cuda" if place.trainer_device.startswith("cuda") else "cpu"
     threads = plan_threads(available_cores(), cfg.num_inference_servers, device)
     light = {**os.environ, **threads.light_env}
-    if preset.build_embedded and cfg.model is None:
-        prepare_embedded(cfg, run_dir)
-    if (warning := context_warning(model, preset)) is not None:
+    api_url = f"http://127.0.0.1:{cfg.api_port or free_port()}"
+    ports = [cfg.vllm_port or free_port()]
+    ports += [free_port() for _ in range(cfg.num_inference_servers - 1)]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    save = run_dir / "trainer"
+    # every config resolved (and checked) before anything starts
+    confs = service_configs(cfg, lay, model, api_url, urls, save, run_dir, place.trainer_device)
+    env_cfg, steps = confs["env"].config, confs["trainer_grpo"].config.training_steps
+    if preset.launch.build_embedded and model == preset.model:
+        prepare_embedded(cfg, lay, env_cfg.num_sessions, run_dir)
+    budget = (env_cfg.max_prompt_tokens, env_cfg.max_tokens)
+    if (warning := context_warning(model, *budget)) is not None:
         print(f"[run_all] WARNING: {warning}", flush=True)
     if cfg.prepare_only:
         print(f"[run_all] prepared {model}", flush=True)
         return 0
+    files = {name: write_service_config(run_dir, name, r) for name, r in confs.items()}
+    files["vllm"] = write_vllm_config(lay, run_dir)
+    print(f"[run_all] configs: {run_dir / 'config'} (preset {preset.name}"
+          f"{f', recipe {cfg.recipe}' if cfg.recipe else ''})", flush=True)  # fmt: skip
     token = secrets.token_hex(16)
-    api_port = cfg.api_port or free_port()
-    api_url = f"http://127.0.0.1:{api_port}"
     names = ["api", *vllm_names(cfg.num_inference_servers), "env", "trainer"]
     logs = " ".join(str(run_dir / f"{n}.log") for n in names)
     print(f"[run_all] run dir {run_dir}\n[run_all] follow it: tail -f {logs}", flush=True)
@@ -553,8 +625,7 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     vllm_log = LogSource(run_dir / "vllm.log")  # what the first server is doing
     services = progress.phase("start API + vLLM", 1 + cfg.num_inference_servers, "up", vllm_log)
     services.start()
-    api = stack.start("api", [PY, "-m", "api", *recipe_args(cfg), "--port", str(api_port),
-                              "--db-path", str(run_dir / "api.sqlite")], light)  # fmt: skip
+    api = stack.start("api", [PY, "-m", "api", "--config", str(files["api"])], light)
     wait_http(api, f"{api_url}/health", 60)
     print(f"[run_all] api up at {api_url} (pid {api.pid})", flush=True)
     services.advance()
@@ -562,36 +633,24 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     print(f"[run_all] starting {cfg.num_inference_servers} vLLM server(s) "
           f"({cfg.weight_bridge_mode}{', single copy' if cfg.single_copy else ''}) on {model}...",
           flush=True)  # fmt: skip
-    servers = start_vllm_servers(cfg, preset, place, model, token, stack, run_dir, threads)
+    servers = start_vllm_servers(cfg, ports, files["vllm"], place, model, token, stack, run_dir,
+                                 threads)  # fmt: skip
     services.advance(len(servers))
     services.finish()
     server = servers[0]  # the evaluations ask the first one
-    urls = [s.base_url for s in servers]
 
     sft_metrics = (
-        evaluate("sft", server.base_url, cfg, run_dir, model) if cfg.eval_samples else None
+        evaluate("sft", server.base_url, cfg, run_dir, model, env_cfg) if cfg.eval_samples else None
     )
 
-    env_argv = [
-        PY, "-m", "env_server", *recipe_args(cfg), "--api-url", api_url,
-        "--inference-url", ",".join(urls),
-        "--tokenizer", model, "--data-dir", str(DATA_DIR), "--group-size", str(preset.group_size),
-        "--max-tokens", str(preset.max_tokens), "--max-prompt-tokens", str(preset.max_prompt_tokens),
-        "--metrics-path", str(run_dir / "env_metrics.jsonl"),
-        *preset.env_extra,
-    ]  # fmt: skip
-    if cfg.keep_constant_groups:
-        env_argv.append("--no-drop-constant-groups")
-    env_argv += shlex.split(cfg.env_args or "")  # last: the env takes the last value
-    stack.start("env", env_argv, light)
-    save = run_dir / "trainer"
-    argv = trainer_argv(cfg, preset, model, api_url, urls, token, save, place.trainer_device)
+    stack.start("env", [PY, "-m", "env_server", "--config", str(files["env"])], light)
+    argv = trainer_argv(cfg, files["trainer_grpo"], token)
     if int(os.environ.get("NNODES") or 1) > 1:  # the other nodes' ranks (launch/trainer_node.py)
         publish_trainer_argv(run_dir, argv)
     trainer = stack.start("trainer", argv, env={**trainer_env(place), **threads.trainer_env})
     where = f" on GPU {','.join(place.trainer_gpus)}" if place.trainer_gpus else ""
-    print(f"[run_all] env + trainer{where} started; training {cfg.steps} steps", flush=True)
-    with progress.phase("GRPO", cfg.steps, "steps", grpo_source(save, cfg.steps)):
+    print(f"[run_all] env + trainer{where} started; training {steps} steps", flush=True)
+    with progress.phase("GRPO", steps, "steps", grpo_source(save, steps)):
         while trainer.alive():
             stack.check_alive("api", *vllm_names(cfg.num_inference_servers), "env")
             time.sleep(1.0)
@@ -609,7 +668,7 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     reward_curve(save / "metrics.jsonl", run_dir / "reward_curve.png")
     if sft_metrics is not None:
         health = httpx.get(f"{server.base_url}/bridge/health", timeout=10).json()
-        rl_metrics = evaluate("rl", server.base_url, cfg, run_dir, model)
+        rl_metrics = evaluate("rl", server.base_url, cfg, run_dir, model, env_cfg)
         note = (
             f"{cfg.eval_samples} test steps, greedy. SFT = {model}; RL = the trainer's final "
             f"weights ({save}) as served by vLLM after the last sync "

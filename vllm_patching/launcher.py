@@ -109,7 +109,7 @@ def server_argv(
         "--enforce-eager",
         "--dtype", "float32",
         "--max-model-len", "2048",
-        "--bridge-mode", mode,
+        "--weight-bridge-mode", mode,
         "--bridge-config", str(config_path),
         "--bridge-initial-version", str(initial_version),
     ]  # fmt: skip

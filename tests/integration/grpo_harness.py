@@ -55,7 +55,7 @@ def run_trainer(model_dir: Path, save: Path, api_url: str, vllm_url: str, steps:
     argv = [
         sys.executable, "-m", "trainer", "grpo", "--model-name", str(model_dir),
         "--save-path", str(save), "--api-url", api_url, "--api-token", TOKEN,
-        "--weight-bridge-mode", "none", "--server-urls", vllm_url, "--bridge-token", TOKEN,
+        "--weight-bridge-mode", "none", "--inference-url", vllm_url, "--bridge-token", TOKEN,
         "--training-steps", str(steps), "--batch-size", str(2 * GROUP), "--lr", "1e-3",
         "--wait-timeout", "60", "--poll-interval", "0.2", "--no-tensorboard",
         "--precision", "fp32", *extra,  # the same on every CPU (auto: bf16 where native)

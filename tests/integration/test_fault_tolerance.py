@@ -118,7 +118,7 @@ class Stack:
         argv = [
             sys.executable, "-m", "trainer", "grpo", "--model-name", str(self.model),
             "--save-path", str(self.save), "--api-url", self.api_url, "--api-token", TOKEN,
-            "--weight-bridge-mode", "shared_vllm", "--server-urls", self.vllm_url,
+            "--weight-bridge-mode", "shared_vllm", "--inference-url", self.vllm_url,
             "--bridge-token", TOKEN, "--device", "cpu", "--training-steps", str(STEPS),
             "--batch-size", str(GROUP), "--lr", "1e-4", "--kl-beta", "0",
             "--lease-seconds", "60", "--wait-timeout", str(2 * WAIT_S), "--poll-interval", "0.3",

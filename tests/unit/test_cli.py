@@ -174,7 +174,7 @@ vllm:
   enforce_eager: true
   enable_prefix_caching: false
   max_model_len: 2048
-  bridge_mode: none
+  weight_bridge_mode: none
 """)  # fmt: skip
     argv = expand_recipe(["--recipe", str(recipe), "--dtype=bfloat16", "--port", "9"])
     assert argv[:2] == ["--model", "/models/m"] and "--seed" in argv

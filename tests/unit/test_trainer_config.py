@@ -23,7 +23,7 @@ def test_yaml_then_flags(tmp_path: Path) -> None:
     recipe.write_text("lr: 1.0e-7\nbatch-size: 16\ntis_cap: 2.0\nkl_beta: 0.01\n")
     cfg = _parse(["--config", str(recipe), "--batch-size", "64", "--tis-cap", "none",
                   "--weight-bridge-mode", "lora_only", "--lora-r", "8", "--single-copy",
-                  "--server-urls", "http://a:1", "http://b:2"])  # fmt: skip
+                  "--inference-url", "http://a:1,http://b:2"])  # fmt: skip
     assert cfg.lr == 1e-7 and cfg.kl_beta == 0.01  # from the recipe
     assert cfg.batch_size == 64 and cfg.tis_cap is None  # flags win
     assert cfg.weight_bridge_mode == "lora_only" and cfg.lora_r == 8 and cfg.single_copy
