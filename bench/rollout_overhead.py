@@ -174,8 +174,8 @@ def main() -> None:
 
     from env_server.data.dataset import load_or_build
     from env_server.rollout import prompt_ids
-    from settings.paths import DATA_DIR
     from launch.procs import ManagedProcess
+    from settings.paths import DATA_DIR
     from settings.ports import free_port
     from vllm_patching.launcher import start_bridge_server
 

@@ -66,8 +66,8 @@ def breakdown(rows: list[dict]) -> dict[str, float]:
 def run_one(staleness: int, mdir: Path, args: argparse.Namespace, work: Path) -> dict:
     import httpx
 
-    from settings.paths import DATA_DIR
     from launch.procs import ManagedProcess
+    from settings.paths import DATA_DIR
     from settings.ports import free_port
     from vllm_patching.launcher import start_bridge_server
 

@@ -39,7 +39,7 @@ class EnvConfig(BaseModel):
         ("rewards", "reward", "reward_variant"),
     )
     # three ways to give the reward: a later layer (flag > env var > config > recipe) that uses
-    # one of them replaces what an earlier layer gave through another (launch/cli.py)
+    # one of them replaces what an earlier layer gave through another (settings/cli.py)
 
     api_url: str = API_URL
     """Batching API the scored groups go to."""

@@ -172,8 +172,15 @@ def layers(cfg: RunAllConfig, preset: Preset) -> Layers:
     return Layers(preset, recipe, defaults, flags)
 
 
-LAUNCHER_VLLM_KEYS = ("model", "host", "port", "weight_bridge_mode", "single_copy",
-                      "bridge_config", "served_model_name")  # fmt: skip
+LAUNCHER_VLLM_KEYS = (
+    "model",
+    "host",
+    "port",
+    "weight_bridge_mode",
+    "single_copy",
+    "bridge_config",
+    "served_model_name",
+)
 """vLLM options the launcher sets for every server itself (a recipe's are not used)."""
 
 
@@ -284,15 +291,21 @@ def sft_config(lay: Layers, sft_dir: Path, resume: bool):
     """The SFT cold start's config: preset < recipe < the launcher's paths and flags."""
     from trainer.config import ALIASES, SftConfig
 
-    run = {"model_name": lay.preset.launch.base_model, "save_path": str(sft_dir),
-           "data_dir": str(DATA_DIR), "tensorboard": False,
-           # the launcher measures the SFT model itself, with vLLM (much faster)
-           "eval_generate": 0, "resume" if resume else "overwrite": True}  # fmt: skip
+    run = {
+        "model_name": lay.preset.launch.base_model,
+        "save_path": str(sft_dir),
+        "data_dir": str(DATA_DIR),
+        "tensorboard": False,
+        # the launcher measures the SFT model itself, with vLLM (much faster)
+        "eval_generate": 0,
+        "resume" if resume else "overwrite": True,
+    }
     return service_config(SftConfig, "trainer.sft", lay, run, aliases=ALIASES)
 
 
-def prepare_embedded(cfg: RunAllConfig, lay: Layers, num_sessions: int | None,
-                     run_dir: Path) -> None:  # fmt: skip
+def prepare_embedded(
+    cfg: RunAllConfig, lay: Layers, num_sessions: int | None, run_dir: Path
+) -> None:
     """The preset's base model (the tiny model, or SmolLM2 for cpu-smol), the dataset and the
     SFT cold start, each only if missing."""
     launch_cfg = lay.preset.launch
@@ -322,14 +335,32 @@ def wait_http(proc: ManagedProcess, url: str, timeout: float) -> None:
         raise ServiceFailed(str(e)) from e
 
 
-def evaluate(label: str, vllm_url: str, cfg: RunAllConfig, run_dir: Path, model: str,
-             env_cfg: Any) -> dict:  # fmt: skip
+def evaluate(
+    label: str, vllm_url: str, cfg: RunAllConfig, run_dir: Path, model: str, env_cfg: Any
+) -> dict:
     """The SFT-vs-RL evaluation with the rollouts' budgets and dataset (the env's config)."""
     out = run_dir / f"eval_{label}"
-    argv = [PY, "-m", "env_server.evaluate", "--split", "test", "--limit", str(cfg.eval_samples),
-            "--inference-url", vllm_url, "--data-dir", str(env_cfg.data_dir), "--tokenizer", model,
-            "--max-prompt-tokens", str(env_cfg.max_prompt_tokens),
-            "--max-tokens", str(env_cfg.max_tokens), "--out-dir", str(out)]  # fmt: skip
+    argv = [
+        PY,
+        "-m",
+        "env_server.evaluate",
+        "--split",
+        "test",
+        "--limit",
+        str(cfg.eval_samples),
+        "--inference-url",
+        vllm_url,
+        "--data-dir",
+        str(env_cfg.data_dir),
+        "--tokenizer",
+        model,
+        "--max-prompt-tokens",
+        str(env_cfg.max_prompt_tokens),
+        "--max-tokens",
+        str(env_cfg.max_tokens),
+        "--out-dir",
+        str(out),
+    ]
     log = run_dir / f"eval_{label}.log"
     env = {**os.environ, **light_env()}
     run_step(f"eval_{label}", argv, log, env, f"evaluate {label.upper()}", eval_source(log))
@@ -489,9 +520,16 @@ def trainer_launcher(cfg: RunAllConfig, environ: dict[str, str] | None = None) -
         raise ServiceFailed(str(e)) from e
 
 
-def service_configs(cfg: RunAllConfig, lay: Layers, model: str, api_url: str,
-                    vllm_urls: list[str], save: Path, run_dir: Path,
-                    device: str = "cpu") -> dict[str, Any]:  # fmt: skip
+def service_configs(
+    cfg: RunAllConfig,
+    lay: Layers,
+    model: str,
+    api_url: str,
+    vllm_urls: list[str],
+    save: Path,
+    run_dir: Path,
+    device: str = "cpu",
+) -> dict[str, Any]:
     """The API's, the env's and the GRPO trainer's resolved configs (launch/configs.py)."""
     from api.config import ApiConfig
     from env_server.config import ALIASES as ENV_ALIASES
@@ -500,27 +538,47 @@ def service_configs(cfg: RunAllConfig, lay: Layers, model: str, api_url: str,
 
     urls = ",".join(vllm_urls)
     api = {"port": int(api_url.rsplit(":", 1)[1]), "db_path": str(run_dir / "api.sqlite")}
-    env = {"api_url": api_url, "inference_url": urls, "tokenizer": model,
-           "data_dir": str(DATA_DIR), "metrics_path": str(run_dir / "env_metrics.jsonl")}  # fmt: skip
-    grpo = {"model_name": model, "save_path": str(save), "api_url": api_url,
-            "weight_bridge_mode": cfg.weight_bridge_mode, "single_copy": cfg.single_copy,
-            "inference_url": urls, "device": device, "overwrite": True}  # fmt: skip
+    env = {
+        "api_url": api_url,
+        "inference_url": urls,
+        "tokenizer": model,
+        "data_dir": str(DATA_DIR),
+        "metrics_path": str(run_dir / "env_metrics.jsonl"),
+    }
+    grpo = {
+        "model_name": model,
+        "save_path": str(save),
+        "api_url": api_url,
+        "weight_bridge_mode": cfg.weight_bridge_mode,
+        "single_copy": cfg.single_copy,
+        "inference_url": urls,
+        "device": device,
+        "overwrite": True,
+    }
     return {
         "api": service_config(ApiConfig, "api", lay, api),
         "env": service_config(
             EnvConfig, "env", lay, env, shlex.split(cfg.env_args or ""), ENV_ALIASES
-        ),  # fmt: skip
+        ),
         "trainer_grpo": service_config(
             GrpoConfig, "trainer.grpo", lay, grpo, shlex.split(cfg.trainer_args or ""), ALIASES
-        ),  # fmt: skip
+        ),
     }
 
 
 def trainer_argv(cfg: RunAllConfig, config: Path, token: str) -> list[str]:
     """``python -m trainer grpo --config <run>/config/trainer_grpo.yaml`` (under torchrun for
     several ranks); the bridge token on the command line, never in the file."""
-    return [*trainer_launcher(cfg), "-m", "trainer", "grpo", "--config", str(config),
-            "--bridge-token", token]  # fmt: skip
+    return [
+        *trainer_launcher(cfg),
+        "-m",
+        "trainer",
+        "grpo",
+        "--config",
+        str(config),
+        "--bridge-token",
+        token,
+    ]
 
 
 def start_vllm_servers(cfg: RunAllConfig, ports: list[int], config: Path, place: Placement,
@@ -614,8 +672,11 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
         return 0
     files = {name: write_service_config(run_dir, name, r) for name, r in confs.items()}
     files["vllm"] = write_vllm_config(lay, run_dir)
-    print(f"[run_all] configs: {run_dir / 'config'} (preset {preset.name}"
-          f"{f', recipe {cfg.recipe}' if cfg.recipe else ''})", flush=True)  # fmt: skip
+    print(
+        f"[run_all] configs: {run_dir / 'config'} (preset {preset.name}"
+        f"{f', recipe {cfg.recipe}' if cfg.recipe else ''})",
+        flush=True,
+    )
     token = secrets.token_hex(16)
     names = ["api", *vllm_names(cfg.num_inference_servers), "env", "trainer"]
     logs = " ".join(str(run_dir / f"{n}.log") for n in names)
@@ -633,8 +694,9 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     print(f"[run_all] starting {cfg.num_inference_servers} vLLM server(s) "
           f"({cfg.weight_bridge_mode}{', single copy' if cfg.single_copy else ''}) on {model}...",
           flush=True)  # fmt: skip
-    servers = start_vllm_servers(cfg, ports, files["vllm"], place, model, token, stack, run_dir,
-                                 threads)  # fmt: skip
+    servers = start_vllm_servers(
+        cfg, ports, files["vllm"], place, model, token, stack, run_dir, threads
+    )
     services.advance(len(servers))
     services.finish()
     server = servers[0]  # the evaluations ask the first one

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from settings.paths import SMOL_MODEL_DIR, TINY_MODEL_DIR
 from launch.procs import ManagedProcess
+from settings.paths import SMOL_MODEL_DIR, TINY_MODEL_DIR
 from settings.ports import free_port
 from vllm_patching.launcher import cpu_env
 

@@ -19,7 +19,7 @@ from trainer.gail import GailConfig
 
 ALIASES = {
     "max_eval_samples": ["--max-eval-examples"],
-    # Atropos' example-trainer spellings (docs/ATROPOS.md), listed in --help beside ours
+    # Atropos' example-trainer spellings (docs/TRAINER.md), listed in --help beside ours
     "max_seq_len": ["--seq-len"],
     "kl_beta": ["--kl-coef"],
     "save_every": ["--checkpoint-interval"],

@@ -270,7 +270,13 @@ def test_run_all_sigkilled_leaves_no_process_behind(
     worker, the reaper itself) is gone soon after, and the reaper said so in the logs."""
     run_dir = tmp_path / "run"
     run = launcher(
-        run_dir, artifacts_env, "--training-steps", "1000", "--eval-samples", "0", "--keep-constant-groups"
+        run_dir,
+        artifacts_env,
+        "--training-steps",
+        "1000",
+        "--eval-samples",
+        "0",
+        "--keep-constant-groups",
     )
     run.wait_until(lambda: _all_four_run(run), "all four services to run")
     pids = run.pids()

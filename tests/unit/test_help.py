@@ -112,7 +112,13 @@ def test_bench_script_help(script: str) -> None:
 def test_serve_help_shows_the_bridge_options_and_vllms() -> None:
     """It used to exit with "--model is required"; now the bridge's options, then vLLM's."""
     out = _check(_run([sys.executable, "-m", "vllm_patching.serve", "--help"]), "serve")
-    for flag in ("--weight-bridge-mode", "--single-copy", "--bridge-lora-keep", "--recipe", "--model"):
+    for flag in (
+        "--weight-bridge-mode",
+        "--single-copy",
+        "--bridge-lora-keep",
+        "--recipe",
+        "--model",
+    ):
         assert flag in out
     assert "vLLM's options" in out and "--tensor-parallel-size" in out  # vLLM's own help
 

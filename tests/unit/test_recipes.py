@@ -82,8 +82,10 @@ def _check_twin(name: str, twin: Path, differ: tuple[str, ...] = ()) -> dict[str
             assert getattr(grpo, key) == getattr(cfgs["grpo"], key), key
     assert preset.launch.trainer_device == cfgs["grpo"].device
     for text, gold in _cases():
-        assert (score(text, gold, env.reward_config()).total
-                == score(text, gold, cfgs["env"].reward_config()).total), (text, gold)  # fmt: skip
+        assert (
+            score(text, gold, env.reward_config()).total
+            == score(text, gold, cfgs["env"].reward_config()).total
+        ), (text, gold)
     # prompt + completion fit the sequences the SFT recipe trains the model on
     return cfgs
 
