@@ -1,6 +1,6 @@
 """Evaluation: exact match, action-type accuracy, macro-F1, per-type table (paper Tables 2-3).
 
-    python -m env_server.evaluate --split test --inference-url http://127.0.0.1:8000
+    python -m env_server.evaluate --split test --inference-url http://127.0.0.1:9001
     python -m env_server.evaluate --split test --predictions preds.jsonl
 
 A predictions file has one JSON object per line: ``session_id``, ``step`` and ``completion``
