@@ -11,6 +11,7 @@ Secrets (tokens) are never written: they travel by environment variable or flag.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ import yaml
 
 from launch.presets import Preset
 from settings.cli import Resolved, config_file_data, flags_of, recipe_layer, resolve_layers
+from settings.paths import DATA_DIR
 from settings.recipe import deep_merge, load_recipe, section_values
 
 
@@ -85,3 +87,90 @@ def write_config(run_dir: Path, name: str, data: Mapping[str, Any], sources: Any
 def write_service_config(run_dir: Path, name: str, resolved: Resolved) -> Path:
     """:func:`write_config` of a resolved service config (secrets left out)."""
     return write_config(run_dir, name, config_file_data(resolved.config), resolved.sources)
+
+
+LAUNCHER_VLLM_KEYS = (
+    "model",
+    "host",
+    "port",
+    "weight_bridge_mode",
+    "single_copy",
+    "bridge_config",
+    "served_model_name",
+)
+"""vLLM options the launcher sets for every server itself (a recipe's are not used)."""
+
+
+def run_model(lay: Layers, model: str | None = None) -> str:
+    """The model of the run: ``model`` (``--model``), else the recipe's, else the preset's."""
+    return model or str(vllm_config(lay).get("model") or lay.preset.model)
+
+
+def write_vllm_config(lay: Layers, run_dir: Path) -> Path:
+    """``<run>/config/vllm.yaml``: the preset's and the recipe's vLLM options."""
+    values = {k: v for k, v in vllm_config(lay).items() if k not in LAUNCHER_VLLM_KEYS}
+    return write_config(run_dir, "vllm", values)
+
+
+def sft_config(lay: Layers, sft_dir: Path, resume: bool):
+    """The SFT cold start's config: preset < recipe < the launcher's paths and flags."""
+    from trainer.config import ALIASES, SftConfig
+
+    run = {
+        "model_name": lay.preset.launch.base_model,
+        "save_path": str(sft_dir),
+        "data_dir": str(DATA_DIR),
+        "tensorboard": False,
+        # the launcher measures the SFT model itself, with vLLM (much faster)
+        "eval_generate": 0,
+        "resume" if resume else "overwrite": True,
+    }
+    return service_config(SftConfig, "trainer.sft", lay, run, aliases=ALIASES)
+
+
+def service_configs(
+    lay: Layers,
+    model: str,
+    api_url: str,
+    vllm_urls: list[str],
+    save: Path,
+    run_dir: Path,
+    device: str = "cpu",
+    *,
+    weight_bridge_mode: str = "shared_vllm",
+    single_copy: bool = False,
+    env_args: str | None = None,
+    trainer_args: str | None = None,
+) -> dict[str, Resolved]:
+    """The API's, the env's and the GRPO trainer's resolved configs (launch/configs.py)."""
+    from api.config import ApiConfig
+    from env_server.config import ALIASES as ENV_ALIASES
+    from env_server.config import EnvConfig
+    from trainer.config import ALIASES, GrpoConfig
+
+    urls = ",".join(vllm_urls)
+    api = {"port": int(api_url.rsplit(":", 1)[1]), "db_path": str(run_dir / "api.sqlite")}
+    env = {
+        "api_url": api_url,
+        "inference_url": urls,
+        "tokenizer": model,
+        "data_dir": str(DATA_DIR),
+        "metrics_path": str(run_dir / "env_metrics.jsonl"),
+    }
+    grpo = {
+        "model_name": model,
+        "save_path": str(save),
+        "api_url": api_url,
+        "weight_bridge_mode": weight_bridge_mode,
+        "single_copy": single_copy,
+        "inference_url": urls,
+        "device": device,
+        "overwrite": True,
+    }
+    return {
+        "api": service_config(ApiConfig, "api", lay, api),
+        "env": service_config(EnvConfig, "env", lay, env, shlex.split(env_args or ""), ENV_ALIASES),
+        "trainer_grpo": service_config(
+            GrpoConfig, "trainer.grpo", lay, grpo, shlex.split(trainer_args or ""), ALIASES
+        ),
+    }

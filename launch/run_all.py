@@ -31,7 +31,14 @@ import httpx
 from pydantic import BaseModel, Field, FilePath, ValidationError
 
 from launch import progress
-from launch.configs import Layers, service_config, vllm_config, write_config, write_service_config
+from launch.configs import (
+    Layers,
+    run_model,
+    service_configs,
+    sft_config,
+    write_service_config,
+    write_vllm_config,
+)
 from launch.follow import LogSource, Source, eval_source, grpo_source, sft_source
 from launch.placement import (
     Placement,
@@ -43,9 +50,10 @@ from launch.placement import (
 from launch.presets import Preset, PresetName, load_preset
 from launch.procs import ManagedProcess, tail
 from launch.report import build_report
-from launch.run_all_help import HELP_EPILOG, flag_help
+from launch.run_all_help import HELP_EPILOG
 from launch.threads import ThreadPlan, available_cores, light_env, plan_threads
 from launch.trainer_node import launcher_argv, publish_trainer_argv
+from settings.cli import add_config_flags, flag_values
 from settings.paths import DATA_DIR, RUNS_DIR
 from settings.ports import free_port
 from vllm_patching.launcher import BridgeServer
@@ -172,46 +180,20 @@ def layers(cfg: RunAllConfig, preset: Preset) -> Layers:
     return Layers(preset, recipe, defaults, flags)
 
 
-LAUNCHER_VLLM_KEYS = (
-    "model",
-    "host",
-    "port",
-    "weight_bridge_mode",
-    "single_copy",
-    "bridge_config",
-    "served_model_name",
-)
-"""vLLM options the launcher sets for every server itself (a recipe's are not used)."""
-
-
-def run_model(cfg: RunAllConfig, lay: Layers) -> str:
-    """The model of the run: --model, else the recipe's, else the preset's."""
-    return cfg.model or str(vllm_config(lay).get("model") or lay.preset.model)
-
-
-def write_vllm_config(lay: Layers, run_dir: Path) -> Path:
-    """``<run>/config/vllm.yaml``: the preset's and the recipe's vLLM options."""
-    values = {k: v for k, v in vllm_config(lay).items() if k not in LAUNCHER_VLLM_KEYS}
-    return write_config(run_dir, "vllm", values)
-
-
 def parse_args(argv: list[str] | None = None) -> RunAllConfig:
+    """One flag per :class:`RunAllConfig` field (settings/cli.py: choices and defaults in
+    ``--help``); the fields given are ``model_fields_set`` (they count over the recipe)."""
     p = argparse.ArgumentParser(
         prog="launch/run_all.sh",
         description=__doc__.split("\n\n")[0],
         epilog=HELP_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    for name, field in RunAllConfig.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        if field.annotation is bool:
-            p.add_argument(flag, action="store_true", help=field.description)
-        else:
-            p.add_argument(flag, default=None, **flag_help(field))
-    given = {k: v for k, v in vars(p.parse_args(argv)).items() if v not in (None, False)}
-    try:
-        return RunAllConfig(**given)
-    except (ValidationError, PlacementError) as e:  # a bad value or a bad NUM_INFERENCE_NODES
+    add_config_flags(p, RunAllConfig, files=False)
+    ns = p.parse_args(argv)
+    try:  # a bad value or a bad NUM_INFERENCE_NODES
+        return RunAllConfig.model_validate(flag_values(RunAllConfig, ns))
+    except (ValidationError, PlacementError) as e:
         p.error(str(e))
 
 
@@ -285,22 +267,6 @@ def run_step(
         proc.stop()
     if rc != 0:
         raise ServiceFailed(f"{name} failed (exit {rc}); read {log}:\n{tail(log, 20)}")
-
-
-def sft_config(lay: Layers, sft_dir: Path, resume: bool):
-    """The SFT cold start's config: preset < recipe < the launcher's paths and flags."""
-    from trainer.config import ALIASES, SftConfig
-
-    run = {
-        "model_name": lay.preset.launch.base_model,
-        "save_path": str(sft_dir),
-        "data_dir": str(DATA_DIR),
-        "tensorboard": False,
-        # the launcher measures the SFT model itself, with vLLM (much faster)
-        "eval_generate": 0,
-        "resume" if resume else "overwrite": True,
-    }
-    return service_config(SftConfig, "trainer.sft", lay, run, aliases=ALIASES)
 
 
 def prepare_embedded(
@@ -520,52 +486,6 @@ def trainer_launcher(cfg: RunAllConfig, environ: dict[str, str] | None = None) -
         raise ServiceFailed(str(e)) from e
 
 
-def service_configs(
-    cfg: RunAllConfig,
-    lay: Layers,
-    model: str,
-    api_url: str,
-    vllm_urls: list[str],
-    save: Path,
-    run_dir: Path,
-    device: str = "cpu",
-) -> dict[str, Any]:
-    """The API's, the env's and the GRPO trainer's resolved configs (launch/configs.py)."""
-    from api.config import ApiConfig
-    from env_server.config import ALIASES as ENV_ALIASES
-    from env_server.config import EnvConfig
-    from trainer.config import ALIASES, GrpoConfig
-
-    urls = ",".join(vllm_urls)
-    api = {"port": int(api_url.rsplit(":", 1)[1]), "db_path": str(run_dir / "api.sqlite")}
-    env = {
-        "api_url": api_url,
-        "inference_url": urls,
-        "tokenizer": model,
-        "data_dir": str(DATA_DIR),
-        "metrics_path": str(run_dir / "env_metrics.jsonl"),
-    }
-    grpo = {
-        "model_name": model,
-        "save_path": str(save),
-        "api_url": api_url,
-        "weight_bridge_mode": cfg.weight_bridge_mode,
-        "single_copy": cfg.single_copy,
-        "inference_url": urls,
-        "device": device,
-        "overwrite": True,
-    }
-    return {
-        "api": service_config(ApiConfig, "api", lay, api),
-        "env": service_config(
-            EnvConfig, "env", lay, env, shlex.split(cfg.env_args or ""), ENV_ALIASES
-        ),
-        "trainer_grpo": service_config(
-            GrpoConfig, "trainer.grpo", lay, grpo, shlex.split(cfg.trainer_args or ""), ALIASES
-        ),
-    }
-
-
 def trainer_argv(cfg: RunAllConfig, config: Path, token: str) -> list[str]:
     """``python -m trainer grpo --config <run>/config/trainer_grpo.yaml`` (under torchrun for
     several ranks); the bridge token on the command line, never in the file."""
@@ -649,7 +569,7 @@ def context_warning(model: str, max_prompt_tokens: int, max_tokens: int) -> str 
 def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     preset = load_preset(cfg.preset)
     lay = layers(cfg, preset)
-    model = run_model(cfg, lay)
+    model = run_model(lay, cfg.model)
     place = placement(cfg, preset)
     device = "cuda" if place.trainer_device.startswith("cuda") else "cpu"
     threads = plan_threads(available_cores(), cfg.num_inference_servers, device)
@@ -660,7 +580,19 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     save = run_dir / "trainer"
     # every config resolved (and checked) before anything starts
-    confs = service_configs(cfg, lay, model, api_url, urls, save, run_dir, place.trainer_device)
+    confs = service_configs(
+        lay,
+        model,
+        api_url,
+        urls,
+        save,
+        run_dir,
+        place.trainer_device,
+        weight_bridge_mode=cfg.weight_bridge_mode,
+        single_copy=cfg.single_copy,
+        env_args=cfg.env_args,
+        trainer_args=cfg.trainer_args,
+    )
     env_cfg, steps = confs["env"].config, confs["trainer_grpo"].config.training_steps
     if preset.launch.build_embedded and model == preset.model:
         prepare_embedded(cfg, lay, env_cfg.num_sessions, run_dir)

@@ -14,16 +14,15 @@ import yaml
 from api.config import parse_config as parse_api
 from env_server.config import parse_config as parse_env
 from env_server.reward import RewardConfig, score
-from launch.configs import write_service_config
-from launch.presets import load_preset
-from launch.run_all import (
-    layers,
-    parse_args,
+from launch.configs import (
     run_model,
     service_configs,
     sft_config,
+    write_service_config,
     write_vllm_config,
 )
+from launch.presets import load_preset
+from launch.run_all import layers, parse_args
 from settings.paths import REPO_ROOT
 from trainer.config import GrpoConfig, SftConfig, build_parser, config_from_args
 from vllm_patching.serve import build
@@ -35,16 +34,19 @@ HIT = '{"rationale": "r", "action": {"type": "click", "name": "product_kuro_l370
 
 
 def _resolve(argv: list[str], run_dir: Path) -> dict:
+    """What launch/run_all.sh ``argv`` hands the API, the env and the GRPO trainer."""
     cfg = parse_args(argv)
     lay = layers(cfg, load_preset(cfg.preset))
+    urls = ["http://127.0.0.1:2", "http://127.0.0.1:3"]
     return service_configs(
-        cfg,
         lay,
-        run_model(cfg, lay),
+        run_model(lay, cfg.model),
         "http://127.0.0.1:1",
-        ["http://127.0.0.1:2", "http://127.0.0.1:3"],
+        urls,
         run_dir / "trainer",
         run_dir,
+        env_args=cfg.env_args,
+        trainer_args=cfg.trainer_args,
     )
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from env_server.config import EnvConfig
 from env_server.inference import InferencePool
+from launch.configs import service_configs, write_vllm_config
 from launch.placement import PlacementError, num_servers_from_env, plan_placement, visible_gpus
 from launch.presets import load_preset
 from launch.run_all import (
@@ -19,12 +20,10 @@ from launch.run_all import (
     layers,
     parse_args,
     placement,
-    service_configs,
     trainer_argv,
     trainer_env,
     vllm_extra,
     vllm_names,
-    write_vllm_config,
 )
 from trainer.bridge import rendezvous_from_env
 from vllm_patching.launcher import server_env
@@ -134,9 +133,20 @@ def test_gpu_preset_placement_errors_name_the_preset() -> None:
 def _configs(
     cfg: RunAllConfig, tmp_path: Path, urls: list[str] | None = None, device: str = "cpu"
 ) -> dict:
+    """The service configs launch/run_all.sh would write for ``cfg``."""
     lay = layers(cfg, load_preset(cfg.preset))
     return service_configs(
-        cfg, lay, "m", "http://api:1", urls or ["http://v:2"], Path("s"), tmp_path, device
+        lay,
+        "m",
+        "http://api:1",
+        urls or ["http://v:2"],
+        Path("s"),
+        tmp_path,
+        device,
+        weight_bridge_mode=cfg.weight_bridge_mode,
+        single_copy=cfg.single_copy,
+        env_args=cfg.env_args,
+        trainer_args=cfg.trainer_args,
     )
 
 
