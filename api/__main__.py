@@ -7,7 +7,7 @@ import logging
 
 def main(argv: list[str] | None = None) -> None:
     from api.config import resolve_config
-    from launch.cli import report
+    from settings.cli import report
 
     resolved = resolve_config(argv)  # config errors surface before the server is imported
     cfg = resolved.config

@@ -9,9 +9,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from launch import cli
-from launch.cli import add_config_flags, from_env
-from launch.paths import RUNS_DIR
+from settings import cli
+from settings.cli import add_config_flags, from_env
+from settings.paths import RUNS_DIR
+from settings.ports import API_PORT
 
 TOKEN_ENV = "SHOP_R1_API_TOKEN"
 
@@ -23,8 +24,8 @@ class ApiConfig(BaseModel):
 
     host: str = "127.0.0.1"
     """Interface to bind. Loopback by default: exposing the API is an explicit choice."""
-    port: int = Field(8000, ge=0, le=65535)
-    """TCP port."""
+    port: int = Field(API_PORT, ge=0, le=65535)
+    """TCP port (settings/ports.py: the default every client expects)."""
     db_path: Path = RUNS_DIR / "api" / "api.sqlite"
     """SQLite database file (WAL mode); everything acknowledged to a client is in it."""
     synchronous: Literal["FULL", "NORMAL"] = "FULL"

@@ -50,8 +50,9 @@ from bench.common import (  # noqa: E402
     stop_on_sigterm,
     write_result,
 )
-from launch.paths import ARTIFACTS  # noqa: E402
-from launch.procs import ManagedProcess, free_port  # noqa: E402
+from launch.procs import ManagedProcess  # noqa: E402
+from settings.paths import ARTIFACTS  # noqa: E402
+from settings.ports import free_port  # noqa: E402
 
 ATROPOS_VERSION = "0.4.0"
 ATROPOS_VENV = ARTIFACTS / "venvs" / "atropos"

@@ -608,7 +608,7 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, default=REPO / "docs" / "bridge_sync.png")
     args = ap.parse_args()
 
-    from launch.paths import ARTIFACTS, TINY_MODEL_DIR
+    from settings.paths import ARTIFACTS, TINY_MODEL_DIR
     from trainer.tiny_model import build_tiny_model, is_built
 
     if not is_built(TINY_MODEL_DIR):

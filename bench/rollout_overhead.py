@@ -174,9 +174,10 @@ def main() -> None:
 
     from env_server.data.dataset import load_or_build
     from env_server.rollout import prompt_ids
-    from launch.paths import DATA_DIR
-    from launch.procs import ManagedProcess, free_port
+    from launch.procs import ManagedProcess
     from launch.vllm_server import start_bridge_server
+    from settings.paths import DATA_DIR
+    from settings.ports import free_port
 
     mdir = model_dir(args.model)
     tokenizer = AutoTokenizer.from_pretrained(mdir)

@@ -66,9 +66,10 @@ def breakdown(rows: list[dict]) -> dict[str, float]:
 def run_one(staleness: int, mdir: Path, args: argparse.Namespace, work: Path) -> dict:
     import httpx
 
-    from launch.paths import DATA_DIR
-    from launch.procs import ManagedProcess, free_port
+    from launch.procs import ManagedProcess
     from launch.vllm_server import start_bridge_server
+    from settings.paths import DATA_DIR
+    from settings.ports import free_port
 
     py = sys.executable
     run = work / f"s{staleness}"
@@ -95,7 +96,7 @@ def run_one(staleness: int, mdir: Path, args: argparse.Namespace, work: Path) ->
         trainer = ManagedProcess("trainer", [
             py, "-m", "trainer", "grpo", "--model-name", str(mdir), "--save-path",
             str(run / "trainer"), "--api-url", api_url, "--weight-bridge-mode", "shared_vllm",
-            "--server-urls", server.base_url, "--bridge-token", token, "--device", "cpu",
+            "--inference-url", server.base_url, "--bridge-token", token, "--device", "cpu",
             "--training-steps", str(args.steps), "--batch-size", str(batch), "--lr", "5e-5",
             "--no-tensorboard", "--overwrite", "--wait-timeout", "900",
         ], run / "trainer.log").start()  # fmt: skip

@@ -8,7 +8,7 @@ import logging
 
 def main(argv: list[str] | None = None) -> None:
     from env_server.config import resolve_config
-    from launch.cli import report
+    from settings.cli import report
 
     resolved = resolve_config(argv)  # config errors surface before anything heavy is imported
     cfg = resolved.config
@@ -17,6 +17,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     logging.getLogger("env_server").info("config:\n%s", report(resolved))
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
+    from settings.ports import check_service
+
+    check_service(cfg.api_url, "api")  # a URL that answers as another service: say so now
+    for url in cfg.inference_urls():
+        check_service(url, "inference")
     from env_server.service import serve, write_summary
 
     write_summary(asyncio.run(serve(cfg)), cfg.metrics_path)

@@ -1,4 +1,4 @@
-"""Config of the environment service and its command line (``launch.cli``).
+"""Config of the environment service and its command line (``settings.cli``).
 
 A YAML recipe (``--recipe``: shared keys + the ``env:`` section, docs/RECIPES.md), a flat
 ``--config``, environment variables, then flags; one ``--kebab-case`` flag per field, whose help
@@ -15,9 +15,10 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from env_server.reward import RewardConfig, RewardSpec
-from launch import cli
-from launch.cli import add_config_flags, from_env, recipe_only
-from launch.paths import DATA_DIR
+from settings import cli
+from settings.cli import add_config_flags, from_env, recipe_only
+from settings.paths import DATA_DIR
+from settings.ports import API_URL, VLLM_URL
 
 TOKEN_ENV = "SHOP_R1_API_TOKEN"
 DEFAULT_MAX_PROMPT_TOKENS = 928
@@ -38,17 +39,17 @@ class EnvConfig(BaseModel):
         ("rewards", "reward", "reward_variant"),
     )
     # three ways to give the reward: a later layer (flag > env var > config > recipe) that uses
-    # one of them replaces what an earlier layer gave through another (launch/cli.py)
+    # one of them replaces what an earlier layer gave through another (settings/cli.py)
 
-    api_url: str = "http://127.0.0.1:8000"
+    api_url: str = API_URL
     """Batching API the scored groups go to."""
     api_token: str | None = Field(
         default_factory=lambda: os.environ.get(TOKEN_ENV), json_schema_extra=from_env(TOKEN_ENV)
     )
     """Shared token for the API's mutating routes (default: $SHOP_R1_API_TOKEN)."""
-    inference_url: str = "http://127.0.0.1:8001"
+    inference_url: str = VLLM_URL
     """OpenAI-compatible inference server (vLLM) the completions come from; several servers:
-    comma-separated URLs (each rollout goes to the least-loaded one)."""
+    comma-separated URLs, ``--inference-url A,B`` (each rollout goes to the least-loaded one)."""
     model: str | None = None
     """Served model name to request; default: ask the server (follows LoRA renames)."""
     tokenizer: str | None = None
@@ -59,8 +60,10 @@ class EnvConfig(BaseModel):
     """Share of the trainer's batches this environment asks for (relative to other envs)."""
     data_dir: Path = DATA_DIR
     """Dataset folder (train/validation/test JSONL); simulated and saved there if missing."""
-    num_sessions: int = Field(3000, ge=10)
-    """Sessions to simulate when the dataset is missing."""
+    num_sessions: int | None = Field(None, ge=10)
+    """Sessions of the simulated dataset: built with this many when ``data_dir`` has none
+    (unset: settings.paths.NUM_SESSIONS, 3000); set, a dataset of another size there is an
+    error naming both (env_server/data/dataset.py)."""
     seed: int = 0
     """Seed of the simulated dataset and of the order prompts are drawn in."""
     group_size: int = Field(8, ge=2)

@@ -1,6 +1,6 @@
 """Evaluation: exact match, action-type accuracy, macro-F1, per-type table (paper Tables 2-3).
 
-    python -m env_server.evaluate --split test --inference-url http://127.0.0.1:8000
+    python -m env_server.evaluate --split test --inference-url http://127.0.0.1:9001
     python -m env_server.evaluate --split test --predictions preds.jsonl
 
 A predictions file has one JSON object per line: ``session_id``, ``step`` and ``completion``
@@ -305,7 +305,7 @@ async def _predict_with_model(args: argparse.Namespace, rows: list[dict[str, Any
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from env_server.config import DEFAULT_MAX_PROMPT_TOKENS
     from env_server.data.dataset import load_or_build
-    from launch.paths import DATA_DIR
+    from settings.paths import DATA_DIR
 
     ap = argparse.ArgumentParser(
         "python -m env_server.evaluate",
@@ -316,7 +316,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--data-dir", type=Path, default=DATA_DIR, help="dataset folder (built if missing)"
     )
     ap.add_argument(
-        "--num-sessions", type=int, default=3000, help="sessions to simulate if missing"
+        "--num-sessions",
+        type=int,
+        default=None,
+        help="sessions of the dataset (built if missing; default 3000, settings.paths)",
     )
     ap.add_argument("--split", default="test", choices=["train", "validation", "test"])
     ap.add_argument("--limit", "--max-eval-samples", dest="limit", type=int, default=None,

@@ -166,7 +166,7 @@ def format_oracle(o: Mapping[str, Mapping[str, tuple[float, float, int]]]) -> st
 def main(argv: list[str] | None = None) -> None:
     from env_server.data.dataset import load_or_build
     from env_server.evaluate import read_predictions
-    from launch.paths import DATA_DIR
+    from settings.paths import DATA_DIR
 
     ap = argparse.ArgumentParser(
         "python -m env_server.page_report",
@@ -178,7 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data-dir", type=Path, default=DATA_DIR, help="dataset folder")
     ap.add_argument("--split", default="test", choices=["train", "validation", "test"])
     ap.add_argument("--limit", type=int, default=512, help="first N steps (as run_all's eval)")
-    ap.add_argument("--num-sessions", type=int, default=3000, help="sessions if it must build")
+    ap.add_argument(
+        "--num-sessions", type=int, default=None, help="sessions if it must build (default 3000)"
+    )
     args = ap.parse_args(argv)
     if not args.predictions and not args.oracle:
         ap.error("give predictions files, --oracle, or both")

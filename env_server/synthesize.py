@@ -224,28 +224,18 @@ def summary_line(s: Mapping[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> SynthConfig:
+    """One flag per :class:`SynthConfig` field (settings/cli.py), validated (a bad value:
+    argparse's error naming it, exit 2)."""
+    from settings.cli import add_config_flags, flag_values
+
     p = argparse.ArgumentParser(
         prog="python -m env_server.synthesize",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    for name, field in SynthConfig.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        help_text = (field.description or "").replace("%", "%%")
-        if field.annotation is bool:
-            p.add_argument(flag, dest=name, action="store_true", help=help_text)
-        else:
-            required = field.is_required()
-            p.add_argument(
-                flag,
-                dest=name,
-                required=required,
-                default=argparse.SUPPRESS,
-                help=help_text + ("" if required else f" (default: {field.default})"),
-            )
-    ns = vars(p.parse_args(argv))
+    )  # fmt: skip
+    add_config_flags(p, SynthConfig, files=False)
     try:
-        return SynthConfig.model_validate(ns)
+        return SynthConfig.model_validate(flag_values(SynthConfig, p.parse_args(argv)))
     except Exception as e:  # pydantic ValidationError: say which flag, exit 2
         p.error(str(e))
         raise  # unreachable

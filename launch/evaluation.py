@@ -8,24 +8,41 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from launch.follow import eval_source
-from launch.paths import DATA_DIR
-from launch.presets import Preset
 from launch.supervisor import PY, run_step
 from launch.threads import light_env
 
 
 def evaluate(
-    label: str, vllm_url: str, preset: Preset, samples: int, run_dir: Path, model: str
+    label: str, vllm_url: str, samples: int, run_dir: Path, model: str, env_cfg: Any
 ) -> dict:
     """Evaluate ``samples`` test steps greedily on ``vllm_url`` (tokenizer: ``model``) into
-    ``run_dir/eval_<label>/``; return its ``metrics.json``."""
+    ``run_dir/eval_<label>/`` with the rollouts' budgets and dataset (``env_cfg``, the env
+    service's resolved config); return its ``metrics.json``."""
     out = run_dir / f"eval_{label}"
-    argv = [PY, "-m", "env_server.evaluate", "--split", "test", "--limit", str(samples),
-            "--inference-url", vllm_url, "--data-dir", str(DATA_DIR), "--tokenizer", model,
-            "--max-prompt-tokens", str(preset.max_prompt_tokens),
-            "--max-tokens", str(preset.max_tokens), "--out-dir", str(out)]  # fmt: skip
+    argv = [
+        PY,
+        "-m",
+        "env_server.evaluate",
+        "--split",
+        "test",
+        "--limit",
+        str(samples),
+        "--inference-url",
+        vllm_url,
+        "--data-dir",
+        str(env_cfg.data_dir),
+        "--tokenizer",
+        model,
+        "--max-prompt-tokens",
+        str(env_cfg.max_prompt_tokens),
+        "--max-tokens",
+        str(env_cfg.max_tokens),
+        "--out-dir",
+        str(out),
+    ]
     log = run_dir / f"eval_{label}.log"
     env = {**os.environ, **light_env()}
     run_step(f"eval_{label}", argv, log, env, f"evaluate {label.upper()}", eval_source(log))

@@ -2,19 +2,15 @@
 the SFT-vs-RL evaluation table, the reward curve and the run's page (report.html).
 
     launch/run_all.sh                                  # cpu-tiny, shared_vllm, 120 GRPO steps
-    launch/run_all.sh --weight-bridge-mode none --steps 5 --run-dir runs/try
+    launch/run_all.sh --recipe recipes/tiny-qwen2/shop-r1/grpo.yaml   # preset < recipe < flags
+    launch/run_all.sh --weight-bridge-mode none --training-steps 5 --run-dir runs/try
     launch/run_all.sh --num-inference-servers 2        # one trainer broadcast feeds both
 
 Every process is a ``ManagedProcess`` (own process group, own log under the run dir) and is
 stopped by its PID on Ctrl-C / SIGTERM, when a service dies, or when the trainer is done; if
 the launcher itself dies (SIGKILL included), they die with it (``launch.lifeline``). Each
-gets a share of the cores (``launch.threads``).
-
-This module is the command line and the order of the run; the rest lives beside it:
-launch/supervisor.py (the processes it keeps and stops), launch/prepare.py (base model,
-dataset, SFT cold start), launch/evaluation.py (the SFT and RL evaluations),
-launch/eval_table.py (the SFT-vs-RL table), launch/reward_curve.py (the reward plot) and
-launch/report.py (the run's page). docs/CODE_MAP.md maps the whole tree.
+gets a share of the cores (``launch.threads``). Each service's config is resolved once (preset
+< recipe < flags, ``launch.configs``) and handed to it as ``<run>/config/<service>.yaml``.
 """
 
 from __future__ import annotations
@@ -35,10 +31,16 @@ import httpx
 from pydantic import BaseModel, Field, FilePath, ValidationError
 
 from launch import progress
+from launch.configs import (
+    Layers,
+    run_model,
+    service_configs,
+    write_service_config,
+    write_vllm_config,
+)
 from launch.eval_table import eval_table
 from launch.evaluation import evaluate
 from launch.follow import LogSource, grpo_source
-from launch.paths import DATA_DIR, RUNS_DIR
 from launch.placement import (
     Placement,
     PlacementError,
@@ -47,42 +49,53 @@ from launch.placement import (
     visible_gpus,
 )
 from launch.prepare import context_warning, prepare_embedded
-from launch.presets import PRESETS, Preset
-from launch.procs import free_port, tail
+from launch.presets import Preset, PresetName, load_preset
+from launch.procs import tail
 from launch.report import build_report
 from launch.reward_curve import reward_curve
-from launch.run_all_help import HELP_EPILOG, flag_help
+from launch.run_all_help import HELP_EPILOG
 from launch.supervisor import PY, ServiceFailed, Stack, wait_http
 from launch.threads import ThreadPlan, available_cores, plan_threads
 from launch.trainer_node import launcher_argv, publish_trainer_argv
-from launch.vllm_server import BridgeServer, server_env, spawn_bridge_server
+from launch.vllm_server import BridgeServer
+from settings.cli import add_config_flags, flag_values
+from settings.paths import RUNS_DIR
+from settings.ports import free_port
 
 
 class RunAllConfig(BaseModel):
     """Options of launch/run_all.sh."""
 
-    preset: Literal["cpu-tiny", "cpu-smol", "gpu-0.5b", "gpu-3b"] = Field(
-        "cpu-tiny", description="Model/device preset (launch/presets.py)."
+    preset: PresetName = Field(
+        "cpu-tiny",
+        description="Model/device preset (recipes/presets/<name>.yaml; the lowest layer: "
+        "--recipe and flags override it).",
     )
     model: str | None = Field(None, description="Override the preset's model (dir or hub id).")
     weight_bridge_mode: Literal["shared_vllm", "lora_only", "none"] = Field(
         "shared_vllm", description="How trainer weights reach vLLM (docs/BRIDGE.md)."
     )
     single_copy: bool = Field(False, description="shared_vllm: one weight copy in shared memory.")
-    steps: int = Field(120, ge=1, description="GRPO training steps.")
+    training_steps: int = Field(
+        120, ge=1, description="GRPO training steps (default: the preset's, else 120)."
+    )
     sft_steps: int | None = Field(
         None, ge=1, description="SFT steps if SFT must run (default: trainer's)."
     )
     num_sessions: int | None = Field(
         None,
         ge=10,
-        description="Sessions to simulate if the dataset is missing (default: builder's).",
+        description="Sessions of the dataset, built if missing (default: the recipe's, "
+        "else the dataset on disk, else 3000); a dataset of another size is an error.",
     )
     keep_constant_groups: bool = Field(
         False, description="Keep groups whose rewards are all equal (zero advantage)."
     )
-    eval_samples: int = Field(
-        512, ge=0, description="Test-split steps to evaluate (0: skip); 512 gives ~±3 points."
+    eval_samples: int | None = Field(
+        None,
+        ge=0,
+        description="Test-split steps to evaluate (0: skip; default: the preset's "
+        "launch.eval_samples, 512 where it names none: ~±3 points).",
     )
     run_dir: Path | None = Field(None, description="Run directory (default runs/<timestamp>).")
     api_port: int | None = Field(None, description="API port (default: a free one).")
@@ -108,7 +121,8 @@ class RunAllConfig(BaseModel):
     vllm_args: str | None = Field(
         None,
         description="More vLLM flags for every server, one quoted string after '=' (e.g. "
-        "--vllm-args='--gpu-memory-utilization 0.3'); they win over the preset's.",
+        "--vllm-args='--gpu-memory-utilization 0.3'); they win over the preset's and the "
+        "recipe's.",
     )
     env_args: str | None = Field(
         None,
@@ -130,33 +144,50 @@ class RunAllConfig(BaseModel):
     )
     health_timeout: float = Field(600.0, description="Seconds to wait for each health check.")
     recipe: FilePath | None = Field(
-        None, description="Recipe passed to every service (recipes/<model>/<task>/*.yaml, "
-        "docs/RECIPES.md); the launcher's own flags (ports, paths, preset values) still win."
-    )  # fmt: skip
+        None,
+        description="Recipe over the preset for every service (recipes/<model>/<task>/*.yaml, "
+        "docs/RECIPES.md); the launcher's flags, ports and paths win over it.",
+    )
 
 
-def recipe_args(cfg: RunAllConfig) -> list[str]:
-    """``--recipe PATH`` for a service command line (nothing without a recipe)."""
-    return ["--recipe", str(cfg.recipe.resolve())] if cfg.recipe else []
+def layers(cfg: RunAllConfig, preset: Preset) -> Layers:
+    """The preset, the recipe and the launcher's own settings of every service (their
+    precedence: launch/configs.py). A launcher flag left at its default counts under the
+    recipe; given on the command line, over it."""
+    given = cfg.model_fields_set
+    defaults: dict[str, dict] = {"trainer.grpo": {}}
+    flags: dict[str, dict] = {"trainer.grpo": {}, "trainer.sft": {}, "env": {}}
+    preset_steps = ((preset.recipe.get("trainer") or {}).get("grpo") or {}).get("training_steps")
+    if "training_steps" in given:
+        flags["trainer.grpo"]["training_steps"] = cfg.training_steps
+    elif preset_steps is None:  # the launcher's default only where the preset names none
+        defaults["trainer.grpo"]["training_steps"] = cfg.training_steps
+    if cfg.weight_bridge_mode == "lora_only":
+        defaults["trainer.grpo"]["lora_r"] = 8
+    if cfg.keep_constant_groups:
+        flags["env"]["drop_constant_groups"] = False
+    if cfg.num_sessions:
+        flags["env"]["num_sessions"] = flags["trainer.sft"]["num_sessions"] = cfg.num_sessions
+    if cfg.sft_steps:
+        flags["trainer.sft"]["training_steps"] = cfg.sft_steps
+    recipe = cfg.recipe.resolve() if cfg.recipe else None
+    return Layers(preset, recipe, defaults, flags)
 
 
 def parse_args(argv: list[str] | None = None) -> RunAllConfig:
+    """One flag per :class:`RunAllConfig` field (settings/cli.py: choices and defaults in
+    ``--help``); the fields given are ``model_fields_set`` (they count over the recipe)."""
     p = argparse.ArgumentParser(
         prog="launch/run_all.sh",
         description=__doc__.split("\n\n")[0],
         epilog=HELP_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    for name, field in RunAllConfig.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        if field.annotation is bool:
-            p.add_argument(flag, action="store_true", help=field.description)
-        else:
-            p.add_argument(flag, default=None, **flag_help(field))
-    given = {k: v for k, v in vars(p.parse_args(argv)).items() if v not in (None, False)}
-    try:
-        return RunAllConfig(**given)
-    except (ValidationError, PlacementError) as e:  # a bad value or a bad NUM_INFERENCE_NODES
+    add_config_flags(p, RunAllConfig, files=False)
+    ns = p.parse_args(argv)
+    try:  # a bad value or a bad NUM_INFERENCE_NODES
+        return RunAllConfig.model_validate(flag_values(RunAllConfig, ns))
+    except (ValidationError, PlacementError) as e:
         p.error(str(e))
 
 
@@ -171,7 +202,7 @@ def vllm_names(n: int) -> list[str]:
 
 def placement(cfg: RunAllConfig, preset: Preset) -> Placement:
     """Devices of every process (launch/placement.py); fails before anything starts."""
-    device = "cuda" if preset.trainer_device.startswith("cuda") else "cpu"
+    device = preset.launch.trainer_device
     gpus = [g.strip() for g in cfg.gpus.split(",") if g.strip()] if cfg.gpus else None
     if device == "cuda" and gpus is None:
         gpus = visible_gpus()
@@ -183,9 +214,9 @@ def placement(cfg: RunAllConfig, preset: Preset) -> Placement:
         raise ServiceFailed(f"cannot place the processes of preset {cfg.preset}: {e}") from e
 
 
-def vllm_extra(cfg: RunAllConfig, preset: Preset) -> list[str]:
-    """Flags every vLLM server gets beyond the launcher's defaults."""
-    extra = list(preset.vllm_extra)
+def vllm_extra(cfg: RunAllConfig) -> list[str]:
+    """Flags every vLLM server gets after its config file (they win over it)."""
+    extra: list[str] = []
     if cfg.tensor_parallel_size > 1:
         extra += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
     return extra + shlex.split(cfg.vllm_args or "")  # last: vLLM takes the last value of a flag
@@ -208,38 +239,37 @@ def trainer_launcher(cfg: RunAllConfig, environ: dict[str, str] | None = None) -
         raise ServiceFailed(str(e)) from e
 
 
-def trainer_argv(cfg: RunAllConfig, preset: Preset, model: str, api_url: str,
-                 vllm_urls: list[str], token: str, save: Path,
-                 device: str = "cpu") -> list[str]:  # fmt: skip
-    argv = [
-        *trainer_launcher(cfg), "-m", "trainer", "grpo", *recipe_args(cfg), "--model-name", model, "--save-path", str(save),
-        "--api-url", api_url, "--weight-bridge-mode", cfg.weight_bridge_mode,
-        "--server-urls", *vllm_urls, "--bridge-token", token, "--device", device,
-        "--training-steps", str(cfg.steps), "--batch-size", str(preset.group_size * preset.batch_groups),
-        "--lr", str(preset.lr), "--overwrite",
-    ]  # fmt: skip
-    argv += preset.trainer_extra
-    if cfg.single_copy:
-        argv.append("--single-copy")
-    if cfg.weight_bridge_mode == "lora_only":
-        argv += ["--lora-r", "8"]
-    return argv + shlex.split(cfg.trainer_args or "")  # last: the trainer takes the last value
+def trainer_argv(cfg: RunAllConfig, config: Path, token: str) -> list[str]:
+    """``python -m trainer grpo --config <run>/config/trainer_grpo.yaml`` (under torchrun for
+    several ranks); the bridge token on the command line, never in the file."""
+    return [
+        *trainer_launcher(cfg),
+        "-m",
+        "trainer",
+        "grpo",
+        "--config",
+        str(config),
+        "--bridge-token",
+        token,
+    ]
 
 
-def start_vllm_servers(cfg: RunAllConfig, preset: Preset, place: Placement, model: str,
-                       token: str, stack: Stack, run_dir: Path,
+def start_vllm_servers(cfg: RunAllConfig, ports: list[int], config: Path, place: Placement,
+                       model: str, token: str, stack: Stack, run_dir: Path,
                        threads: ThreadPlan | None = None) -> list[BridgeServer]:  # fmt: skip
     """Start every vLLM server side by side (recorded in the stack at once), then wait for
     each health check."""
+    from launch.vllm_server import server_env, spawn_bridge_server
+
     device = "cuda" if place.trainer_device.startswith("cuda") else "cpu"
     servers = []
     for i, name in enumerate(vllm_names(cfg.num_inference_servers)):
-        port = cfg.vllm_port if (i == 0 and cfg.vllm_port) else free_port()
+        port = ports[i]
         env = server_env(token, device, place.server_gpus[i])
         env.update(threads.for_server(i) if threads else {})
         server = spawn_bridge_server(
             model, cfg.weight_bridge_mode, run_dir / f"{name}.log", token=token,
-            single_copy=cfg.single_copy, extra=[*recipe_args(cfg), *vllm_extra(cfg, preset)], port=port,
+            single_copy=cfg.single_copy, extra=["--config", str(config), *vllm_extra(cfg)], port=port,
             timeout=cfg.health_timeout, env=env, name=name,
         )  # fmt: skip
         stack.add(server.proc)
@@ -268,22 +298,49 @@ def weight_versions(servers: list[BridgeServer]) -> dict[str, str | None]:
 
 
 def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
-    preset = PRESETS[cfg.preset]
-    model = cfg.model or preset.model
+    preset = load_preset(cfg.preset)
+    lay = layers(cfg, preset)
+    model = run_model(lay, cfg.model)
     place = placement(cfg, preset)
     device = "cuda" if place.trainer_device.startswith("cuda") else "cpu"
     threads = plan_threads(available_cores(), cfg.num_inference_servers, device)
     light = {**os.environ, **threads.light_env}
-    if preset.build_embedded and cfg.model is None:
-        prepare_embedded(preset, run_dir, recipe_args(cfg), cfg.num_sessions, cfg.sft_steps)
-    if (warning := context_warning(model, preset)) is not None:
+    api_url = f"http://127.0.0.1:{cfg.api_port or free_port()}"
+    ports = [cfg.vllm_port or free_port()]
+    ports += [free_port() for _ in range(cfg.num_inference_servers - 1)]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    save = run_dir / "trainer"
+    # every config resolved (and checked) before anything starts
+    confs = service_configs(
+        lay,
+        model,
+        api_url,
+        urls,
+        save,
+        run_dir,
+        place.trainer_device,
+        weight_bridge_mode=cfg.weight_bridge_mode,
+        single_copy=cfg.single_copy,
+        env_args=cfg.env_args,
+        trainer_args=cfg.trainer_args,
+    )
+    env_cfg, steps = confs["env"].config, confs["trainer_grpo"].config.training_steps
+    if preset.launch.build_embedded and model == preset.model:
+        prepare_embedded(lay, run_dir, env_cfg.num_sessions, cfg.sft_steps)
+    budget = (env_cfg.max_prompt_tokens, env_cfg.max_tokens)
+    if (warning := context_warning(model, *budget)) is not None:
         print(f"[run_all] WARNING: {warning}", flush=True)
     if cfg.prepare_only:
         print(f"[run_all] prepared {model}", flush=True)
         return 0
+    files = {name: write_service_config(run_dir, name, r) for name, r in confs.items()}
+    files["vllm"] = write_vllm_config(lay, run_dir)
+    print(
+        f"[run_all] configs: {run_dir / 'config'} (preset {preset.name}"
+        f"{f', recipe {cfg.recipe}' if cfg.recipe else ''})",
+        flush=True,
+    )
     token = secrets.token_hex(16)
-    api_port = cfg.api_port or free_port()
-    api_url = f"http://127.0.0.1:{api_port}"
     names = ["api", *vllm_names(cfg.num_inference_servers), "env", "trainer"]
     logs = " ".join(str(run_dir / f"{n}.log") for n in names)
     print(f"[run_all] run dir {run_dir}\n[run_all] follow it: tail -f {logs}", flush=True)
@@ -292,8 +349,7 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     vllm_log = LogSource(run_dir / "vllm.log")  # what the first server is doing
     services = progress.phase("start API + vLLM", 1 + cfg.num_inference_servers, "up", vllm_log)
     services.start()
-    api = stack.start("api", [PY, "-m", "api", *recipe_args(cfg), "--port", str(api_port),
-                              "--db-path", str(run_dir / "api.sqlite")], light)  # fmt: skip
+    api = stack.start("api", [PY, "-m", "api", "--config", str(files["api"])], light)
     wait_http(api, f"{api_url}/health", 60)
     print(f"[run_all] api up at {api_url} (pid {api.pid})", flush=True)
     services.advance()
@@ -301,38 +357,26 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     print(f"[run_all] starting {cfg.num_inference_servers} vLLM server(s) "
           f"({cfg.weight_bridge_mode}{', single copy' if cfg.single_copy else ''}) on {model}...",
           flush=True)  # fmt: skip
-    servers = start_vllm_servers(cfg, preset, place, model, token, stack, run_dir, threads)
+    servers = start_vllm_servers(
+        cfg, ports, files["vllm"], place, model, token, stack, run_dir, threads
+    )
     services.advance(len(servers))
     services.finish()
     server = servers[0]  # the evaluations ask the first one
-    urls = [s.base_url for s in servers]
 
+    samples = preset.launch.eval_samples if cfg.eval_samples is None else cfg.eval_samples
     sft_metrics = (
-        evaluate("sft", server.base_url, preset, cfg.eval_samples, run_dir, model)
-        if cfg.eval_samples
-        else None
+        evaluate("sft", server.base_url, samples, run_dir, model, env_cfg) if samples else None
     )
 
-    env_argv = [
-        PY, "-m", "env_server", *recipe_args(cfg), "--api-url", api_url,
-        "--inference-url", ",".join(urls),
-        "--tokenizer", model, "--data-dir", str(DATA_DIR), "--group-size", str(preset.group_size),
-        "--max-tokens", str(preset.max_tokens), "--max-prompt-tokens", str(preset.max_prompt_tokens),
-        "--metrics-path", str(run_dir / "env_metrics.jsonl"),
-        *preset.env_extra,
-    ]  # fmt: skip
-    if cfg.keep_constant_groups:
-        env_argv.append("--no-drop-constant-groups")
-    env_argv += shlex.split(cfg.env_args or "")  # last: the env takes the last value
-    stack.start("env", env_argv, light)
-    save = run_dir / "trainer"
-    argv = trainer_argv(cfg, preset, model, api_url, urls, token, save, place.trainer_device)
+    stack.start("env", [PY, "-m", "env_server", "--config", str(files["env"])], light)
+    argv = trainer_argv(cfg, files["trainer_grpo"], token)
     if int(os.environ.get("NNODES") or 1) > 1:  # the other nodes' ranks (launch/trainer_node.py)
         publish_trainer_argv(run_dir, argv)
     trainer = stack.start("trainer", argv, env={**trainer_env(place), **threads.trainer_env})
     where = f" on GPU {','.join(place.trainer_gpus)}" if place.trainer_gpus else ""
-    print(f"[run_all] env + trainer{where} started; training {cfg.steps} steps", flush=True)
-    with progress.phase("GRPO", cfg.steps, "steps", grpo_source(save, cfg.steps)):
+    print(f"[run_all] env + trainer{where} started; training {steps} steps", flush=True)
+    with progress.phase("GRPO", steps, "steps", grpo_source(save, steps)):
         while trainer.alive():
             stack.check_alive("api", *vllm_names(cfg.num_inference_servers), "env")
             time.sleep(1.0)
@@ -350,9 +394,9 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     reward_curve(save / "metrics.jsonl", run_dir / "reward_curve.png")
     if sft_metrics is not None:
         health = httpx.get(f"{server.base_url}/bridge/health", timeout=10).json()
-        rl_metrics = evaluate("rl", server.base_url, preset, cfg.eval_samples, run_dir, model)
+        rl_metrics = evaluate("rl", server.base_url, samples, run_dir, model, env_cfg)
         note = (
-            f"{cfg.eval_samples} test steps, greedy. SFT = {model}; RL = the trainer's final "
+            f"{samples} test steps, greedy. SFT = {model}; RL = the trainer's final "
             f"weights ({save}) as served by vLLM after the last sync "
             f"(weight version {health.get('weight_version')}, mode {cfg.weight_bridge_mode})."
         )

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launch.procs import ManagedProcess, free_port
+from launch.procs import ManagedProcess
+from settings.ports import free_port
 from vllm_patching.protocol import TOKEN_ENV
 
 
@@ -116,7 +117,7 @@ def server_argv(
         "--enforce-eager",
         "--dtype", "float32",
         "--max-model-len", "2048",
-        "--bridge-mode", mode,
+        "--weight-bridge-mode", mode,
         "--bridge-config", str(config_path),
         "--bridge-initial-version", str(initial_version),
     ]  # fmt: skip

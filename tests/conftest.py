@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from launch.paths import SMOL_MODEL_DIR, TINY_MODEL_DIR
-from launch.procs import ManagedProcess, free_port
+from launch.procs import ManagedProcess
 from launch.vllm_server import cpu_env
+from settings.paths import SMOL_MODEL_DIR, TINY_MODEL_DIR
+from settings.ports import free_port
 
 
 def _pin_vllm_to_this_workers_core() -> None:

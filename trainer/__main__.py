@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from launch.cli import report, resolve_args
+from settings.cli import report, resolve_args
 from trainer.config import SECTIONS, GrpoConfig, SftConfig, build_parser
 
 COMMANDS = {
@@ -31,6 +31,12 @@ def main(argv: list[str] | None = None) -> int:
         print(report(resolved))
         return 0
     cfg = resolved.config
+    if ns.command == "grpo":  # a URL that answers as another service: say so before torch
+        from settings.ports import check_service
+
+        check_service(cfg.api_url, "api")
+        for url in cfg.inference_urls():
+            check_service(url, "inference")
 
     from trainer.run import setup_logging  # imports torch
 

@@ -1,4 +1,4 @@
-"""Trainer configs (pydantic) and their command line (``launch.cli``): a recipe (``--recipe``:
+"""Trainer configs (pydantic) and their command line (``settings.cli``): a recipe (``--recipe``:
 shared keys, ``trainer:``, then ``trainer.sft:``/``trainer.grpo:``) < a flat ``--config`` < env
 vars < flags. Every field is documented once, by its docstring; ``--help`` prints those.
 
@@ -12,11 +12,18 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from launch.cli import add_config_flags, from_env, resolve_args
-from launch.paths import DATA_DIR, RUNS_DIR, SFT_MODEL_DIR, TINY_MODEL_DIR
+from settings.cli import add_config_flags, from_env, resolve_args
+from settings.paths import DATA_DIR, RUNS_DIR, SFT_MODEL_DIR, TINY_MODEL_DIR
+from settings.ports import API_URL, HOST, VLLM_PORT
 from trainer.gail import GailConfig
 
-ALIASES = {"max_eval_samples": ["--max-eval-examples"]}
+ALIASES = {
+    "max_eval_samples": ["--max-eval-examples"],
+    # Atropos' example-trainer spellings (docs/TRAINER.md), listed in --help beside ours
+    "max_seq_len": ["--seq-len"],
+    "kl_beta": ["--kl-coef"],
+    "save_every": ["--checkpoint-interval"],
+}
 
 
 class _Config(BaseModel):
@@ -95,6 +102,8 @@ class CommonConfig(_Config):
     """Also write TensorBoard event files to ``<save_path>/tb`` (if tensorboard is installed)."""
     wandb_project: str | None = None
     """Weights & Biases project to log to (only when set and wandb is installed)."""
+    use_wandb: bool = False
+    """Log to Weights & Biases (Atropos' flag): project ``wandb_project``, default ``shop-r1``."""
     hub_repo_id: str | None = None
     """Hugging Face Hub repo (``owner/name``) to push every checkpoint's model and trainer
     state to (under ``checkpoints/step_NNNNNN``); unset: nothing leaves the machine."""
@@ -116,6 +125,8 @@ class CommonConfig(_Config):
         if self.resume and self.resume_from_checkpoint is None:
             self.resume_from_checkpoint = "latest"
         self.resume = self.resume_from_checkpoint is not None
+        if self.use_wandb and self.wandb_project is None:
+            self.wandb_project = "shop-r1"
         if self.hub_repo_id is not None and "/" not in self.hub_repo_id:
             raise ValueError(f"hub_repo_id must look like 'owner/name', got {self.hub_repo_id!r}")
         return self
@@ -128,8 +139,10 @@ class SftConfig(CommonConfig):
     """Output directory of the SFT model (default: the embedded SFT checkpoint location)."""
     data_dir: str = str(DATA_DIR)
     """Dataset directory (train/validation/test JSONL); generated here if it does not exist."""
-    num_sessions: int = 400
-    """Sessions to simulate when the dataset has to be generated."""
+    num_sessions: int | None = Field(None, ge=10)
+    """Sessions of the simulated dataset: built with this many when ``data_dir`` has none
+    (unset: settings.paths.NUM_SESSIONS, 3000, as every command); set, a dataset of another
+    size there is an error naming both (env_server/data/dataset.py)."""
     lr: float = 2e-3
     """Peak learning rate (the embedded tiny model trains from scratch, hence the high default)."""
     min_lr_ratio: float = 0.1
@@ -185,7 +198,7 @@ class GrpoConfig(CommonConfig):
     save_every: int = 1
     """Checkpoint every N steps. Batches are acked only after a checkpoint holds them, so
     ``lease_seconds`` must cover N steps."""
-    api_url: str = "http://127.0.0.1:8000"
+    api_url: str = API_URL
     """Base URL of the batching API."""
     api_token: str | None = Field(
         None, exclude=True, json_schema_extra=from_env("SHOP_R1_API_TOKEN")
@@ -210,12 +223,13 @@ class GrpoConfig(CommonConfig):
     """How new weights reach vLLM after each step (docs/BRIDGE.md)."""
     single_copy: bool = False
     """shared_vllm on the same device: share one copy of the weights (IPC / shared memory)."""
-    vllm_host: str = "127.0.0.1"
-    """Host of the patched vLLM server."""
-    vllm_port: int = 9001
-    """Port of the patched vLLM server (ignored when ``server_urls`` is given)."""
-    server_urls: list[str] = []
-    """Inference server base URLs (several for data-parallel vLLM); default from host/port."""
+    vllm_host: str = HOST
+    """Host of the patched vLLM server (ignored when ``inference_url`` is given)."""
+    vllm_port: int = VLLM_PORT
+    """Port of the patched vLLM server (ignored when ``inference_url`` is given)."""
+    inference_url: str | None = None
+    """Inference server base URLs to sync weights into, comma-separated (``--inference-url
+    A,B``: several for data-parallel vLLM, as the env's); default from host/port."""
     inference_device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the vLLM workers run (picks the bridge transport); auto: the trainer's device."""
     bridge_token: str | None = Field(
@@ -230,6 +244,8 @@ class GrpoConfig(CommonConfig):
     """PPO clip: ratio lower bound is 1 - clip_low."""
     clip_high: float = 0.2
     """PPO clip: ratio upper bound is 1 + clip_high (0.28 = DAPO's clip-higher)."""
+    clip_eps: float | None = Field(None, gt=0)
+    """Atropos' symmetric clip: sets both ``clip_low`` and ``clip_high``."""
     tis_cap: float | None = None
     """Truncated importance weight cap for the inference/trainer mismatch; None = ratio taken
     directly against the inference logprobs."""
@@ -258,12 +274,15 @@ class GrpoConfig(CommonConfig):
     def _check_grpo(self) -> GrpoConfig:
         if self.temperature <= 0:
             raise ValueError("temperature must be > 0")
+        if self.clip_eps is not None:
+            self.clip_low = self.clip_high = self.clip_eps
         if self.tis_cap is not None and self.tis_cap < 1.0:
             raise ValueError("tis_cap must be >= 1 (a cap below 1 down-weights every token)")
         return self
 
     def inference_urls(self) -> list[str]:
-        return self.server_urls or [f"http://{self.vllm_host}:{self.vllm_port}"]
+        urls = [u.strip() for u in (self.inference_url or "").split(",") if u.strip()]
+        return urls or [f"http://{self.vllm_host}:{self.vllm_port}"]
 
 
 C = TypeVar("C", bound=_Config)
@@ -274,7 +293,7 @@ SECTIONS: dict[type[_Config], str] = {SftConfig: "trainer.sft", GrpoConfig: "tra
 
 def build_parser(cls: type[_Config], parser: argparse.ArgumentParser) -> None:
     """``--recipe``/``--config``/``--print-config`` and one ``--kebab-case`` flag per field, its
-    help = the field's docstring (``launch.cli.add_config_flags``)."""
+    help = the field's docstring (``settings.cli.add_config_flags``)."""
     add_config_flags(parser, cls, aliases=ALIASES)
 
 

@@ -29,7 +29,7 @@ class SftExample:
     prompt_len: int
 
 
-def load_or_build_dataset(data_dir: str | Path, num_sessions: int, seed: int) -> Any:
+def load_or_build_dataset(data_dir: str | Path, num_sessions: int | None, seed: int) -> Any:
     """The dataset at ``data_dir``; generated (deterministically) and saved first if missing."""
     from env_server.data.dataset import load_or_build
 

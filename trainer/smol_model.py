@@ -181,7 +181,7 @@ def is_built(model_dir: Path | str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from launch.paths import SMOL_MODEL_DIR
+    from settings.paths import SMOL_MODEL_DIR
     from trainer.tiny_model import digest
 
     ap = argparse.ArgumentParser(

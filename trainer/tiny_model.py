@@ -193,7 +193,7 @@ def digest(model_dir: Path | str) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from launch.paths import TINY_MODEL_DIR
+    from settings.paths import TINY_MODEL_DIR
 
     ap = argparse.ArgumentParser(
         "python -m trainer.tiny_model",

@@ -1,4 +1,5 @@
-"""``python -m vllm_patching.serve [--recipe R.yaml] --model PATH [vLLM args] --bridge-mode ...``
+"""``python -m vllm_patching.serve [--recipe R.yaml] [--config F.yaml] --model PATH [vLLM args]
+--weight-bridge-mode ...``
 
 Runs vLLM's own OpenAI server (in this process) with the bridge plugin enabled: parses the
 bridge flags, passes every other flag to vLLM, sets the environment the plugin reads, writes
@@ -8,7 +9,9 @@ the per-run bridge config file, then hands over to ``vllm.entrypoints.openai.api
 ``output_dir``) become arguments placed before the command line's, a flag given on the command
 line replacing the recipe's (docs/RECIPES.md): ``key: value`` -> ``--key value``, ``true`` ->
 ``--key``, ``false`` -> ``--no-key`` (bridge options: omitted), a list -> ``--key a b``, a
-mapping -> ``--key '<json>'``.
+mapping -> ``--key '<json>'``. ``--config F.yaml``: a flat mapping of the same keys (what
+launch/run_all.sh writes to ``<run>/config/vllm.yaml``), expanded in place: flags after it
+win, flags before it lose (vLLM takes the last value of a flag).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 import uuid
 from pathlib import Path
 
+from settings.ports import VLLM_PORT
 from vllm_patching.protocol import PLUGIN_NAME, SETTINGS_ENV, BridgeConfigFile, BridgeSettings
 
 BACKENDS = {  # (device, single_copy) -> vLLM weight-transfer backend of shared_vllm
@@ -33,17 +37,29 @@ BACKENDS = {  # (device, single_copy) -> vLLM weight-transfer backend of shared_
 }
 
 
-BRIDGE_KEYS = {"bridge_mode", "single_copy", "bridge_config", "bridge_initial_version",
+BRIDGE_KEYS = {"weight_bridge_mode", "single_copy", "bridge_config", "bridge_initial_version",
                "bridge_lora_keep", "bridge_device"}  # fmt: skip
 """``vllm:`` recipe keys that are this wrapper's options; every other key goes to vLLM."""
 
 
 def recipe_argv(path: Path) -> list[str]:
     """A recipe's ``vllm:`` section (plus the shared keys vLLM reads) as arguments."""
-    from launch.cli import load_recipe, section_values
+    from settings.recipe import load_recipe, section_values
 
+    return mapping_argv(section_values(load_recipe(path), "vllm", None, path))
+
+
+def config_argv(path: Path) -> list[str]:
+    """A flat config file of ``vllm:`` keys as arguments."""
+    from settings.recipe import read_yaml, snake_keys
+
+    return mapping_argv(snake_keys(read_yaml(path)))
+
+
+def mapping_argv(values: dict[str, object]) -> list[str]:
+    """``{key: value}`` as vLLM / bridge arguments (see the module's docstring)."""
     argv: list[str] = []
-    for key, value in section_values(load_recipe(path), "vllm", None, path).items():
+    for key, value in values.items():
         flag = "--" + str(key).replace("_", "-")
         if value is None:
             continue
@@ -82,11 +98,27 @@ def merge_argv(recipe: list[str], cli: list[str]) -> list[str]:
     return kept + list(cli)
 
 
+def expand_config(argv: list[str]) -> list[str]:
+    """``argv`` with each ``--config PATH`` replaced, in place, by the file's arguments."""
+    out: list[str] = []
+    it = iter(argv)
+    for tok in it:
+        if tok == "--config":
+            out += config_argv(Path(next(it, "")))
+        elif tok.startswith("--config="):
+            out += config_argv(Path(tok.split("=", 1)[1]))
+        else:
+            out.append(tok)
+    return out
+
+
 def expand_recipe(argv: list[str]) -> list[str]:
-    """``argv`` with ``--recipe PATH`` replaced by the recipe's arguments (flags win)."""
+    """``argv`` with ``--recipe PATH`` replaced by the recipe's arguments (flags win) and
+    ``--config PATH`` by the file's (in place)."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     p.add_argument("--recipe", type=Path, default=None)
     ns, rest = p.parse_known_args(argv)
+    rest = expand_config(rest)
     return rest if ns.recipe is None else merge_argv(recipe_argv(ns.recipe), rest)
 
 
@@ -105,7 +137,8 @@ def bridge_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--bridge-mode",
+        "--weight-bridge-mode",
+        dest="bridge_mode",
         choices=["shared_vllm", "lora_only", "none"],
         default="shared_vllm",
         help="how trainer weights reach this server (docs/BRIDGE.md) (default: shared_vllm)",
@@ -149,6 +182,9 @@ def print_help(argv: list[str]) -> int:
         help="this help, then vLLM's (--help=GROUP: one group of vLLM's in full)",
     )
     p.add_argument("--recipe", metavar="R.yaml", help="a recipe's vllm: section as arguments")
+    p.add_argument(
+        "--config", metavar="F.yaml", help="a flat file of the same keys, expanded in place"
+    )
     p.add_argument("--model", metavar="PATH", help="model directory or hub id (required)")
     print(p.format_help())
     print("vLLM's options (every argument not listed above goes to vLLM's OpenAI server):\n")
@@ -170,7 +206,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = bridge_parser()
     args, rest = p.parse_known_args(argv)
     if args.single_copy and args.bridge_mode != "shared_vllm":
-        p.error("--single-copy only applies to --bridge-mode shared_vllm")
+        p.error("--single-copy only applies to --weight-bridge-mode shared_vllm")
     if args.bridge_lora_keep < 1:
         p.error("--bridge-lora-keep must be >= 1")
     return args, rest
@@ -201,6 +237,8 @@ def build(argv: list[str]) -> tuple[BridgeSettings, list[str], dict[str, str]]:
     vllm_args = list(vllm_args)
     if _flag(vllm_args, "--host") is None:
         vllm_args += ["--host", "127.0.0.1"]  # never listen on all interfaces by default
+    if _flag(vllm_args, "--port") is None:  # the project's port, not vLLM's 8000 (the API's)
+        vllm_args += ["--port", str(VLLM_PORT)]
     env = {"VLLM_SERVER_DEV_MODE": "1"}  # the native RL weight routes (guarded by our token)
     plugins = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
     env["VLLM_PLUGINS"] = ",".join(dict.fromkeys([*plugins, PLUGIN_NAME]))
@@ -256,7 +294,7 @@ def write_config_file(settings: BridgeSettings, vllm_args: list[str]) -> Path:
         run_id=settings.run_id,
         pid=os.getpid(),
         host=_flag(vllm_args, "--host") or "127.0.0.1",
-        port=int(_flag(vllm_args, "--port") or 8000),
+        port=int(_flag(vllm_args, "--port") or VLLM_PORT),
         settings=settings,
         started_at=time.time(),
     )

@@ -33,7 +33,7 @@ def stats(data_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from launch.paths import DATA_DIR
+    from settings.paths import DATA_DIR, DATA_SEED, NUM_SESSIONS
 
     ap = argparse.ArgumentParser(
         "python -m env_server.data",
@@ -42,21 +42,29 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("command", choices=["build", "convert", "stats"])
     ap.add_argument("--out", type=Path, default=DATA_DIR, help="dataset folder")
-    ap.add_argument("--num-sessions", type=int, default=3000, help="build: sessions to simulate")
-    ap.add_argument("--seed", type=int, default=0, help="simulation and split seed")
+    ap.add_argument(
+        "--num-sessions", type=int, default=NUM_SESSIONS, help="build: sessions to simulate"
+    )
+    ap.add_argument("--seed", type=int, default=DATA_SEED, help="simulation and split seed")
     ap.add_argument("--input", type=Path, help="convert: the user data file")
     ap.add_argument("--format", default="auto", help="convert: auto, rows, shop_r1 or opera")
     args = ap.parse_args(argv)
 
-    from env_server.data.dataset import build_dataset, save_dataset, split_by_session
+    from env_server.data.dataset import (
+        build_and_save,
+        save_dataset,
+        split_by_session,
+        write_manifest,
+    )
     from env_server.data.loaders import load_user_data
 
     if args.command == "build":
-        save_dataset(build_dataset(args.num_sessions, args.seed), args.out)
+        build_and_save(args.num_sessions, args.seed, args.out)
     elif args.command == "convert":
         if args.input is None:
             ap.error("convert needs --input")
         save_dataset(split_by_session(load_user_data(args.input, args.format), args.seed), args.out)
+        write_manifest(args.out, source="converted", input=str(args.input), seed=args.seed)
     print(json.dumps(stats(args.out), indent=2))
 
 

@@ -27,6 +27,7 @@ from env_server.data.loaders import load_rows
 from env_server.data.schema import FEATURES, SPLITS
 from env_server.data.shopper import Session
 from env_server.data.simulator import generate_sessions
+from settings.paths import DATA_SEED, NUM_SESSIONS
 
 
 def rows_from_session(session: Session) -> list[dict[str, Any]]:
@@ -61,7 +62,7 @@ def split_of(index: int, order: list[int], val_fraction: float, test_fraction: f
 
 
 def build_dataset(
-    num_sessions: int = 3000,
+    num_sessions: int = NUM_SESSIONS,
     seed: int = 0,
     val_fraction: float = 0.1,
     test_fraction: float = 0.1,
@@ -110,14 +111,67 @@ def load_dataset_dir(data_dir: Path | str) -> datasets.DatasetDict:
     return datasets.DatasetDict({s: load_rows(p) for s, p in found.items()})
 
 
+MANIFEST = "manifest.json"
+"""What a dataset folder holds: ``{"source": "simulated", "num_sessions": N, "seed": S}`` (or
+``"converted"`` user data), written beside the splits and checked by :func:`load_or_build`."""
+
+
+class DatasetMismatch(ValueError):
+    """The dataset on disk is not the one asked for; the message names both and the fix."""
+
+
+def write_manifest(out_dir: Path | str, **identity: Any) -> None:
+    """Record what ``out_dir`` holds (``source``, ``num_sessions``, ``seed``, ...)."""
+    path = Path(out_dir) / MANIFEST
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(identity, indent=2) + "\n")
+
+
+def build_and_save(num_sessions: int, seed: int, out_dir: Path | str) -> dict[str, int]:
+    """Simulate, save the splits and their manifest; returns rows written per split."""
+    written = save_dataset(build_dataset(num_sessions, seed), out_dir)
+    write_manifest(out_dir, source="simulated", num_sessions=num_sessions, seed=seed)
+    return written
+
+
+def check_identity(d: Path, dsd: datasets.DatasetDict, num_sessions: int, seed: int) -> None:
+    """A simulated dataset must be the one asked for (its manifest; an older folder without
+    one: its number of sessions); converted user data is taken as it is."""
+    manifest = d / MANIFEST
+    have = json.loads(manifest.read_text()) if manifest.exists() else None
+    if have is not None and have.get("source") != "simulated":
+        return
+    if have is None:
+        have = {"num_sessions": len({s for ds in dsd.values() for s in ds["session_id"]})}
+    same_seed = have.get("seed", seed) == seed
+    if have.get("num_sessions") == num_sessions and same_seed:
+        return
+    held = f"{have.get('num_sessions')} sessions" + (
+        f" (seed {have['seed']})" if "seed" in have else ""
+    )
+    raise DatasetMismatch(
+        f"{d} holds a dataset of {held}, but {num_sessions} sessions (seed {seed}) were asked "
+        f"for. Use it as it is (drop --num-sessions / data.num_sessions, or set it to "
+        f"{have.get('num_sessions')}), or build the other one elsewhere (--data-dir NEW_DIR); "
+        f"nothing was overwritten."
+    )
+
+
 def load_or_build(
-    data_dir: Path | str, num_sessions: int = 3000, seed: int = 0
+    data_dir: Path | str, num_sessions: int | None = None, seed: int = DATA_SEED
 ) -> datasets.DatasetDict:
-    """Load the dataset in ``data_dir``; simulate and save it there first if it is missing."""
+    """Load the dataset in ``data_dir``; simulate and save it there first if it is missing
+    (``num_sessions`` sessions, default ``settings.paths.NUM_SESSIONS``). With
+    ``num_sessions`` given, a dataset of another size or seed there is a
+    :class:`DatasetMismatch` (never a silent swap, never overwritten)."""
     d = Path(data_dir)
     if not any((d / f"{s}.jsonl").exists() for s in SPLITS):
-        save_dataset(build_dataset(num_sessions, seed), d)
-    return load_dataset_dir(d)
+        build_and_save(NUM_SESSIONS if num_sessions is None else num_sessions, seed, d)
+        return load_dataset_dir(d)
+    dsd = load_dataset_dir(d)
+    if num_sessions is not None:
+        check_identity(d, dsd, num_sessions, seed)
+    return dsd
 
 
 def split_by_session(

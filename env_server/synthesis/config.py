@@ -6,7 +6,9 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-DEFAULT_BASE_URL = "http://127.0.0.1:9001/v1"
+from settings.ports import VLLM_URL
+
+DEFAULT_BASE_URL = f"{VLLM_URL}/v1"
 """The project's vLLM server (``python -m vllm_patching.serve ... --port 9001``)."""
 
 

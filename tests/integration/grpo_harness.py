@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 from api.client import ApiClient
-from launch.procs import ManagedProcess, free_port
+from launch.procs import ManagedProcess
+from settings.ports import free_port
 
 TOKEN = "trainer-test-token"
 GROUP = 4
@@ -54,7 +55,7 @@ def run_trainer(model_dir: Path, save: Path, api_url: str, vllm_url: str, steps:
     argv = [
         sys.executable, "-m", "trainer", "grpo", "--model-name", str(model_dir),
         "--save-path", str(save), "--api-url", api_url, "--api-token", TOKEN,
-        "--weight-bridge-mode", "none", "--server-urls", vllm_url, "--bridge-token", TOKEN,
+        "--weight-bridge-mode", "none", "--inference-url", vllm_url, "--bridge-token", TOKEN,
         "--training-steps", str(steps), "--batch-size", str(2 * GROUP), "--lr", "1e-3",
         "--wait-timeout", "60", "--poll-interval", "0.2", "--no-tensorboard",
         "--precision", "fp32", *extra,  # the same on every CPU (auto: bf16 where native)

@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from api.client import ApiClient, ApiError
-from launch.procs import ManagedProcess, free_port
+from launch.procs import ManagedProcess
+from settings.ports import free_port
 
 pytestmark = pytest.mark.integration
 

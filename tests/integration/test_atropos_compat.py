@@ -35,7 +35,8 @@ from api.atropos_packing import (
     grab_with_min_allocations,
 )
 from bench.api_throughput import ensure_atropos
-from launch.procs import ManagedProcess, free_port, tail
+from launch.procs import ManagedProcess, tail
+from settings.ports import free_port
 
 pytestmark = pytest.mark.integration
 HERE = Path(__file__).resolve().parent

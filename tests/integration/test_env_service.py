@@ -14,7 +14,8 @@ import pytest
 
 from api.client import ApiClient
 from env_server.prompts import SYSTEM_PROMPT
-from launch.procs import ManagedProcess, free_port
+from launch.procs import ManagedProcess
+from settings.ports import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -42,8 +42,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from api.client import ApiClient
-from launch.procs import ManagedProcess, free_port, tail
+from launch.procs import ManagedProcess, tail
 from launch.vllm_server import BridgeServer, start_bridge_server
+from settings.ports import free_port
 from tests.integration.test_bridge_modes import hf_greedy, vllm_greedy
 
 pytestmark = pytest.mark.integration
@@ -118,7 +119,7 @@ class Stack:
         argv = [
             sys.executable, "-m", "trainer", "grpo", "--model-name", str(self.model),
             "--save-path", str(self.save), "--api-url", self.api_url, "--api-token", TOKEN,
-            "--weight-bridge-mode", "shared_vllm", "--server-urls", self.vllm_url,
+            "--weight-bridge-mode", "shared_vllm", "--inference-url", self.vllm_url,
             "--bridge-token", TOKEN, "--device", "cpu", "--training-steps", str(STEPS),
             "--batch-size", str(GROUP), "--lr", "1e-4", "--kl-beta", "0",
             "--lease-seconds", "60", "--wait-timeout", str(2 * WAIT_S), "--poll-interval", "0.3",

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from launch.lifeline import descendants, is_running
-from launch.procs import free_port
+from settings.ports import free_port
 from tests.integration.launcher_harness import LauncherRun, gone, start_launcher
 
 pytestmark = pytest.mark.integration
@@ -74,7 +74,7 @@ def launcher() -> Iterator[Callable[..., LauncherRun]]:
 def run_all(
     launcher: Callable[..., LauncherRun], run_dir: Path, env: dict[str, str], *args: str
 ) -> str:
-    run = launcher(run_dir, env, "--steps", str(STEPS), "--keep-constant-groups", *args)
+    run = launcher(run_dir, env, "--training-steps", str(STEPS), "--keep-constant-groups", *args)
     assert run.wait() == 0, run.tails()
     return run.output()
 
@@ -270,7 +270,13 @@ def test_run_all_sigkilled_leaves_no_process_behind(
     worker, the reaper itself) is gone soon after, and the reaper said so in the logs."""
     run_dir = tmp_path / "run"
     run = launcher(
-        run_dir, artifacts_env, "--steps", "1000", "--eval-samples", "0", "--keep-constant-groups"
+        run_dir,
+        artifacts_env,
+        "--training-steps",
+        "1000",
+        "--eval-samples",
+        "0",
+        "--keep-constant-groups",
     )
     run.wait_until(lambda: _all_four_run(run), "all four services to run")
     pids = run.pids()

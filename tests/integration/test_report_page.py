@@ -2,7 +2,7 @@
 section, and the page's script lists the rollouts and filters them (by step, verdict, text).
 
 ``tests/data/run_small`` holds the files of a real run, copied as launch/run_all.sh wrote them:
-``launch/run_all.sh --steps 3 --keep-constant-groups --eval-samples 8 --num-sessions 200
+``launch/run_all.sh --training-steps 3 --keep-constant-groups --eval-samples 8 --num-sessions 200
 --sft-steps 3`` on an empty ``SHOP_R1_ARTIFACTS`` (a 3-step SFT model: its completions fail
 the format check). tests/integration/test_launch_run_all.py checks the page of a run made
 during the test as well.

@@ -292,7 +292,7 @@ class StandInServer:
 
     def __init__(self, monkeypatch, backend: str, tp: int, param_map: dict, token: str,
                  dtype: torch.dtype = torch.bfloat16, first_gpu: int = 0) -> None:  # fmt: skip
-        from launch.procs import free_port
+        from settings.ports import free_port
 
         self.monkeypatch, self.backend, self.tp, self.token = monkeypatch, backend, tp, token
         self.dtype, self.first_gpu, self.param_map = dtype, first_gpu, param_map

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from api.client import ApiClient, ApiError
 from api.config import ApiConfig, parse_config
-from launch.procs import free_port
+from settings.ports import free_port
 
 pytestmark = pytest.mark.unit
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from launch.procs import free_port
+from settings.ports import free_port
 from vllm_patching.gloo_group import (
     allgather_flags,
     broadcast,

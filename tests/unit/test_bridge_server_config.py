@@ -26,7 +26,7 @@ def _flag(argv: list[str], name: str) -> str:
 
 @pytest.mark.parametrize(
     ("extra", "backend"),
-    [((), "gloo_bcast"), (("--single-copy",), "shm"), (("--bridge-mode", "none"), None)],
+    [((), "gloo_bcast"), (("--single-copy",), "shm"), (("--weight-bridge-mode", "none"), None)],
 )
 def test_backend_choice_on_cpu(extra: tuple[str, ...], backend: str | None) -> None:
     settings, argv, env = _build(*extra)
@@ -64,7 +64,7 @@ def test_rollout_logprobs_are_those_of_the_sampling_distribution() -> None:
 
 
 def test_lora_mode_enables_runtime_lora() -> None:
-    settings, argv, env = _build("--bridge-mode", "lora_only", "--served-model-name", "pol")
+    settings, argv, env = _build("--weight-bridge-mode", "lora_only", "--served-model-name", "pol")
     assert "--enable-lora" in argv and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
     assert settings.served_model_name == "pol"
 
@@ -72,8 +72,8 @@ def test_lora_mode_enables_runtime_lora() -> None:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--bridge-mode", "none", "--single-copy", "--model", "/m"],
-        ["--bridge-mode", "x", "--model", "/m"],
+        ["--weight-bridge-mode", "none", "--single-copy", "--model", "/m"],
+        ["--weight-bridge-mode", "x", "--model", "/m"],
     ],
 )
 def test_bad_flags_are_refused(argv: list[str]) -> None:

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from launch.procs import free_port
+from settings.ports import free_port
 from vllm_patching.gloo_group import (
     allgather_flags,
     broadcast,

@@ -1,4 +1,4 @@
-"""launch/cli.py: flags from pydantic fields, recipes, env vars, precedence, errors, report."""
+"""settings/cli.py: flags from pydantic fields, recipes, env vars, precedence, errors, report."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from launch import cli
+from settings import cli
 from vllm_patching.serve import expand_recipe, merge_argv
 
 pytestmark = pytest.mark.unit
@@ -70,7 +70,7 @@ def _write(path: Path, text: str) -> Path:
 
 
 def test_flags_follow_field_types(capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = _parse(["--no-tensorboard", "--urls", "http://a", "http://b", "--mode", "slow",
+    cfg = _parse(["--no-tensorboard", "--urls", "http://a,http://b", "--mode", "slow",
                   "--max-cap", "none", "--gail.use", "--gail.beta", "0.25", "--lr", "0.5"]).config  # fmt: skip
     assert not cfg.tensorboard and cfg.urls == ["http://a", "http://b"] and cfg.mode == "slow"
     assert cfg.cap is None and cfg.gail.use and cfg.gail.beta == 0.25 and cfg.lr == 0.5
@@ -174,7 +174,7 @@ vllm:
   enforce_eager: true
   enable_prefix_caching: false
   max_model_len: 2048
-  bridge_mode: none
+  weight_bridge_mode: none
 """)  # fmt: skip
     argv = expand_recipe(["--recipe", str(recipe), "--dtype=bfloat16", "--port", "9"])
     assert argv[:2] == ["--model", "/models/m"] and "--seed" in argv

@@ -145,7 +145,7 @@ def test_inference_client_retries_a_dead_server_then_gives_up() -> None:
 
     from api.retry import is_transient
     from env_server.inference import InferenceClient
-    from launch.procs import free_port
+    from settings.ports import free_port
 
     client = InferenceClient(f"http://127.0.0.1:{free_port()}", "tiny", max_attempts=3)
 

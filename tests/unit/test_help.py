@@ -18,7 +18,7 @@ import pytest
 from launch.procs import REPO_ROOT
 
 pytestmark = pytest.mark.unit
-PACKAGES = ("api", "env_server", "launch", "trainer", "vllm_patching")
+PACKAGES = ("api", "env_server", "launch", "settings", "trainer", "vllm_patching")
 
 
 def _has_main_guard(path: Path) -> bool:
@@ -112,13 +112,19 @@ def test_bench_script_help(script: str) -> None:
 def test_serve_help_shows_the_bridge_options_and_vllms() -> None:
     """It used to exit with "--model is required"; now the bridge's options, then vLLM's."""
     out = _check(_run([sys.executable, "-m", "vllm_patching.serve", "--help"]), "serve")
-    for flag in ("--bridge-mode", "--single-copy", "--bridge-lora-keep", "--recipe", "--model"):
+    for flag in (
+        "--weight-bridge-mode",
+        "--single-copy",
+        "--bridge-lora-keep",
+        "--recipe",
+        "--model",
+    ):
         assert flag in out
     assert "vLLM's options" in out and "--tensor-parallel-size" in out  # vLLM's own help
 
 
 def test_serve_without_model_names_help() -> None:
-    done = _run([sys.executable, "-m", "vllm_patching.serve", "--bridge-mode", "none"])
+    done = _run([sys.executable, "-m", "vllm_patching.serve", "--weight-bridge-mode", "none"])
     assert done.returncode != 0
     assert "--model is required (--help lists the options)" in done.stderr
 
@@ -128,6 +134,6 @@ def test_run_all_sh_help_shows_defaults_and_choices() -> None:
     assert "--preset {cpu-tiny,cpu-smol,gpu-0.5b,gpu-3b}" in out
     assert "--weight-bridge-mode {shared_vllm,lora_only,none}" in out
     flat = " ".join(out.split())
-    assert "GRPO training steps. (default: 120)" in flat
+    assert "GRPO training steps (default: the preset's, else 120). (default: 120)" in flat
     assert "(default: shared_vllm)" in flat and "(default: cpu-tiny)" in flat
     assert "report.html" in flat and "SHOP_R1_PROGRESS" in flat

@@ -16,15 +16,12 @@ import pytest
 from launch.procs import REPO_ROOT
 
 pytestmark = pytest.mark.unit
-PACKAGES = ("api", "env_server", "launch", "trainer", "vllm_patching")
+PACKAGES = ("api", "env_server", "launch", "settings", "trainer", "vllm_patching")
 KNOWN_MODULE_CYCLES: list[list[str]] = []
 """Lazy imports that go both ways (issue #19, item 9): none left."""
-KNOWN_PACKAGE_CYCLES = [["api", "env_server", "launch", "vllm_patching"]]
-"""``launch`` still holds the shared plumbing every service imports (``launch.cli``,
-``launch.paths``, ``launch.procs.free_port``) while it imports services back
-(``launch.eval_table`` -> ``env_server.evaluate``, ``launch.vllm_server`` ->
-``vllm_patching.protocol``); moving that plumbing out of ``launch`` (issue #19, item 9)
-leaves this list empty."""
+KNOWN_PACKAGE_CYCLES: list[list[str]] = []
+"""The shared plumbing (configs, paths, ports, ``free_port``) is in ``settings``, which imports
+no service; ``launch`` imports the services and no service imports ``launch``."""
 
 
 def _modules() -> dict[str, Path]:

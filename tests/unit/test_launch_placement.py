@@ -10,11 +10,13 @@ import pytest
 
 from env_server.config import EnvConfig
 from env_server.inference import InferencePool
+from launch.configs import service_configs, write_vllm_config
 from launch.placement import PlacementError, num_servers_from_env, plan_placement, visible_gpus
 from launch.prepare import context_warning
-from launch.presets import PRESETS
+from launch.presets import load_preset
 from launch.run_all import (
     RunAllConfig,
+    layers,
     parse_args,
     placement,
     trainer_argv,
@@ -96,10 +98,15 @@ def test_nccl_broadcast_feeds_several_servers_from_its_own_gpu() -> None:
 def test_single_copy_beyond_one_gpu_is_refused_at_start_up(servers: int, tp: int) -> None:
     with pytest.raises(PlacementError, match="--single-copy .*trainer's GPU.*drop --single-copy"):
         plan_placement("cuda", "shared_vllm", True, servers, tp, ["0", "1", "2", "3"])
-    cfg = RunAllConfig(preset="gpu-0.5b", gpus="0,1,2", single_copy=True,
-                       tensor_parallel_size=tp, num_inference_servers=servers)  # fmt: skip
+    cfg = RunAllConfig(
+        preset="gpu-0.5b",
+        gpus="0,1,2",
+        single_copy=True,
+        tensor_parallel_size=tp,
+        num_inference_servers=servers,
+    )
     with pytest.raises(ServiceFailed, match="gpu-0.5b.*single-copy"):
-        placement(cfg, PRESETS[cfg.preset])
+        placement(cfg, load_preset(cfg.preset))
 
 
 def test_several_servers_each_get_their_own_gpus() -> None:
@@ -115,38 +122,66 @@ def test_several_servers_each_get_their_own_gpus() -> None:
 def test_gpu_preset_placement_errors_name_the_preset() -> None:
     cfg = RunAllConfig(preset="gpu-0.5b", gpus="0")
     with pytest.raises(ServiceFailed, match="gpu-0.5b.*need 2 GPU"):
-        placement(cfg, PRESETS[cfg.preset])
+        placement(cfg, load_preset(cfg.preset))
     cfg = RunAllConfig(preset="gpu-0.5b", gpus="3,5", tensor_parallel_size=1)
-    p = placement(cfg, PRESETS[cfg.preset])
+    p = placement(cfg, load_preset(cfg.preset))
     assert p.server_gpus == [["3"]] and p.trainer_gpus == ["5"]
     assert trainer_env(p)["CUDA_VISIBLE_DEVICES"] == "5"
 
 
 # --------------------------------------------------------------------- argv / environment
-def test_trainer_argv_lists_every_server_and_the_placed_device() -> None:
+def _configs(
+    cfg: RunAllConfig, tmp_path: Path, urls: list[str] | None = None, device: str = "cpu"
+) -> dict:
+    """The service configs launch/run_all.sh would write for ``cfg``."""
+    lay = layers(cfg, load_preset(cfg.preset))
+    return service_configs(
+        lay,
+        "m",
+        "http://api:1",
+        urls or ["http://v:2"],
+        Path("s"),
+        tmp_path,
+        device,
+        weight_bridge_mode=cfg.weight_bridge_mode,
+        single_copy=cfg.single_copy,
+        env_args=cfg.env_args,
+        trainer_args=cfg.trainer_args,
+    )
+
+
+def test_trainer_config_lists_every_server_and_the_placed_device(tmp_path: Path) -> None:
     cfg = RunAllConfig(num_inference_servers=2, single_copy=True)
     urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
-    argv = trainer_argv(cfg, PRESETS["cpu-tiny"], "m", "http://api", urls, "tok", Path("s"),
-                        "cuda:0")  # fmt: skip
-    i = argv.index("--server-urls")
-    assert argv[i + 1 : i + 3] == urls and argv[i + 3].startswith("--")
-    assert argv[argv.index("--device") + 1] == "cuda:0" and "--single-copy" in argv
+    grpo = _configs(cfg, tmp_path, urls, "cuda:0")["trainer_grpo"].config
+    assert grpo.inference_urls() == urls
+    assert grpo.device == "cuda:0" and grpo.single_copy
+    argv = trainer_argv(cfg, Path("c.yaml"), "tok")
+    assert argv[-4:] == ["--config", "c.yaml", "--bridge-token", "tok"]
 
 
-def test_vllm_names_and_tensor_parallel_flag() -> None:
+def test_vllm_names_and_tensor_parallel_flag(tmp_path: Path) -> None:
+    import yaml
+
     assert vllm_names(1) == ["vllm"] and vllm_names(3) == ["vllm", "vllm1", "vllm2"]
-    preset = PRESETS["gpu-3b"]
-    assert "--tensor-parallel-size" not in vllm_extra(RunAllConfig(preset="gpu-3b"), preset)
-    extra = vllm_extra(RunAllConfig(preset="gpu-3b", tensor_parallel_size=4), preset)
-    assert extra[: len(preset.vllm_extra)] == preset.vllm_extra
+    cfg = RunAllConfig(preset="gpu-3b")
+    assert "--tensor-parallel-size" not in vllm_extra(cfg)
+    # the preset's vLLM options go into <run>/config/vllm.yaml, read before the flags
+    path = write_vllm_config(layers(cfg, load_preset("gpu-3b")), tmp_path)
+    assert yaml.safe_load(path.read_text()) == {"dtype": "bfloat16", "gpu_memory_utilization": 0.5}
+    extra = vllm_extra(RunAllConfig(preset="gpu-3b", tensor_parallel_size=4))
     assert extra[-2:] == ["--tensor-parallel-size", "4"]
     cfg = parse_args(["--preset", "gpu-3b", "--vllm-args=--gpu-memory-utilization 0.3"])
-    assert vllm_extra(cfg, preset)[-2:] == ["--gpu-memory-utilization", "0.3"]  # last wins
+    assert vllm_extra(cfg)[-2:] == ["--gpu-memory-utilization", "0.3"]  # last wins
 
 
 def test_server_env_cpu_and_cuda() -> None:
-    base = {"PATH": "/bin", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
-            "VLLM_TARGET_DEVICE": "cpu"}  # fmt: skip
+    base = {
+        "PATH": "/bin",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+        "VLLM_TARGET_DEVICE": "cpu",
+    }
     cpu = server_env("tok", "cpu", [], base=base)
     assert cpu["VLLM_TARGET_DEVICE"] == "cpu" and cpu["HF_HUB_OFFLINE"] == "1"
     assert cpu[TOKEN_ENV] == "tok" and "MASTER_PORT" not in cpu
@@ -171,7 +206,7 @@ def test_rendezvous_from_master_addr_and_port() -> None:
 def test_env_config_takes_comma_separated_inference_urls() -> None:
     cfg = EnvConfig(inference_url="http://a:1, http://b:2,")
     assert cfg.inference_urls() == ["http://a:1", "http://b:2"]
-    assert EnvConfig().inference_urls() == ["http://127.0.0.1:8001"]
+    assert EnvConfig().inference_urls() == ["http://127.0.0.1:9001"]  # settings/ports.py
 
 
 def test_pool_picks_the_least_loaded_server_round_robin_on_ties() -> None:
@@ -187,35 +222,29 @@ def test_pool_picks_the_least_loaded_server_round_robin_on_ties() -> None:
         InferencePool([])
 
 
-def test_trainer_and_env_args_pass_through_last() -> None:
-    """--trainer-args / --env-args reach the service last, so they win over the preset."""
-    import argparse
-
-    from launch.cli import resolve_args
-    from trainer.config import SECTIONS, GrpoConfig, build_parser
-
-    cfg = parse_args(["--trainer-args=--lr 1e-4 --kl-beta 0.05", "--env-args=--group-size 8"])
-    argv = trainer_argv(cfg, PRESETS["cpu-tiny"], "m", "http://api", ["http://v"], "t", Path("s"))
-    assert argv[-4:] == ["--lr", "1e-4", "--kl-beta", "0.05"]
-    assert argv.count("--lr") == 2  # the preset's, then ours
-    parser = argparse.ArgumentParser()
-    build_parser(GrpoConfig, parser)
-    resolved = resolve_args(GrpoConfig, parser.parse_args(argv[4:]), SECTIONS[GrpoConfig])
-    assert resolved.config.lr == 1e-4 and resolved.config.kl_beta == 0.05
-    assert cfg.env_args == "--group-size 8"
+def test_trainer_and_env_args_pass_through_last(tmp_path: Path) -> None:
+    """--trainer-args / --env-args are the last layer, so they win over the preset."""
+    cfg = parse_args(["--trainer-args=--lr 2e-4 --kl-coef 0.07", "--env-args=--group-size 6"])
+    confs = _configs(cfg, tmp_path)
+    grpo, env = confs["trainer_grpo"], confs["env"]
+    assert load_preset("cpu-tiny").recipe["trainer"]["grpo"]["lr"] == 1e-4  # the preset's
+    assert grpo.config.lr == 2e-4 and grpo.config.kl_beta == 0.07  # ours (--kl-coef: Atropos')
+    assert grpo.sources["lr"] == "flag" and env.sources["group_size"] == "flag"
+    assert env.config.group_size == 6 and cfg.env_args == "--group-size 6"
 
 
 def test_context_warning_when_rollouts_reach_past_the_sft_sequences(tmp_path: Path) -> None:
     """The launcher warns when prompt + completion budgets exceed what the SFT trained on."""
     import json
 
-    preset = PRESETS["cpu-tiny"]
-    assert context_warning(str(tmp_path), preset) is None  # no SFT record: nothing to check
+    env = _configs(RunAllConfig(), tmp_path)["env"].config  # the cpu-tiny preset's budgets
+    budget = (env.max_prompt_tokens, env.max_tokens)
+    assert context_warning(str(tmp_path), *budget) is None  # no SFT record: nothing to check
     (tmp_path / "trainer_config.json").write_text(json.dumps({"max_seq_len": 1024}))
-    assert preset.max_prompt_tokens + preset.max_tokens <= 1024
-    assert context_warning(str(tmp_path), preset) is None
-    longer = preset.model_copy(update={"max_prompt_tokens": 1536})
-    warning = context_warning(str(tmp_path), longer)
+    assert sum(budget) <= 1024
+    assert context_warning(str(tmp_path), *budget) is None
+    longer = (1536, env.max_tokens)
+    warning = context_warning(str(tmp_path), *longer)
     assert warning is not None and "sequences of 1024 tokens" in warning and "1632" in warning
     (tmp_path / "trainer_config.json").write_text("{not json")
-    assert context_warning(str(tmp_path), longer) is None
+    assert context_warning(str(tmp_path), *longer) is None

@@ -1,9 +1,9 @@
-"""Every shipped recipe parses into every service's config; the tiny recipes match the cpu-tiny
-preset and the trainer defaults; the ablation recipes score exactly like the paper's variants."""
+"""Every shipped recipe (presets included) parses into every service's config; the tiny and smol
+recipes match their presets (recipes/presets/) and the trainer defaults; the ablation recipes
+score exactly like the paper's variants."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -14,10 +14,11 @@ from api.config import parse_config as parse_api
 from env_server.config import EnvConfig
 from env_server.config import parse_config as parse_env
 from env_server.reward import RewardConfig, score
-from launch.cli import resolve
-from launch.paths import REPO_ROOT
-from launch.presets import PRESETS
-from trainer.config import GrpoConfig, SftConfig, build_parser, config_from_args
+from launch.configs import Layers, service_config
+from launch.presets import load_preset
+from settings.cli import resolve
+from settings.paths import REPO_ROOT
+from trainer.config import GrpoConfig, SftConfig
 from vllm_patching.serve import build
 
 pytestmark = pytest.mark.unit
@@ -61,39 +62,46 @@ def test_every_recipe_parses_into_every_service(recipe: Path) -> None:
     assert parse_env(["--recipe", str(recipe)]) == cfgs["env"]
 
 
-def test_tiny_grpo_recipe_matches_the_cpu_tiny_preset() -> None:
-    preset = PRESETS["cpu-tiny"]
-    cfgs = _all(TINY / "grpo_no_dars.yaml")  # the preset trains with the no_dars ablation
-    env, grpo = cfgs["env"], cfgs["grpo"]
-    assert grpo.model_name == preset.model and env.tokenizer == preset.model
-    assert env.group_size == preset.group_size and env.max_tokens == preset.max_tokens
-    assert env.max_prompt_tokens == preset.max_prompt_tokens
-    # prompt + completion fit the sequences the SFT recipe trains the model on
-    sft = resolve(SftConfig, section="trainer.sft", recipe=TINY / "sft.yaml").config
-    assert preset.max_prompt_tokens + preset.max_tokens <= sft.max_seq_len
-    assert grpo.batch_size == preset.group_size * preset.batch_groups
-    assert grpo.lr == preset.lr and grpo.device == preset.trainer_device
-    # the preset's extra flags, applied over the recipe, change nothing: the same settings, and
-    # its --reward-variant (which replaces the recipe's `rewards:`) scores exactly the same
-    r = str(TINY / "grpo_no_dars.yaml")
-    with_env_extra = parse_env(["--recipe", r, *preset.env_extra])
-    assert with_env_extra.reward_variant == "no_dars" and with_env_extra.rewards is None
-    same = {"reward_variant": "full", "rewards": env.rewards}
-    assert with_env_extra.model_copy(update=same) == env
+def _preset(name: str, cls: type, section: str) -> object:
+    """What preset ``name`` alone gives a service (no recipe, no launcher settings)."""
+    return service_config(cls, section, Layers(load_preset(name)), {}).config
+
+
+def _check_twin(name: str, twin: Path, differ: tuple[str, ...] = ()) -> dict[str, object]:
+    """The preset's settings are its recipe twin's: the same model, the same env and GRPO
+    values for every key the preset sets (``differ``: on purpose not), the same reward."""
+    preset = load_preset(name)
+    cfgs = _all(twin)
+    env, grpo = _preset(name, EnvConfig, "env"), _preset(name, GrpoConfig, "trainer.grpo")
+    assert cfgs["grpo"].model_name == preset.model == cfgs["env"].tokenizer
+    for key in preset.recipe["env"]:
+        if key != "reward_variant":  # the twin writes it as registry entries
+            assert getattr(env, key) == getattr(cfgs["env"], key), key
+    for key in preset.recipe["trainer"]["grpo"]:
+        if key not in differ:
+            assert getattr(grpo, key) == getattr(cfgs["grpo"], key), key
+    assert preset.launch.trainer_device == cfgs["grpo"].device
     for text, gold in _cases():
-        assert (score(text, gold, with_env_extra.reward_config()).total
-                == score(text, gold, env.reward_config()).total), (text, gold)  # fmt: skip
+        assert (
+            score(text, gold, env.reward_config()).total
+            == score(text, gold, cfgs["env"].reward_config()).total
+        ), (text, gold)
+    # prompt + completion fit the sequences the SFT recipe trains the model on
+    return cfgs
+
+
+def test_tiny_grpo_recipe_matches_the_cpu_tiny_preset() -> None:
+    cfgs = _check_twin("cpu-tiny", TINY / "grpo_no_dars.yaml")  # the no_dars ablation
+    env, grpo = cfgs["env"], cfgs["grpo"]
+    sft = resolve(SftConfig, section="trainer.sft", recipe=TINY / "sft.yaml").config
+    assert env.max_prompt_tokens + env.max_tokens <= sft.max_seq_len
+    assert grpo.batch_size == env.group_size * 4
     # the other recipes differ from the preset's twin in the reward only
     for name in ("grpo.yaml", "grpo_binary.yaml", "grpo_no_format.yaml"):
         other = _all(TINY / name)
         assert other["grpo"].model_copy(update={"save_path": grpo.save_path}) == grpo, name
         same_reward = {"rewards": env.rewards, "metrics_path": env.metrics_path}
         assert other["env"].model_copy(update=same_reward) == env, name
-    parser = argparse.ArgumentParser()
-    build_parser(GrpoConfig, parser)
-    with_extra = config_from_args(GrpoConfig, parser.parse_args(["--recipe", r,
-                                                                 *preset.trainer_extra]))  # fmt: skip
-    assert with_extra == grpo, "preset trainer_extra differs from the recipe"
 
 
 def test_tiny_sft_recipe_is_the_trainer_default() -> None:
@@ -133,52 +141,25 @@ def test_ablation_recipes_score_exactly_like_the_paper_variants(recipe: str, var
         assert score(text, gold, spec).total == score(text, gold, legacy).total, (text, gold)
 
 
-def test_run_all_passes_the_recipe_to_the_services(tmp_path: Path) -> None:
-    from launch.run_all import parse_args, recipe_args, trainer_argv
-
-    recipe = TINY / "grpo.yaml"
-    cfg = parse_args(["--recipe", str(recipe)])
-    assert recipe_args(cfg) == ["--recipe", str(recipe)]
-    argv = trainer_argv(cfg, PRESETS["cpu-tiny"], "m", "http://api", ["http://v"], "t",
-                        tmp_path)  # fmt: skip
-    assert argv[argv.index("--recipe") + 1] == str(recipe)
-    assert recipe_args(parse_args([])) == []
-
-
 SMOL = REPO_ROOT / "recipes" / "smollm2-135m-instruct" / "shop-r1"
 
 
 def test_smol_recipes_match_the_cpu_smol_preset() -> None:
-    from launch.paths import SMOL_MODEL_DIR, SMOL_SFT_MODEL_DIR
+    from settings.paths import SMOL_MODEL_DIR, SMOL_SFT_MODEL_DIR
 
-    preset = PRESETS["cpu-smol"]
-    cfgs = _all(SMOL / "grpo.yaml")
+    # precision: the preset says `auto` (trainer/precision.py picks bf16 where the CPU runs it
+    # natively), the recipe twin asks for bf16 outright
+    cfgs = _check_twin("cpu-smol", SMOL / "grpo.yaml", differ=("precision",))
+    preset = load_preset("cpu-smol")
     env, grpo = cfgs["env"], cfgs["grpo"]
     assert grpo.model_name == preset.model == str(SMOL_SFT_MODEL_DIR)
-    assert env.group_size == preset.group_size and env.max_tokens == preset.max_tokens
-    assert env.max_prompt_tokens == preset.max_prompt_tokens
-    assert grpo.batch_size == preset.group_size * preset.batch_groups and grpo.lr == preset.lr
-    assert grpo.device == preset.trainer_device and grpo.lora_r == 0
-    # the preset's flags over the recipe change nothing
-    r = str(SMOL / "grpo.yaml")
-    parser = argparse.ArgumentParser()
-    build_parser(GrpoConfig, parser)
-    flags = parser.parse_args(["--recipe", r, *preset.trainer_extra])
-    assert config_from_args(GrpoConfig, flags) == grpo, (
-        "preset trainer_extra differs from the recipe"
-    )
-    with_env_extra = parse_env(["--recipe", r, *preset.env_extra])
-    same = {"reward_variant": "full", "rewards": env.rewards}
-    assert with_env_extra.model_copy(update=same) == env
-    for text, gold in _cases():
-        assert (score(text, gold, with_env_extra.reward_config()).total
-                == score(text, gold, env.reward_config()).total), (text, gold)  # fmt: skip
-    # SFT: the preset's flags are the SFT recipe; prompt + completion fit its sequences
+    assert grpo.batch_size == env.group_size * 2 and grpo.lora_r == 0
+    # SFT: the preset's SFT settings are the SFT recipe's; prompt + completion fit its sequences
     sft = resolve(SftConfig, section="trainer.sft", recipe=SMOL / "sft.yaml").config
-    assert sft.model_name == preset.base_model == str(SMOL_MODEL_DIR)
+    assert sft.model_name == preset.launch.base_model == str(SMOL_MODEL_DIR)
     assert sft.save_path == preset.model
-    assert preset.max_prompt_tokens + preset.max_tokens <= sft.max_seq_len
-    parser = argparse.ArgumentParser()
-    build_parser(SftConfig, parser)
-    flags = parser.parse_args(["--recipe", str(SMOL / "sft.yaml"), *preset.sft_extra])
-    assert config_from_args(SftConfig, flags) == sft, "preset sft_extra differs from the recipe"
+    assert env.max_prompt_tokens + env.max_tokens <= sft.max_seq_len
+    preset_sft = _preset("cpu-smol", SftConfig, "trainer.sft")
+    for key in preset.recipe["trainer"]["sft"]:
+        if key != "precision":
+            assert getattr(preset_sft, key) == getattr(sft, key), key

@@ -16,7 +16,7 @@ import pytest
 
 from api.client import ApiClient, ApiError
 from api.retry import RetryPolicy, is_transient, retry_call_async
-from launch.procs import free_port
+from settings.ports import free_port
 
 pytestmark = pytest.mark.unit
 

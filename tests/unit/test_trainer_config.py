@@ -21,9 +21,23 @@ def _parse(argv: list[str]) -> GrpoConfig:
 def test_yaml_then_flags(tmp_path: Path) -> None:
     recipe = tmp_path / "grpo.yaml"
     recipe.write_text("lr: 1.0e-7\nbatch-size: 16\ntis_cap: 2.0\nkl_beta: 0.01\n")
-    cfg = _parse(["--config", str(recipe), "--batch-size", "64", "--tis-cap", "none",
-                  "--weight-bridge-mode", "lora_only", "--lora-r", "8", "--single-copy",
-                  "--server-urls", "http://a:1", "http://b:2"])  # fmt: skip
+    cfg = _parse(
+        [
+            "--config",
+            str(recipe),
+            "--batch-size",
+            "64",
+            "--tis-cap",
+            "none",
+            "--weight-bridge-mode",
+            "lora_only",
+            "--lora-r",
+            "8",
+            "--single-copy",
+            "--inference-url",
+            "http://a:1,http://b:2",
+        ]
+    )
     assert cfg.lr == 1e-7 and cfg.kl_beta == 0.01  # from the recipe
     assert cfg.batch_size == 64 and cfg.tis_cap is None  # flags win
     assert cfg.weight_bridge_mode == "lora_only" and cfg.lora_r == 8 and cfg.single_copy
@@ -40,3 +54,37 @@ def test_bad_values_are_clear_errors(tmp_path: Path) -> None:
     bad.write_text("no_such_option: 1\n")
     with pytest.raises(SystemExit, match="no_such_option"):
         _parse(["--config", str(bad)])
+
+
+def test_atropos_flag_names_are_aliases_listed_in_help() -> None:
+    """An Atropos example-trainer user's flags work and show in --help (issue #19, item 8)."""
+    cfg = _parse(
+        [
+            "--seq-len",
+            "512",
+            "--kl-coef",
+            "0.02",
+            "--checkpoint-interval",
+            "3",
+            "--clip-eps",
+            "0.3",
+            "--use-wandb",
+            "--inference-url",
+            "http://a:1",
+        ]
+    )
+    assert cfg.max_seq_len == 512 and cfg.kl_beta == 0.02 and cfg.save_every == 3
+    assert cfg.clip_low == cfg.clip_high == 0.3 and cfg.wandb_project == "shop-r1"
+    assert _parse(["--use-wandb", "--wandb-project", "p"]).wandb_project == "p"
+    assert _parse([]).wandb_project is None
+    parser = argparse.ArgumentParser()
+    build_parser(GrpoConfig, parser)
+    text = parser.format_help()
+    for pair in (
+        "--max-seq-len int, --seq-len",
+        "--kl-beta float, --kl-coef",
+        "--save-every int, --checkpoint-interval",
+        "--clip-eps",
+        "--use-wandb",
+    ):
+        assert pair in text, pair

@@ -46,7 +46,7 @@ import httpx
 import torch
 
 import trainer.bridge.vllm_compat as vllm_compat
-from launch.procs import free_port
+from settings.ports import free_port
 from trainer.bridge.base import SyncStats, WeightBridge
 from trainer.bridge.http import ServerClient
 from trainer.bridge.params import check_against_server, hf_shapes, iter_hf_tensors

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from launch.procs import free_port
+from settings.ports import free_port
 from trainer.bridge.base import SyncStats, WeightBridge
 from trainer.bridge.http import BridgeHTTPError, ServerClient
 from trainer.bridge.params import check_against_server, hf_parameters, wire_metas

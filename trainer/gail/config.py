@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from launch.cli import env_values, from_env
+from settings.cli import env_values, from_env
 
 TINY = "tiny"
 STATE_NAME = "gail"
@@ -15,7 +15,7 @@ STATE_NAME = "gail"
 
 class GailConfig(BaseModel):
     """The discriminator reward (GRAIL). Fields marked (GAIL_X) read that environment variable
-    (``launch.cli`` precedence: defaults < recipe ``trainer.grpo.gail:`` < ``--config`` <
+    (``settings.cli`` precedence: defaults < recipe ``trainer.grpo.gail:`` < ``--config`` <
     environment < flags ``--gail.use``, ``--gail.weight 0.5``, ...)."""
 
     model_config = ConfigDict(extra="forbid")
