@@ -154,7 +154,7 @@ def test_two_rank_trainer_drives_vllm_in_shared_vllm_and_lora_only(
         run = launcher(
             run_dir,
             artifacts_env,
-            "--steps",
+            "--training-steps",
             str(STEPS),
             "--keep-constant-groups",
             "--trainer-procs",
