@@ -21,9 +21,13 @@ def main(argv: list[str] | None = None) -> None:
 
     app = create_app(cfg)
     logging.getLogger("api").info(
-        "serving on http://%s:%d (db %s, synchronous=%s, token %s)", cfg.host, cfg.port,
-        cfg.db_path, cfg.synchronous, "required" if cfg.token else "off",
-    )  # fmt: skip
+        "serving on http://%s:%d (db %s, synchronous=%s, token %s)",
+        cfg.host,
+        cfg.port,
+        cfg.db_path,
+        cfg.synchronous,
+        "required" if cfg.token else "off",
+    )
     try:
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, access_log=False)
     finally:

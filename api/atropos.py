@@ -154,10 +154,11 @@ def _ingest_list(request: Request, raw: bytes) -> dict[str, Any]:
 
 def _store_rows(request: Request, prepared: list[atropos_wire.PreparedGroup]) -> IngestResult:
     rows = [
-        Row(p.group_id, None, p.policy_version, p.n_seqs, p.n_tokens, p.payload, "atropos",
-            p.env_id)
+        Row(
+            p.group_id, None, p.policy_version, p.n_seqs, p.n_tokens, p.payload, "atropos", p.env_id
+        )
         for p in prepared
-    ]  # fmt: skip
+    ]
     return _store(request).ingest_rows(rows)
 
 
@@ -184,8 +185,17 @@ async def batch(request: Request) -> Response:
 def latest_example(request: Request) -> Response:
     latest = _store(request).latest_payload
     if latest is None:
-        empty = ("tokens", "masks", "scores", "advantages", "ref_logprobs", "generation_params",
-                 "inference_logprobs", "messages", "images")  # fmt: skip
+        empty = (
+            "tokens",
+            "masks",
+            "scores",
+            "advantages",
+            "ref_logprobs",
+            "generation_params",
+            "inference_logprobs",
+            "messages",
+            "images",
+        )
         return JSONResponse({k: [] for k in empty})
     fmt, payload = latest
     body = payload if fmt == "atropos" else atropos_wire.from_native(payload)

@@ -92,9 +92,19 @@ class AtroposBook:
                 "INSERT INTO envs(name, weight, group_size, pass, last_seen, atropos_id, "
                 "max_token_length, desired_name, atropos_weight, min_batch_allocation) "
                 "VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (name, max(MIN_ENV_WEIGHT, weight), group_size, vtime, s.clock(), env_id,
-                 max_token_length, desired_name, weight, min_batch_allocation),
-            )  # fmt: skip
+                (
+                    name,
+                    max(MIN_ENV_WEIGHT, weight),
+                    group_size,
+                    vtime,
+                    s.clock(),
+                    env_id,
+                    max_token_length,
+                    desired_name,
+                    weight,
+                    min_batch_allocation,
+                ),
+            )
             return {
                 "status": "success",
                 "env_id": env_id,
@@ -192,9 +202,18 @@ class AtroposBook:
                 "INSERT INTO batches(batch_id, state, created, deadline, policy_version, "
                 "n_groups, n_seqs, n_tokens, kind, form_idx, members) "
                 "VALUES(?, 'formed', ?, ?, ?, ?, ?, ?, 'atropos', ?, ?)",
-                (batch_id, now, math.inf, version, len(idxs), sum(rows[i][1] for i in idxs),
-                 sum(rows[i][2] for i in idxs), base + k, json.dumps(members)),
-            )  # fmt: skip
+                (
+                    batch_id,
+                    now,
+                    math.inf,
+                    version,
+                    len(idxs),
+                    sum(rows[i][1] for i in idxs),
+                    sum(rows[i][2] for i in idxs),
+                    base + k,
+                    json.dumps(members),
+                ),
+            )
             db.executemany(
                 "UPDATE groups SET state='leased', batch_id=? WHERE seq=?",
                 [(batch_id, seq) for seq in members],

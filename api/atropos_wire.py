@@ -220,8 +220,14 @@ def to_native(payload: str, group_id: str, env: str, policy_version: int) -> str
         {"tokens": t, "mask": m, "logprobs": lp, "score": s}
         for t, m, lp, s in zip(tokens, mask01, logprobs, g["scores"], strict=True)
     ]
-    group = {"group_id": group_id, "env": env, "policy_version": policy_version,
-             "sequences": seqs, "metrics": {}, "extras": {"atropos": extras}}  # fmt: skip
+    group = {
+        "group_id": group_id,
+        "env": env,
+        "policy_version": policy_version,
+        "sequences": seqs,
+        "metrics": {},
+        "extras": {"atropos": extras},
+    }
     return json.dumps(group, separators=(",", ":"))
 
 

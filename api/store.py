@@ -212,10 +212,16 @@ class Store(LeaseMixin, StatusMixin, AtroposBufferMixin):
     def ingest(self, groups: Sequence[ScoredGroup]) -> IngestResult:
         """Store native groups; repeated ``group_id``s are counted, not stored."""
         rows = [
-            Row(g.group_id, g.env, g.policy_version, len(g.sequences), g.num_tokens,
-                g.model_dump_json())
+            Row(
+                g.group_id,
+                g.env,
+                g.policy_version,
+                len(g.sequences),
+                g.num_tokens,
+                g.model_dump_json(),
+            )
             for g in groups
-        ]  # fmt: skip
+        ]
         return self.ingest_rows(rows)
 
     def ingest_rows(self, rows: list[Row]) -> IngestResult:
@@ -275,10 +281,19 @@ class Store(LeaseMixin, StatusMixin, AtroposBufferMixin):
                 "state, payload, created, format, atropos_env, qorder) "
                 "VALUES(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
                 "(SELECT COALESCE(MAX(qorder), 0) + 1 FROM groups))",
-                (r.group_id, env, version, r.n_seqs, r.n_tokens,
-                 "dropped" if stale else state, "" if stale else r.payload, now, r.format,
-                 r.atropos_env),
-            )  # fmt: skip
+                (
+                    r.group_id,
+                    env,
+                    version,
+                    r.n_seqs,
+                    r.n_tokens,
+                    "dropped" if stale else state,
+                    "" if stale else r.payload,
+                    now,
+                    r.format,
+                    r.atropos_env,
+                ),
+            )
             self._touch_env(db, env, r.n_seqs)
             if cur.rowcount == 0:
                 result.duplicates += 1

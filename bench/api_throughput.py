@@ -67,22 +67,29 @@ def atropos_group(g: int, group_size: int, seq_len: int) -> dict[str, Any]:
         toks = [g % 4096, s] + [1000 + (j % 3000) for j in range(seq_len - 2)]
         tokens.append(toks)
         masks.append([-100] * half + toks[half:])
-    return {"tokens": tokens, "masks": masks, "scores": [0.5] * group_size,
-            "inference_logprobs": [[-0.1234567] * seq_len for _ in range(group_size)]}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "masks": masks,
+        "scores": [0.5] * group_size,
+        "inference_logprobs": [[-0.1234567] * seq_len for _ in range(group_size)],
+    }
 
 
 def native_group(g: int, group_size: int, seq_len: int) -> dict[str, Any]:
     """The same content as ``atropos_group`` in the native data contract."""
     a = atropos_group(g, group_size, seq_len)
-    seqs = [{"tokens": t, "mask": [0 if m == -100 else 1 for m in mk], "logprobs": lp,
-             "score": sc} for t, mk, lp, sc in zip(a["tokens"], a["masks"],
-                                                   a["inference_logprobs"], a["scores"],
-                                                   strict=True)]  # fmt: skip
+    seqs = [
+        {"tokens": t, "mask": [0 if m == -100 else 1 for m in mk], "logprobs": lp, "score": sc}
+        for t, mk, lp, sc in zip(
+            a["tokens"], a["masks"], a["inference_logprobs"], a["scores"], strict=True
+        )
+    ]
     return {"group_id": f"bench-{g}", "env": "bench", "policy_version": 0, "sequences": seqs}
 
 
-def encode_bodies(target: str, n_groups: int, group_size: int, seq_len: int,
-                  per_push: int) -> list[bytes]:  # fmt: skip
+def encode_bodies(
+    target: str, n_groups: int, group_size: int, seq_len: int, per_push: int
+) -> list[bytes]:
     """Gzip-compressed request bodies, ``per_push`` groups each."""
     make = native_group if target == "ours-native" else atropos_group
     bodies = []
@@ -102,8 +109,12 @@ def ensure_atropos(python: Path | None = None) -> Path:
     if python is not None:
         return python
     py = ATROPOS_VENV / "bin" / "python"
-    check = [str(py), "-c", f"import atroposlib.api; import importlib.metadata as m; "
-             f"assert m.version('atroposlib') == '{ATROPOS_VERSION}'"]  # fmt: skip
+    check = [
+        str(py),
+        "-c",
+        f"import atroposlib.api; import importlib.metadata as m; "
+        f"assert m.version('atroposlib') == '{ATROPOS_VERSION}'",
+    ]
     ATROPOS_VENV.parent.mkdir(parents=True, exist_ok=True)
     with open(ATROPOS_VENV.parent / "atropos.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -111,20 +122,43 @@ def ensure_atropos(python: Path | None = None) -> Path:
             return py
         base = Path(getattr(sys, "_base_executable", sys.executable))
         subprocess.run([str(base), "-m", "venv", "--clear", str(ATROPOS_VENV)], check=True)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", f"atroposlib=={ATROPOS_VERSION}"],
-                       check=True)  # fmt: skip
+        subprocess.run(
+            [str(py), "-m", "pip", "install", "-q", f"atroposlib=={ATROPOS_VERSION}"], check=True
+        )
     return py
 
 
 def start_server(target: str, work: Path, args: argparse.Namespace) -> tuple[ManagedProcess, str]:
     port = free_port()
     if target == "atropos":
-        argv = [str(args.atropos_python), "-m", "uvicorn", "atroposlib.api:app", "--host",
-                "127.0.0.1", "--port", str(port), "--log-level", "warning"]  # fmt: skip
+        argv = [
+            str(args.atropos_python),
+            "-m",
+            "uvicorn",
+            "atroposlib.api:app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ]
     else:
-        argv = [sys.executable, "-m", "api", "--port", str(port), "--synchronous",
-                args.synchronous, "--db-path", str(work / f"{target}-{port}.sqlite"),
-                "--log-level", "warning", "--max-body-bytes", str(1 << 30)]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "api",
+            "--port",
+            str(port),
+            "--synchronous",
+            args.synchronous,
+            "--db-path",
+            str(work / f"{target}-{port}.sqlite"),
+            "--log-level",
+            "warning",
+            "--max-body-bytes",
+            str(1 << 30),
+        ]
     proc = ManagedProcess(target, argv, work / f"{target}-{port}.log").start()
     url = f"http://127.0.0.1:{port}"
     try:
@@ -179,8 +213,9 @@ def serve(url: str, target: str, batch: int) -> tuple[float, list[float], int]:
         while True:
             t = time.perf_counter()
             if target == "ours-native":
-                r = client.post("/batches/lease", json={"max_sequences": batch,
-                                                        "lease_seconds": 600})  # fmt: skip
+                r = client.post(
+                    "/batches/lease", json={"max_sequences": batch, "lease_seconds": 600}
+                )
                 if r.status_code == 204:
                     break
                 r.raise_for_status()
@@ -204,9 +239,16 @@ def register(url: str, target: str, batch: int) -> None:
     import httpx
 
     if target != "ours-native":
-        body = {"wandb_group": "bench", "wandb_project": "bench", "batch_size": batch,
-                "max_token_len": 4096, "checkpoint_dir": "", "save_checkpoint_interval": -1,
-                "starting_step": 0, "num_steps": 1000}  # fmt: skip
+        body = {
+            "wandb_group": "bench",
+            "wandb_project": "bench",
+            "batch_size": batch,
+            "max_token_len": 4096,
+            "checkpoint_dir": "",
+            "save_checkpoint_interval": -1,
+            "starting_step": 0,
+            "num_steps": 1000,
+        }
         httpx.post(url + "/register", json=body, timeout=30).raise_for_status()
 
 
@@ -224,19 +266,33 @@ def run_point(target: str, gs: int, batch: int, args: argparse.Namespace, work: 
     if served != seqs:
         raise RuntimeError(f"{target}: served {served} of {seqs} sequences")
     return {
-        "target": target, "group_size": gs, "batch_sequences": batch, "groups": n_groups,
-        "sequences": seqs, "seq_len": args.seq_len, "per_push": args.per_push,
+        "target": target,
+        "group_size": gs,
+        "batch_sequences": batch,
+        "groups": n_groups,
+        "sequences": seqs,
+        "seq_len": args.seq_len,
+        "per_push": args.per_push,
         "pushers": args.pushers,
         "body_kib_gzip": sum(map(len, bodies)) / len(bodies) / 1024,
         "synchronous": None if target == "atropos" else args.synchronous,
-        "ingest": {"groups_per_s": n_groups / ingest_s, "sequences_per_s": seqs / ingest_s,
-                   "p50_ms": 1e3 * pct(push_lat, 50), "p99_ms": 1e3 * pct(push_lat, 99),
-                   "requests": len(push_lat)},
-        "serve": {"groups_per_s": n_groups / serve_s, "sequences_per_s": seqs / serve_s,
-                  "p50_ms": 1e3 * pct(serve_lat, 50), "p99_ms": 1e3 * pct(serve_lat, 99),
-                  "max_ms": 1e3 * max(serve_lat), "batches": len(serve_lat)},
+        "ingest": {
+            "groups_per_s": n_groups / ingest_s,
+            "sequences_per_s": seqs / ingest_s,
+            "p50_ms": 1e3 * pct(push_lat, 50),
+            "p99_ms": 1e3 * pct(push_lat, 99),
+            "requests": len(push_lat),
+        },
+        "serve": {
+            "groups_per_s": n_groups / serve_s,
+            "sequences_per_s": seqs / serve_s,
+            "p50_ms": 1e3 * pct(serve_lat, 50),
+            "p99_ms": 1e3 * pct(serve_lat, 99),
+            "max_ms": 1e3 * max(serve_lat),
+            "batches": len(serve_lat),
+        },
         "machine": machine(),
-    }  # fmt: skip
+    }
 
 
 def status_env_point(target: str, history: int, args: argparse.Namespace, work: Path) -> dict:
@@ -250,8 +306,12 @@ def status_env_point(target: str, history: int, args: argparse.Namespace, work: 
         register(url, target, 64)
         with httpx.Client(base_url=url, timeout=120) as c:
             c.get("/batch").raise_for_status()  # the trainer has started
-            env = {"max_token_length": 4096, "desired_name": "bench", "weight": 1.0,
-                   "group_size": 8}  # fmt: skip
+            env = {
+                "max_token_length": 4096,
+                "desired_name": "bench",
+                "weight": 1.0,
+                "group_size": 8,
+            }
             eid = c.post("/register-env", json=env).json()["env_id"]
             ingest(url, target, bodies, args.pushers)
             serve(url, target, 64)
@@ -262,8 +322,13 @@ def status_env_point(target: str, history: int, args: argparse.Namespace, work: 
                 lat.append(time.perf_counter() - t)
     finally:
         proc.stop()
-    return {"target": target, "history_groups": history, "p50_ms": 1e3 * pct(lat, 50),
-            "p99_ms": 1e3 * pct(lat, 99), "machine": machine()}  # fmt: skip
+    return {
+        "target": target,
+        "history_groups": history,
+        "p50_ms": 1e3 * pct(lat, 50),
+        "p99_ms": 1e3 * pct(lat, 99),
+        "machine": machine(),
+    }
 
 
 def profile_ingest(args: argparse.Namespace, work: Path) -> dict[str, float]:
@@ -283,8 +348,12 @@ def profile_ingest(args: argparse.Namespace, work: Path) -> dict[str, float]:
 
     def commit() -> None:
         n[0] += 1
-        store.ingest_rows([Row(f"{n[0]}-{p.group_id}", None, None, p.n_seqs, p.n_tokens,
-                               p.payload, "atropos") for p in prepared])  # fmt: skip
+        store.ingest_rows(
+            [
+                Row(f"{n[0]}-{p.group_id}", None, None, p.n_seqs, p.n_tokens, p.payload, "atropos")
+                for p in prepared
+            ]
+        )
 
     items = atropos_wire.split_body(raw)
     prepared = [atropos_wire.prepare(i, "reject") for i in items]
@@ -360,8 +429,12 @@ def main() -> None:
         args.atropos_python = ensure_atropos(args.atropos_python)
     if args.profile:
         with tempfile.TemporaryDirectory() as tmp:
-            r = {"stages_ms": profile_ingest(args, Path(tmp)), "per_push": args.per_push,
-                 "seq_len": args.seq_len, "machine": machine()}  # fmt: skip
+            r = {
+                "stages_ms": profile_ingest(args, Path(tmp)),
+                "per_push": args.per_push,
+                "seq_len": args.seq_len,
+                "machine": machine(),
+            }
         write_result(args.out, "profile/ours-atropos", r)
         return
     if args.status_env_history:
@@ -370,8 +443,11 @@ def main() -> None:
                 for target in (t for t in targets if t != "ours-native"):
                     r = status_env_point(target, history, args, Path(tmp))
                     write_result(args.out, f"status-env/{target}/h{history}", r)
-                    print(f"{target} history {history}: /status-env p50 {r['p50_ms']:.1f} ms, "
-                          f"p99 {r['p99_ms']:.1f} ms", flush=True)  # fmt: skip
+                    print(
+                        f"{target} history {history}: /status-env p50 {r['p50_ms']:.1f} ms, "
+                        f"p99 {r['p99_ms']:.1f} ms",
+                        flush=True,
+                    )
         return
     print(
         "| target | gs | batch | ingest seq/s | push p50/p99 ms | serve seq/s | batch p50/p99 ms |"
@@ -387,9 +463,12 @@ def main() -> None:
                         key += f"/{args.synchronous}"
                     write_result(args.out, key, r)
                     i, s = r["ingest"], r["serve"]
-                    print(f"| {target} | {gs} | {batch} | {i['sequences_per_s']:.0f} | "
-                          f"{i['p50_ms']:.1f} / {i['p99_ms']:.1f} | {s['sequences_per_s']:.0f} | "
-                          f"{s['p50_ms']:.1f} / {s['p99_ms']:.1f} |", flush=True)  # fmt: skip
+                    print(
+                        f"| {target} | {gs} | {batch} | {i['sequences_per_s']:.0f} | "
+                        f"{i['p50_ms']:.1f} / {i['p99_ms']:.1f} | {s['sequences_per_s']:.0f} | "
+                        f"{s['p50_ms']:.1f} / {s['p99_ms']:.1f} |",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

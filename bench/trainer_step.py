@@ -50,13 +50,20 @@ def synthetic_groups(n_groups: int, gs: int, seq_len: int, vocab: int, seed: int
         seqs = []
         for _ in range(gs):
             comp = [rng.randrange(10, vocab) for _ in range(seq_len - prompt)]
-            seqs.append({"tokens": ids + comp, "mask": [0] * prompt + [1] * len(comp),
-                         "logprobs": [0.0] * prompt + [-rng.uniform(0.5, 8) for _ in comp],
-                         "score": rng.random(),
-                         "spans": {"rationale": [0] * prompt + [1] * (len(comp) // 2)
-                                   + [0] * (len(comp) - len(comp) // 2)}})  # fmt: skip
-        groups.append({"group_id": f"g{g}", "env": "bench", "policy_version": 0,
-                       "sequences": seqs})  # fmt: skip
+            seqs.append(
+                {
+                    "tokens": ids + comp,
+                    "mask": [0] * prompt + [1] * len(comp),
+                    "logprobs": [0.0] * prompt + [-rng.uniform(0.5, 8) for _ in comp],
+                    "score": rng.random(),
+                    "spans": {
+                        "rationale": [0] * prompt
+                        + [1] * (len(comp) // 2)
+                        + [0] * (len(comp) - len(comp) // 2)
+                    },
+                }
+            )
+        groups.append({"group_id": f"g{g}", "env": "bench", "policy_version": 0, "sequences": seqs})
     return groups
 
 
@@ -79,11 +86,19 @@ def measure(model: str, points: list[tuple[int, int]], args: argparse.Namespace)
     # also counts the time other processes held the cores, CPU time much less so
     cpus: dict[tuple[int, int], list[float]] = {p: [] for p in points}
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = GrpoConfig(model_name=str(mdir), save_path=tmp, device="cpu", lr=5e-5,
-                         batch_size=max(b for b, _ in points), tensorboard=False,
-                         overwrite=True, training_steps=args.steps * len(points),
-                         lora_r=args.lora_r, precision=args.precision,
-                         micro_batch_tokens=args.micro_batch_tokens)  # fmt: skip
+        cfg = GrpoConfig(
+            model_name=str(mdir),
+            save_path=tmp,
+            device="cpu",
+            lr=5e-5,
+            batch_size=max(b for b, _ in points),
+            tensorboard=False,
+            overwrite=True,
+            training_steps=args.steps * len(points),
+            lora_r=args.lora_r,
+            precision=args.precision,
+            micro_batch_tokens=args.micro_batch_tokens,
+        )
         ref: list[Reference] = []
         run = start_run(cfg, before_resume=lambda lm, _d: ref.append(Reference(lm)))
         ctx = StepContext(run.loaded, ref[0], run.optimizer, run.scheduler, cfg)
@@ -101,31 +116,49 @@ def measure(model: str, points: list[tuple[int, int]], args: argparse.Namespace)
                 t2 = time.perf_counter()
                 steps[(batch, gs)].append(t1 - t0)
                 ckpts[(batch, gs)].append(t2 - t1)
-                print(f"  {model} b={batch} gs={gs} L={args.seq_len} round {rnd}: compute "
-                      f"{t1 - t0:.2f}s (cpu {c1 - c0:.1f}s) checkpoint {t2 - t1:.2f}s "
-                      f"({stats['micro_batches']} micro-batches)", flush=True)  # fmt: skip
+                print(
+                    f"  {model} b={batch} gs={gs} L={args.seq_len} round {rnd}: compute "
+                    f"{t1 - t0:.2f}s (cpu {c1 - c0:.1f}s) checkpoint {t2 - t1:.2f}s "
+                    f"({stats['micro_batches']} micro-batches)",
+                    flush=True,
+                )
         run.metrics.close()
     out = []
     for batch, gs in points:
         s, c, cpu = steps[(batch, gs)], ckpts[(batch, gs)], cpus[(batch, gs)]
         steady_s, steady_c = s[1:] or s, c[1:] or c
-        out.append({"model": model, "params": count_params(mdir), "batch_sequences": batch,
-                    "group_size": gs, "seq_len": args.seq_len, "tokens": batch * args.seq_len,
-                    "compute_s": s, "checkpoint_s": c,
-                    "compute_median_s": statistics.median(steady_s), "cpu_s": cpu,
-                    "cpu_median_s": statistics.median(cpu[1:] or cpu),
-                    "checkpoint_median_s": statistics.median(steady_c),
-                    "tokens_per_s": batch * args.seq_len / statistics.median(steady_s),
-                    "lora_r": args.lora_r, "precision": args.precision,
-                    "micro_batch_tokens": args.micro_batch_tokens,
-                    "interleaved_with": [list(p) for p in points], "machine": machine()})  # fmt: skip
+        out.append(
+            {
+                "model": model,
+                "params": count_params(mdir),
+                "batch_sequences": batch,
+                "group_size": gs,
+                "seq_len": args.seq_len,
+                "tokens": batch * args.seq_len,
+                "compute_s": s,
+                "checkpoint_s": c,
+                "compute_median_s": statistics.median(steady_s),
+                "cpu_s": cpu,
+                "cpu_median_s": statistics.median(cpu[1:] or cpu),
+                "checkpoint_median_s": statistics.median(steady_c),
+                "tokens_per_s": batch * args.seq_len / statistics.median(steady_s),
+                "lora_r": args.lora_r,
+                "precision": args.precision,
+                "micro_batch_tokens": args.micro_batch_tokens,
+                "interleaved_with": [list(p) for p in points],
+                "machine": machine(),
+            }
+        )
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--models", default="tiny",
-                    help=f"comma list of {sorted(MODEL_SIZES)} or {list(REAL_MODELS)}")  # fmt: skip
+    ap.add_argument(
+        "--models",
+        default="tiny",
+        help=f"comma list of {sorted(MODEL_SIZES)} or {list(REAL_MODELS)}",
+    )
     ap.add_argument("--batch-sizes", default="8", help="sequences per step, comma list")
     ap.add_argument(
         "--group-sizes",
@@ -138,10 +171,18 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     ap.add_argument("--lora-r", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
-    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                    help="trainer compute precision (bf16: autocast, fp32 master weights)")  # fmt: skip
-    ap.add_argument("--micro-batch-tokens", type=int, default=8192,
-                    help="padded tokens per forward/backward (the trainer's default: 8192)")  # fmt: skip
+    ap.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="trainer compute precision (bf16: autocast, fp32 master weights)",
+    )
+    ap.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=8192,
+        help="padded tokens per forward/backward (the trainer's default: 8192)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "trainer_step.json")
     args = ap.parse_args()
     if args.threads:
@@ -159,10 +200,12 @@ def main() -> None:
             key += f"/lora{args.lora_r}" if args.lora_r else ""
             key += "/bf16" if args.precision == "bf16" else ""
             write_result(args.out, key, r)
-            print(f"{model} ({r['params'] / 1e6:.1f}M) b={r['batch_sequences']} "
-                  f"gs={r['group_size']} L={args.seq_len}: compute {r['compute_median_s']:.2f}s "
-                  f"({r['tokens_per_s']:.0f} tok/s), checkpoint {r['checkpoint_median_s']:.2f}s",
-                  flush=True)  # fmt: skip
+            print(
+                f"{model} ({r['params'] / 1e6:.1f}M) b={r['batch_sequences']} "
+                f"gs={r['group_size']} L={args.seq_len}: compute {r['compute_median_s']:.2f}s "
+                f"({r['tokens_per_s']:.0f} tok/s), checkpoint {r['checkpoint_median_s']:.2f}s",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

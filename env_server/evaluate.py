@@ -201,8 +201,10 @@ def format_table(m: Mapping[str, Any]) -> str:
             f"{100 * r['precision']:>10.2f}%{100 * r['f1']:>7.2f}%"
         )
     if m.get("oracle_exact_match") is not None:
-        lines.append(f"(best reachable exact match on this simulated split: "
-                     f"{100 * m['oracle_exact_match']:.2f}%)")  # fmt: skip
+        lines.append(
+            f"(best reachable exact match on this simulated split: "
+            f"{100 * m['oracle_exact_match']:.2f}%)"
+        )
     return "\n".join(lines)
 
 
@@ -295,9 +297,15 @@ async def _predict_with_model(args: argparse.Namespace, rows: list[dict[str, Any
         _, root = await client.discover() if args.model is None else (args.model, None)
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or root)
         return await generate_completions(
-            rows, client, tokenizer, args.max_prompt_tokens, args.max_tokens, args.latest_only,
-            args.concurrency, on_done=log_progress,
-        )  # fmt: skip
+            rows,
+            client,
+            tokenizer,
+            args.max_prompt_tokens,
+            args.max_tokens,
+            args.latest_only,
+            args.concurrency,
+            on_done=log_progress,
+        )
     finally:
         await client.aclose()
 
@@ -322,8 +330,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="sessions of the dataset (built if missing; default 3000, settings.paths)",
     )
     ap.add_argument("--split", default="test", choices=["train", "validation", "test"])
-    ap.add_argument("--limit", "--max-eval-samples", dest="limit", type=int, default=None,
-                    help="evaluate the first N steps only")  # fmt: skip
+    ap.add_argument(
+        "--limit",
+        "--max-eval-samples",
+        dest="limit",
+        type=int,
+        default=None,
+        help="evaluate the first N steps only",
+    )
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--predictions", type=Path, help="JSONL of session_id, step, completion")
     src.add_argument("--inference-url", help="OpenAI-compatible server to ask (greedy)")
@@ -331,9 +345,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--tokenizer", default=None, help="tokenizer path (default: the server's model)"
     )
-    ap.add_argument("--max-prompt-tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS,
-                    help="context budget (as the rollouts': keep prompt + completion within "
-                    "the context the model was trained on)")  # fmt: skip
+    ap.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=DEFAULT_MAX_PROMPT_TOKENS,
+        help="context budget (as the rollouts': keep prompt + completion within "
+        "the context the model was trained on)",
+    )
     ap.add_argument("--max-tokens", type=int, default=160, help="completion budget")
     ap.add_argument("--latest-only", action="store_true", help="latest page only (Table 5)")
     ap.add_argument("--concurrency", type=int, default=4, help="requests in flight")

@@ -208,9 +208,15 @@ class InferencePool:
         found = await asyncio.gather(*(c.discover() for c in self.clients))
         return found[0]
 
-    async def complete(self, prompt_ids: list[int], n: int, max_tokens: int,
-                       temperature: float = 1.0, top_p: float = 1.0,
-                       seed: int | None = None) -> CompletionBatch:  # fmt: skip
+    async def complete(
+        self,
+        prompt_ids: list[int],
+        n: int,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> CompletionBatch:
         i = self.pick()
         self.in_flight[i] += 1
         self.served[i] += 1
@@ -223,6 +229,8 @@ class InferencePool:
 
     async def aclose(self) -> None:
         if len(self.clients) > 1:
-            log.info("completions requests per server: %s",
-                     {c.base_url: k for c, k in zip(self.clients, self.served, strict=True)})  # fmt: skip
+            log.info(
+                "completions requests per server: %s",
+                {c.base_url: k for c, k in zip(self.clients, self.served, strict=True)},
+            )
         await asyncio.gather(*(c.aclose() for c in self.clients))

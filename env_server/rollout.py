@@ -85,9 +85,12 @@ def rollout_record(text: str, r: RewardBreakdown) -> dict[str, Any]:
 
 
 def build_sequence(
-    prompt: list[int], completion: Completion, gold: Mapping[str, Any], tokenizer: Any,
+    prompt: list[int],
+    completion: Completion,
+    gold: Mapping[str, Any],
+    tokenizer: Any,
     reward: RewardConfig,
-) -> tuple[dict[str, Any], RewardBreakdown]:  # fmt: skip
+) -> tuple[dict[str, Any], RewardBreakdown]:
     r = score(completion.text, dict(gold), reward)
     n_p, n_c = len(prompt), len(completion.token_ids)
     seq = {

@@ -139,8 +139,9 @@ class EnvService:
             return
         await self.api.push(group)
         self.stats.pushed += 1
-        self._record("group", {"group_id": group["group_id"], "policy_version": version,
-                               **group["metrics"]})  # fmt: skip
+        self._record(
+            "group", {"group_id": group["group_id"], "policy_version": version, **group["metrics"]}
+        )
 
     async def _guarded(self, row: Mapping[str, Any]) -> None:
         try:
@@ -161,9 +162,14 @@ class EnvService:
         """Greedy evaluation on the first ``eval_samples`` validation steps."""
         c = self.cfg
         completions = await generate_completions(
-            self.val_rows, self.inference, self.tokenizer, c.max_prompt_tokens, c.max_tokens,
-            c.latest_only, c.concurrency,
-        )  # fmt: skip
+            self.val_rows,
+            self.inference,
+            self.tokenizer,
+            c.max_prompt_tokens,
+            c.max_tokens,
+            c.latest_only,
+            c.concurrency,
+        )
         m = compute_metrics([json.loads(r["action"]) for r in self.val_rows], completions)
         flat = {k: v for k, v in m.items() if isinstance(v, (int, float))}
         log.info("eval (policy version ~%d): %s", self.api.policy_version, json.dumps(flat))
@@ -179,8 +185,12 @@ class EnvService:
 
     async def run(self) -> Stats:
         await self.api.register()
-        log.info("registered %r with %s; sampling from %s", self.cfg.env_name, self.cfg.api_url,
-                 self.cfg.inference_url)  # fmt: skip
+        log.info(
+            "registered %r with %s; sampling from %s",
+            self.cfg.env_name,
+            self.cfg.api_url,
+            self.cfg.inference_url,
+        )
         in_flight: set[asyncio.Task] = set()
         last_log = last_register = time.monotonic()
         try:
@@ -224,13 +234,21 @@ async def serve(cfg: EnvConfig) -> Stats:
     from env_server.data.dataset import load_or_build
 
     dataset = await asyncio.to_thread(load_or_build, cfg.data_dir, cfg.num_sessions, cfg.seed)
-    inference = InferencePool(cfg.inference_urls(), cfg.model, timeout_s=cfg.request_timeout_s,
-                              give_up_s=cfg.reconnect_timeout_s)  # fmt: skip
+    inference = InferencePool(
+        cfg.inference_urls(),
+        cfg.model,
+        timeout_s=cfg.request_timeout_s,
+        give_up_s=cfg.reconnect_timeout_s,
+    )
     try:
         name, root = await inference.discover()
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or root)
-        log.info("model %r, tokenizer %s, %d train steps", name, cfg.tokenizer or root,
-                 len(dataset["train"]))  # fmt: skip
+        log.info(
+            "model %r, tokenizer %s, %d train steps",
+            name,
+            cfg.tokenizer or root,
+            len(dataset["train"]),
+        )
         service = EnvService(cfg, ApiLink(cfg), inference, tokenizer, dataset)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -243,5 +261,14 @@ async def serve(cfg: EnvConfig) -> Stats:
 def write_summary(stats: Stats, path: Path | None) -> None:
     if path is not None:
         with path.open("a") as f:
-            f.write(json.dumps({"kind": "summary", "pushed": stats.pushed, "dropped": stats.dropped,
-                                "failed": stats.failed}) + "\n")  # fmt: skip
+            f.write(
+                json.dumps(
+                    {
+                        "kind": "summary",
+                        "pushed": stats.pushed,
+                        "dropped": stats.dropped,
+                        "failed": stats.failed,
+                    }
+                )
+                + "\n"
+            )

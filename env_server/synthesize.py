@@ -232,7 +232,7 @@ def parse_args(argv: list[str] | None = None) -> SynthConfig:
         prog="python -m env_server.synthesize",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     add_config_flags(p, SynthConfig, files=False)
     try:
         return SynthConfig.model_validate(flag_values(SynthConfig, p.parse_args(argv)))

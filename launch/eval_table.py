@@ -52,8 +52,10 @@ def _paired_line(sft: dict, rl: dict, key: str, label: str, scale: float, unit: 
         return ""
     d, se = paired_difference(a, b)
     z = f", {d / se:+.1f} SE" if se else ""
-    return (f"- {label}, RL - SFT on the same {len(a)} rows (paired): "
-            f"{scale * d:+.2f}{unit} ± {scale * se:.2f}{unit} (SE){z}\n")  # fmt: skip
+    return (
+        f"- {label}, RL - SFT on the same {len(a)} rows (paired): "
+        f"{scale * d:+.2f}{unit} ± {scale * se:.2f}{unit} (SE){z}\n"
+    )
 
 
 def eval_table(sft: dict, rl: dict, note: str) -> str:

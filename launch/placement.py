@@ -85,8 +85,12 @@ def plan_placement(
     if num_servers < 1 or tensor_parallel_size < 1:
         raise PlacementError("num_servers and tensor_parallel_size must be >= 1")
     if device == "cpu":
-        return Placement(server_gpus=[[] for _ in range(num_servers)], trainer_gpus=[],
-                         trainer_device="cpu", shares_gpu=False)  # fmt: skip
+        return Placement(
+            server_gpus=[[] for _ in range(num_servers)],
+            trainer_gpus=[],
+            trainer_device="cpu",
+            shares_gpu=False,
+        )
     broadcast = mode == "shared_vllm" and not single_copy
     tp = tensor_parallel_size
     if mode == "shared_vllm" and single_copy and num_servers * tp > 1:
@@ -118,11 +122,16 @@ def plan_placement(
                 f"{num_servers} server(s) x tensor-parallel {tp} + {trainer_procs} trainer "
                 f"ranks need {num_servers * tp + trainer_procs} GPU(s), found {len(gpus)}"
             )
-        return Placement(server_gpus=servers, trainer_gpus=left[:trainer_procs],
-                         trainer_device="cuda", shares_gpu=False)  # fmt: skip
+        return Placement(
+            server_gpus=servers,
+            trainer_gpus=left[:trainer_procs],
+            trainer_device="cuda",
+            shares_gpu=False,
+        )
     if single_copy or not left:
         trainer, shares = [servers[0][0]], True
     else:
         trainer, shares = [left[0]], False
-    return Placement(server_gpus=servers, trainer_gpus=trainer, trainer_device="cuda:0",
-                     shares_gpu=shares)  # fmt: skip
+    return Placement(
+        server_gpus=servers, trainer_gpus=trainer, trainer_device="cuda:0", shares_gpu=shares
+    )

@@ -19,8 +19,10 @@ def _env_rates(env_metrics: Path) -> dict[str, list[tuple[int, float]]]:
             by_version.setdefault(int(row["policy_version"]), []).append(row)
     out: dict[str, list[tuple[int, float]]] = {}
     for key in ("valid", "type_match", "exact_match"):
-        out[key] = [(v, sum(float(r.get(key, 0.0)) for r in rs) / len(rs))
-                    for v, rs in sorted(by_version.items())]  # fmt: skip
+        out[key] = [
+            (v, sum(float(r.get(key, 0.0)) for r in rs) / len(rs))
+            for v, rs in sorted(by_version.items())
+        ]
     return out
 
 
@@ -41,8 +43,10 @@ def reward_curve(metrics_path: Path, png: Path, env_metrics: Path | None = None)
     steps = [r["step"] for r in rows]
     ax.plot(steps, [r["score_mean"] for r in rows], marker="o", ms=3, label="batch mean")
     k = max(1, len(rows) // 10)  # a running mean: one batch is a handful of prompts
-    run = [sum(r["score_mean"] for r in rows[max(0, i - k + 1) : i + 1]) / min(k, i + 1)
-           for i in range(len(rows))]  # fmt: skip
+    run = [
+        sum(r["score_mean"] for r in rows[max(0, i - k + 1) : i + 1]) / min(k, i + 1)
+        for i in range(len(rows))
+    ]
     ax.plot(steps, run, lw=2, label=f"running mean ({k})")
     if max(r["score_mean"] for r in rows) > 10:  # DARS: one ROUGE hit is worth ~1000
         ax.set_yscale("symlog", linthresh=1.0)
@@ -54,8 +58,9 @@ def reward_curve(metrics_path: Path, png: Path, env_metrics: Path | None = None)
     if rates:
         labels = {"valid": "valid format", "type_match": "type match", "exact_match": "exact"}
         for key, pts in rates.items():
-            axes[1].plot([v for v, _ in pts], [y for _, y in pts], marker="o", ms=3,
-                         label=labels[key])  # fmt: skip
+            axes[1].plot(
+                [v for v, _ in pts], [y for _, y in pts], marker="o", ms=3, label=labels[key]
+            )
         axes[1].set_ylim(0, 1)
         axes[1].set_xlabel("policy version of the rollouts")
         axes[1].set_ylabel("rate in the env's pushed groups")

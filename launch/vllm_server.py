@@ -109,18 +109,29 @@ def server_argv(
     extra: Sequence[str] = (),
 ) -> list[str]:
     argv = [
-        sys.executable, "-m", "vllm_patching.serve",
-        "--model", str(model),
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--served-model-name", served_model_name,
+        sys.executable,
+        "-m",
+        "vllm_patching.serve",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        served_model_name,
         "--enforce-eager",
-        "--dtype", "float32",
-        "--max-model-len", "2048",
-        "--weight-bridge-mode", mode,
-        "--bridge-config", str(config_path),
-        "--bridge-initial-version", str(initial_version),
-    ]  # fmt: skip
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "2048",
+        "--weight-bridge-mode",
+        mode,
+        "--bridge-config",
+        str(config_path),
+        "--bridge-initial-version",
+        str(initial_version),
+    ]
     if single_copy:
         argv.append("--single-copy")
     return [*argv, *extra]
@@ -144,10 +155,17 @@ def spawn_bridge_server(
     """Start the server without waiting for it (``BridgeServer.wait``): several servers can
     start side by side. ``env`` defaults to ``cpu_env(token)`` (see ``server_env``)."""
     launch = dict(
-        model=model, mode=mode, log_path=log_path, token=token, single_copy=single_copy,
-        served_model_name=served_model_name, extra=list(extra), timeout=timeout,
-        env=None if env is None else dict(env), name=name,
-    )  # fmt: skip
+        model=model,
+        mode=mode,
+        log_path=log_path,
+        token=token,
+        single_copy=single_copy,
+        served_model_name=served_model_name,
+        extra=list(extra),
+        timeout=timeout,
+        env=None if env is None else dict(env),
+        name=name,
+    )
     port = port or free_port()
     config_path = log_path.parent / f"vllm_bridge_config.{port}.json"
     argv = server_argv(

@@ -55,8 +55,12 @@ def flatten_groups(groups: Sequence[Any], max_seq_len: int) -> tuple[list[SeqIte
             rationale = list(_field(spans, "rationale", None) or [0] * len(tokens))
             lengths = {len(tokens), len(mask), len(logprobs), len(rationale)}
             if len(lengths) != 1 or len(tokens) < 2 or not any(mask):
-                log.warning("dropping a malformed sequence of group %s (lengths %s, %d masked)",
-                            _field(group, "group_id"), sorted(lengths), sum(mask))  # fmt: skip
+                log.warning(
+                    "dropping a malformed sequence of group %s (lengths %s, %d masked)",
+                    _field(group, "group_id"),
+                    sorted(lengths),
+                    sum(mask),
+                )
                 dropped += 1
                 continue
             items.append(
@@ -70,7 +74,7 @@ def flatten_groups(groups: Sequence[Any], max_seq_len: int) -> tuple[list[SeqIte
                     len(items),
                     version,
                     trainable=len(tokens) <= max_seq_len,
-                )  # fmt: skip
+                )
             )
     return items, dropped
 

@@ -49,9 +49,12 @@ def generate_greedy(
 
 
 def format_valid_rate(
-    lm: LoadedModel, rows: list[dict[str, Any]], max_seq_len: int, max_new_tokens: int,
+    lm: LoadedModel,
+    rows: list[dict[str, Any]],
+    max_seq_len: int,
+    max_new_tokens: int,
     latest_only: bool = False,
-) -> dict[str, float]:  # fmt: skip
+) -> dict[str, float]:
     """Share of greedy outputs that parse (Shop-R1 format), exact action match, mean reward."""
     from env_server.actions import actions_equal
     from env_server.reward import parse_output, score

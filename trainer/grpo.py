@@ -128,18 +128,34 @@ def train(cfg: GrpoConfig) -> Run:
             weights.sync(state.policy_version)
             api.set_policy_version(state.policy_version)
             t4 = time.monotonic()
-            run.metrics.log(state.step, {
-                **stats, **staleness, **batch_format_rate(groups),
-                "policy_version": state.policy_version,
-                "batch_id": batch_id, "dropped_sequences": dropped, "wait_s": t1 - t0,
-                "step_s": t2 - t1, "checkpoint_s": t3 - t2, "sync_s": t4 - t3,
-                "skipped_updates": state.skipped_updates,
-                **({"gather_s": gather_s} if d is not None else {}),
-            })  # fmt: skip
+            run.metrics.log(
+                state.step,
+                {
+                    **stats,
+                    **staleness,
+                    **batch_format_rate(groups),
+                    "policy_version": state.policy_version,
+                    "batch_id": batch_id,
+                    "dropped_sequences": dropped,
+                    "wait_s": t1 - t0,
+                    "step_s": t2 - t1,
+                    "checkpoint_s": t3 - t2,
+                    "sync_s": t4 - t3,
+                    "skipped_updates": state.skipped_updates,
+                    **({"gather_s": gather_s} if d is not None else {}),
+                },
+            )
             rollouts.record(state.step, groups)
-            log.info("step %d loss %.4f score %.3f kl %.2e clip %.3f wait %.1fs sync %.1fs",
-                     state.step, stats["loss"], stats["score_mean"], stats["kl"],
-                     stats["clip_fraction"], t1 - t0, t4 - t3)  # fmt: skip
+            log.info(
+                "step %d loss %.4f score %.3f kl %.2e clip %.3f wait %.1fs sync %.1fs",
+                state.step,
+                stats["loss"],
+                stats["score_mean"],
+                stats["kl"],
+                stats["clip_fraction"],
+                t1 - t0,
+                t4 - t3,
+            )
     finally:
         if bridge is not None:
             bridge.close()
@@ -180,8 +196,7 @@ def _lease_trainable(api: Any, cfg: GrpoConfig, weights: Any, state: Any) -> tup
             continue
         items, _ = flatten_groups(groups, cfg.max_seq_len)
         if not any(i.trainable for i in items):  # retrying could never succeed
-            log.warning("batch %s has no sequence within max_seq_len; acked untrained",
-                        batch_id)  # fmt: skip
+            log.warning("batch %s has no sequence within max_seq_len; acked untrained", batch_id)
             api.ack(batch_id)
             continue
         return batch_id, groups
@@ -236,12 +251,12 @@ class WeightSync:
         try:
             restarted = self._run_ids() != self.run_ids
         except Exception as e:  # noqa: BLE001 - down: the next poll or sync sees it come back
-            log.warning("inference server unreachable (%s); will re-sync when it is back",
-                        type(e).__name__)  # fmt: skip
+            log.warning(
+                "inference server unreachable (%s); will re-sync when it is back", type(e).__name__
+            )
             return
         if restarted:
-            log.warning("inference server restarted (new run_id): re-syncing version %d",
-                        version)  # fmt: skip
+            log.warning("inference server restarted (new run_id): re-syncing version %d", version)
             self.sync(version)
 
 
@@ -288,8 +303,11 @@ def _lease(api: Any, cfg: GrpoConfig, weights: WeightSync, version: int) -> tupl
     deadline = time.monotonic() + cfg.wait_timeout
     while True:
         try:
-            lease = api.lease(max_tokens=cfg.max_batch_tokens, max_sequences=cfg.batch_size,
-                              lease_seconds=cfg.lease_seconds)  # fmt: skip
+            lease = api.lease(
+                max_tokens=cfg.max_batch_tokens,
+                max_sequences=cfg.batch_size,
+                lease_seconds=cfg.lease_seconds,
+            )
         except ApiError as e:  # e.g. the API died mid-request: a lease is never replayed
             if not _transient(e) or time.monotonic() > deadline:
                 raise

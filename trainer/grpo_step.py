@@ -53,8 +53,9 @@ def _scoring_pass(ctx: StepContext, mbs: list[list[SeqItem]], n_items: int):
         ref_lp = None
         if ctx.reference is not None and cfg.kl_beta > 0:
             with ctx.reference.model() as ref, autocast(lm.device, lm.compute_dtype):
-                ref_stats = token_stats(_logits(ref, batch), batch["tokens"], cfg.temperature,
-                                        with_entropy=False)  # fmt: skip
+                ref_stats = token_stats(
+                    _logits(ref, batch), batch["tokens"], cfg.temperature, with_entropy=False
+                )
             ref_lp = ref_stats.logprobs
         if not real:  # a padding pass (other ranks have one more micro-batch)
             continue

@@ -54,14 +54,24 @@ def push_checkpoint(
             from huggingface_hub import create_repo, upload_folder
 
             if cfg.hub_repo_id not in _created:
-                create_repo(cfg.hub_repo_id, token=cfg.hub_token, private=cfg.hub_private,
-                            repo_type="model", exist_ok=True)  # fmt: skip
+                create_repo(
+                    cfg.hub_repo_id,
+                    token=cfg.hub_token,
+                    private=cfg.hub_private,
+                    repo_type="model",
+                    exist_ok=True,
+                )
                 _created.add(cfg.hub_repo_id)
             upload = upload_folder
         result = upload(**kwargs)
     except Exception as e:  # network, auth, offline mode: the local checkpoint is what matters
-        log.warning("push of %s to the hub repo %s failed (%s: %s); training goes on",
-                    checkpoint, cfg.hub_repo_id, type(e).__name__, e)  # fmt: skip
+        log.warning(
+            "push of %s to the hub repo %s failed (%s: %s); training goes on",
+            checkpoint,
+            cfg.hub_repo_id,
+            type(e).__name__,
+            e,
+        )
         return None
     log.info("pushed %s to https://huggingface.co/%s", checkpoint.name, cfg.hub_repo_id)
     return result

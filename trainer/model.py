@@ -44,8 +44,9 @@ def resolve_attention(requested: str, device: torch.device, compute_dtype: torch
     if requested == "auto":
         return "flash_attention_2" if fa2_usable else "sdpa"
     if requested == "flash_attention_2" and not fa2_usable:
-        log.warning("flash_attention_2 asked for but not usable here (installed=%s); using sdpa",
-                    has_fa2)  # fmt: skip
+        log.warning(
+            "flash_attention_2 asked for but not usable here (installed=%s); using sdpa", has_fa2
+        )
         return "sdpa"
     return requested
 
@@ -91,8 +92,14 @@ def load_model(cfg: CommonConfig, source: str | None = None) -> LoadedModel:
     is_lora = cfg.lora_r > 0
     if is_lora:
         model = _add_lora(model, cfg)
-    log.info("loaded %s on %s (compute %s, attention %s, lora=%s)", name, device, compute_dtype,
-             attn, is_lora)  # fmt: skip
+    log.info(
+        "loaded %s on %s (compute %s, attention %s, lora=%s)",
+        name,
+        device,
+        compute_dtype,
+        attn,
+        is_lora,
+    )
     return LoadedModel(model, load_tokenizer(name), device, compute_dtype, is_lora)
 
 

@@ -51,8 +51,13 @@ def train(cfg: SftConfig) -> Run:
             batch = _next_batch(train_set, cfg, state)
             loss, grad_norm = _step(run, batch, work)
             state.step += 1
-            row = {"loss": loss, "grad_norm": grad_norm, "lr": run.scheduler.get_last_lr()[0],
-                   "epoch": state.data_epoch, "step_s": time.monotonic() - t0}  # fmt: skip
+            row = {
+                "loss": loss,
+                "grad_norm": grad_norm,
+                "lr": run.scheduler.get_last_lr()[0],
+                "epoch": state.data_epoch,
+                "step_s": time.monotonic() - t0,
+            }
             last = state.step == cfg.training_steps
             if state.step % cfg.eval_every == 0 or last:
                 row["val_loss"] = validation_loss(lm, val_set[: cfg.eval_examples], cfg, work)
@@ -69,8 +74,9 @@ def train(cfg: SftConfig) -> Run:
         save_final_model(cfg.save_path, lm.model, lm.tokenizer)
         if cfg.eval_generate > 0:
             rows = list(data["validation"])[: cfg.eval_generate]
-            result = format_valid_rate(lm, rows, cfg.max_seq_len, cfg.max_new_tokens,
-                                       cfg.latest_only)  # fmt: skip
+            result = format_valid_rate(
+                lm, rows, cfg.max_seq_len, cfg.max_new_tokens, cfg.latest_only
+            )
             run.metrics.log(state.step, {f"eval/{k}": v for k, v in result.items()})
             log.info("greedy generations on %d validation prompts: %s", len(rows), result)
     finally:
@@ -102,8 +108,9 @@ def _step(run: Run, batch: list[SftExample], work: Work) -> tuple[float, float]:
     for i, real in work.split(starts):
         mb = collate_sft(batch[i : i + cfg.micro_batch_size], lm.tokenizer.pad_token_id, lm.device)
         with autocast(lm.device, lm.compute_dtype):
-            logits = lm.model(input_ids=mb["tokens"], attention_mask=mb["attention"],
-                              use_cache=False).logits  # fmt: skip
+            logits = lm.model(
+                input_ids=mb["tokens"], attention_mask=mb["attention"], use_cache=False
+            ).logits
         loss, _ = sft_loss(logits, mb["tokens"], mb["loss_mask"], normaliser=n_target)
         (loss if real else loss * 0.0).backward()
         total += float(loss.detach()) if real else 0.0
@@ -124,8 +131,9 @@ def validation_loss(
         chunk = examples[i : i + cfg.micro_batch_size]
         mb = collate_sft(chunk, lm.tokenizer.pad_token_id, lm.device)
         with autocast(lm.device, lm.compute_dtype):
-            logits = lm.model(input_ids=mb["tokens"], attention_mask=mb["attention"],
-                              use_cache=False).logits  # fmt: skip
+            logits = lm.model(
+                input_ids=mb["tokens"], attention_mask=mb["attention"], use_cache=False
+            ).logits
         if not real:
             continue
         _, s = sft_loss(logits, mb["tokens"], mb["loss_mask"], normaliser=1.0)

@@ -75,8 +75,12 @@ def encode_split(
             examples.append(ex)
     skipped = len(rows) - len(examples)
     if skipped:
-        log.warning("%d of %d rows do not fit max_seq_len=%d even with the shortest context; "
-                    "left out", skipped, len(rows), max_seq_len)  # fmt: skip
+        log.warning(
+            "%d of %d rows do not fit max_seq_len=%d even with the shortest context; left out",
+            skipped,
+            len(rows),
+            max_seq_len,
+        )
     if not examples:
         raise ValueError(f"no example fits max_seq_len={max_seq_len}")
     return examples
@@ -101,5 +105,8 @@ def collate_sft(
         tokens[r, :n] = torch.tensor(e.tokens)
         attention[r, :n] = 1
         loss_mask[r, :n] = torch.tensor(e.loss_mask)
-    return {"tokens": tokens.to(device), "attention": attention.to(device),
-            "loss_mask": loss_mask.to(device)}  # fmt: skip
+    return {
+        "tokens": tokens.to(device),
+        "attention": attention.to(device),
+        "loss_mask": loss_mask.to(device),
+    }

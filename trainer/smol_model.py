@@ -190,8 +190,12 @@ def main(argv: list[str] | None = None) -> None:
         formatter_class=argparse.RawTextHelpFormatter,
     )
     ap.add_argument("--out", type=Path, default=SMOL_MODEL_DIR, help="output folder")
-    ap.add_argument("--gguf", type=Path, default=None,
-                    help=f"another GGUF file to convert (default: the one in {PACKAGE})")  # fmt: skip
+    ap.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        help=f"another GGUF file to convert (default: the one in {PACKAGE})",
+    )
     ap.add_argument("--force", action="store_true", help="rebuild even if already built")
     args = ap.parse_args(argv)
     if is_built(args.out) and not args.force:

@@ -204,11 +204,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0, help="seed for corpus and weights")
     ap.add_argument("--force", action="store_true", help="rebuild even if already built")
     # Bigger shapes for the benchmarks' model-size sweeps (bench/common.py MODEL_SIZES).
-    shape = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads")  # fmt: skip
+    shape = (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+    )
     for name in shape:
-        ap.add_argument("--" + name.replace("_", "-"), type=int, default=None,
-                        help=TinyModelSpec.model_fields[name].description)  # fmt: skip
+        ap.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            default=None,
+            help=TinyModelSpec.model_fields[name].description,
+        )
     args = ap.parse_args(argv)
     if is_built(args.out) and not args.force:
         print(f"tiny model already built at {args.out} (use --force to rebuild)")

@@ -37,8 +37,14 @@ BACKENDS = {  # (device, single_copy) -> vLLM weight-transfer backend of shared_
 }
 
 
-BRIDGE_KEYS = {"weight_bridge_mode", "single_copy", "bridge_config", "bridge_initial_version",
-               "bridge_lora_keep", "bridge_device"}  # fmt: skip
+BRIDGE_KEYS = {
+    "weight_bridge_mode",
+    "single_copy",
+    "bridge_config",
+    "bridge_initial_version",
+    "bridge_lora_keep",
+    "bridge_device",
+}
 """``vllm:`` recipe keys that are this wrapper's options; every other key goes to vLLM."""
 
 

@@ -33,8 +33,14 @@ MAX_STEPS = 14
 
 Weighted = list[tuple[dict[str, str], float]]
 SEARCH_INPUT = {"type": "type_and_submit", "name": "search_input"}
-BASE_QUIT = {"home": 0.06, "results": 0.2, "product": 0.22, "cart": 0.3, "checkout": 0.3,
-             "confirmation": 0.9}  # fmt: skip
+BASE_QUIT = {
+    "home": 0.06,
+    "results": 0.2,
+    "product": 0.22,
+    "cart": 0.3,
+    "checkout": 0.3,
+    "confirmation": 0.9,
+}
 """Weight of leaving the site on each page, before the shopper tires."""
 
 

@@ -126,13 +126,19 @@ class RewardConfig(BaseModel):
             components = {"exact_match": 1.0}
         else:
             components = {
-                "format": self.format_reward, "type": self.type_reward,
-                "click_name": self.click_name_presence, "click_name_rouge": 1.0,
-                "tas_name": self.tas_name_presence, "tas_text": self.tas_text_presence,
-                "tas_name_rouge": self.tas_name_similarity, "tas_text_rouge": 1.0,
+                "format": self.format_reward,
+                "type": self.type_reward,
+                "click_name": self.click_name_presence,
+                "click_name_rouge": 1.0,
+                "tas_name": self.tas_name_presence,
+                "tas_text": self.tas_text_presence,
+                "tas_name_rouge": self.tas_name_similarity,
+                "tas_text_rouge": 1.0,
                 "dars": self.dars_factor,
-            }  # fmt: skip
+            }
         return RewardSpec(
-            components=components, normalize=False, rouge_threshold=self.rouge_threshold,
+            components=components,
+            normalize=False,
+            rouge_threshold=self.rouge_threshold,
             attributes_require_type_match=self.attributes_require_type_match,
-        )  # fmt: skip
+        )

@@ -20,8 +20,16 @@ pytestmark = pytest.mark.gpu
 
 
 def _cfg(model_dir: Path, tmp_path: Path, **kw: object) -> GrpoConfig:
-    base = dict(model_name=str(model_dir), save_path=str(tmp_path), device="cuda", lr=1e-3,
-                warmup_steps=0, micro_batch_tokens=24, tensorboard=False, kl_beta=0.1)  # fmt: skip
+    base = dict(
+        model_name=str(model_dir),
+        save_path=str(tmp_path),
+        device="cuda",
+        lr=1e-3,
+        warmup_steps=0,
+        micro_batch_tokens=24,
+        tensorboard=False,
+        kl_beta=0.1,
+    )
     return GrpoConfig(**(base | kw))
 
 
@@ -39,8 +47,11 @@ def test_grpo_steps_bf16_autocast(tmp_path: Path, lora_r: int) -> None:
         assert all(math.isfinite(v) for v in row.values()), row
     assert stats[0]["kl"] == pytest.approx(0.0, abs=1e-6)
     assert stats[-1]["kl"] > 0
-    changed = [n for n, p in lm.model.named_parameters() if p.requires_grad
-               and not torch.equal(p.detach(), before[n])]  # fmt: skip
+    changed = [
+        n
+        for n, p in lm.model.named_parameters()
+        if p.requires_grad and not torch.equal(p.detach(), before[n])
+    ]
     assert changed and all(p.dtype == torch.float32 for p in lm.model.parameters())
 
 

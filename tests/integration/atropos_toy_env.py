@@ -54,24 +54,48 @@ def openai_server(port: int) -> None:
         prompt, n = str(body["prompt"]), int(body.get("n") or 1)
         words = [choice_words(prompt, i, int(body.get("max_tokens") or 8)) for i in range(n)]
         choices = [
-            {"index": i, "text": " " + " ".join(w), "finish_reason": "length",
-             "logprobs": {"tokens": w, "token_logprobs": [-0.25 - 0.01 * k for k in range(len(w))],
-                          "top_logprobs": None, "text_offset": list(range(len(w)))}}
+            {
+                "index": i,
+                "text": " " + " ".join(w),
+                "finish_reason": "length",
+                "logprobs": {
+                    "tokens": w,
+                    "token_logprobs": [-0.25 - 0.01 * k for k in range(len(w))],
+                    "top_logprobs": None,
+                    "text_offset": list(range(len(w))),
+                },
+            }
             for i, w in enumerate(words)
-        ]  # fmt: skip
-        return {"id": "cmpl-toy", "object": "text_completion", "created": int(time.time()),
-                "model": body.get("model", "toy"), "choices": choices,
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}  # fmt: skip
+        ]
+        return {
+            "id": "cmpl-toy",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model", "toy"),
+            "choices": choices,
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> dict[str, Any]:
         body = await request.json()
         n = int(body.get("n") or 1)
-        choices = [{"index": i, "finish_reason": "length",
-                    "message": {"role": "assistant", "content": "w1"}} for i in range(n)]  # fmt: skip
-        return {"id": "chat-toy", "object": "chat.completion", "created": int(time.time()),
-                "model": body.get("model", "toy"), "choices": choices,
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}  # fmt: skip
+        choices = [
+            {
+                "index": i,
+                "finish_reason": "length",
+                "message": {"role": "assistant", "content": "w1"},
+            }
+            for i in range(n)
+        ]
+        return {
+            "id": "chat-toy",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model", "toy"),
+            "choices": choices,
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
@@ -110,10 +134,15 @@ def env_main() -> None:
                 scores.append(float(sum(completion) % 97) + k / 10)  # never all equal
                 distill_ids.append([[t, t + 1] for t in prompt + completion])
                 distill_lps.append([[-0.5, -1.5] for _ in prompt + completion])
-            group = {"tokens": tokens, "masks": masks, "scores": scores,
-                     "inference_logprobs": logprobs, "distill_token_ids": distill_ids,
-                     "distill_logprobs": distill_lps,
-                     "group_overrides": {"toy_uid": f"{os.getpid()}-{self.counter}-{item}"}}  # fmt: skip
+            group = {
+                "tokens": tokens,
+                "masks": masks,
+                "scores": scores,
+                "inference_logprobs": logprobs,
+                "distill_token_ids": distill_ids,
+                "distill_logprobs": distill_lps,
+                "group_overrides": {"toy_uid": f"{os.getpid()}-{self.counter}-{item}"},
+            }
             return group, []
 
         async def evaluate(self, *args: Any, **kwargs: Any) -> None:

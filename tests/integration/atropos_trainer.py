@@ -30,8 +30,14 @@ def main() -> None:
     from example_trainer.api import register_trainer
     from example_trainer.config import TrainingConfig
 
-    cfg = TrainingConfig(model_name="toy", batch_size=batch_size, gradient_accumulation_steps=1,
-                         seq_len=256, training_steps=1000, atropos_url=url)  # fmt: skip
+    cfg = TrainingConfig(
+        model_name="toy",
+        batch_size=batch_size,
+        gradient_accumulation_steps=1,
+        seq_len=256,
+        training_steps=1000,
+        atropos_url=url,
+    )
     register_trainer(cfg)
     replies: list[dict] = []
     in_call = [0]  # batches get_data has taken in its current call (it returns them on None)

@@ -30,10 +30,19 @@ def start_api(tmp_path: Path, timeout: float = 60.0) -> tuple[ManagedProcess, Ap
     port = free_port()
     api = ManagedProcess(
         "api",
-        [sys.executable, "-m", "api", "--port", str(port), "--db-path",
-         str(tmp_path / "api.sqlite"), "--token", TOKEN],
+        [
+            sys.executable,
+            "-m",
+            "api",
+            "--port",
+            str(port),
+            "--db-path",
+            str(tmp_path / "api.sqlite"),
+            "--token",
+            TOKEN,
+        ],
         tmp_path / "api.log",
-    ).start()  # fmt: skip
+    ).start()
     url = f"http://127.0.0.1:{port}"
     client = ApiClient(url, token=TOKEN)
     deadline = time.monotonic() + timeout
@@ -49,17 +58,50 @@ def start_api(tmp_path: Path, timeout: float = 60.0) -> tuple[ManagedProcess, Ap
     raise RuntimeError(f"the API did not come up; read {api.log_path}")
 
 
-def run_trainer(model_dir: Path, save: Path, api_url: str, vllm_url: str, steps: int,
-                *extra: str, env: dict[str, str] | None = None) -> str:  # fmt: skip
+def run_trainer(
+    model_dir: Path,
+    save: Path,
+    api_url: str,
+    vllm_url: str,
+    steps: int,
+    *extra: str,
+    env: dict[str, str] | None = None,
+) -> str:
     """``trainer grpo`` for ``steps`` steps (bridge mode none); asserts it exits 0, returns its log."""
     argv = [
-        sys.executable, "-m", "trainer", "grpo", "--model-name", str(model_dir),
-        "--save-path", str(save), "--api-url", api_url, "--api-token", TOKEN,
-        "--weight-bridge-mode", "none", "--inference-url", vllm_url, "--bridge-token", TOKEN,
-        "--training-steps", str(steps), "--batch-size", str(2 * GROUP), "--lr", "1e-3",
-        "--wait-timeout", "60", "--poll-interval", "0.2", "--no-tensorboard",
-        "--precision", "fp32", *extra,  # the same on every CPU (auto: bf16 where native)
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "trainer",
+        "grpo",
+        "--model-name",
+        str(model_dir),
+        "--save-path",
+        str(save),
+        "--api-url",
+        api_url,
+        "--api-token",
+        TOKEN,
+        "--weight-bridge-mode",
+        "none",
+        "--inference-url",
+        vllm_url,
+        "--bridge-token",
+        TOKEN,
+        "--training-steps",
+        str(steps),
+        "--batch-size",
+        str(2 * GROUP),
+        "--lr",
+        "1e-3",
+        "--wait-timeout",
+        "60",
+        "--poll-interval",
+        "0.2",
+        "--no-tensorboard",
+        "--precision",
+        "fp32",
+        *extra,  # the same on every CPU (auto: bf16 where native)
+    ]
     log = save.parent / f"trainer-{steps}.log"
     proc_env = {**os.environ, **env} if env else None
     proc = ManagedProcess("trainer", argv, log, env=proc_env).start()

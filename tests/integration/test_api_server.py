@@ -44,10 +44,20 @@ def start_api(
 
 
 def make_group(gid: str, env: str = "shop_r1", n_seqs: int = 4, length: int = 64) -> dict:
-    seq = {"tokens": list(range(length)), "mask": [0] * (length // 2) + [1] * (length // 2),
-           "logprobs": [-0.25] * length, "score": 0.5, "spans": {"rationale": [0] * length}}  # fmt: skip
-    return {"group_id": gid, "env": env, "policy_version": 0, "sequences": [seq] * n_seqs,
-            "metrics": {"format": 0.5}}  # fmt: skip
+    seq = {
+        "tokens": list(range(length)),
+        "mask": [0] * (length // 2) + [1] * (length // 2),
+        "logprobs": [-0.25] * length,
+        "score": 0.5,
+        "spans": {"rationale": [0] * length},
+    }
+    return {
+        "group_id": gid,
+        "env": env,
+        "policy_version": 0,
+        "sequences": [seq] * n_seqs,
+        "metrics": {"format": 0.5},
+    }
 
 
 def drain(api: ApiClient) -> list[str]:
@@ -110,8 +120,13 @@ def test_kill9_during_ingest_loses_no_acknowledged_group(tmp_path: Path) -> None
 
 def test_bad_input_leases_and_token_on_a_live_server(tmp_path: Path) -> None:
     token = "t0ken"
-    proc, url = start_api(tmp_path / "api.sqlite", tmp_path / "api.log",
-                          "--max-body-bytes", str(256 * 1024), token=token)  # fmt: skip
+    proc, url = start_api(
+        tmp_path / "api.sqlite",
+        tmp_path / "api.log",
+        "--max-body-bytes",
+        str(256 * 1024),
+        token=token,
+    )
     try:
         anonymous = ApiClient(url, retries=0)
         with pytest.raises(ApiError) as err:

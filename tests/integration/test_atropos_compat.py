@@ -72,11 +72,30 @@ def start_api(server: str, py: Path, tmp: Path) -> tuple[ManagedProcess, str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     if server == "atropos":
-        argv = [str(py), "-m", "uvicorn", "atroposlib.api:app", "--host", "127.0.0.1",
-                "--port", str(port), "--log-level", "warning"]  # fmt: skip
+        argv = [
+            str(py),
+            "-m",
+            "uvicorn",
+            "atroposlib.api:app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ]
     else:
-        argv = [sys.executable, "-m", "api", "--port", str(port), "--db-path",
-                str(tmp / "api.sqlite"), "--log-level", "warning"]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "api",
+            "--port",
+            str(port),
+            "--db-path",
+            str(tmp / "api.sqlite"),
+            "--log-level",
+            "warning",
+        ]
     return start(server, argv, tmp / f"{server}.log", url + "/"), url
 
 
@@ -84,12 +103,24 @@ def env_config(tmp: Path, k: int, api: str, openai: str, tokenizer: Path, weight
     import yaml
 
     cfg = {
-        "env": {"rollout_server_url": api, "tokenizer_name": str(tokenizer), "group_size": GROUP,
-                "total_steps": TOTAL_STEPS, "inference_weight": weight, "use_wandb": False,
-                "max_token_length": 64, "max_num_workers": 4, "wandb_name": "toy"},
-        "openai": {"base_url": openai + "/v1", "api_key": "x", "model_name": "toy",
-                   "server_type": "openai"},
-    }  # fmt: skip
+        "env": {
+            "rollout_server_url": api,
+            "tokenizer_name": str(tokenizer),
+            "group_size": GROUP,
+            "total_steps": TOTAL_STEPS,
+            "inference_weight": weight,
+            "use_wandb": False,
+            "max_token_length": 64,
+            "max_num_workers": 4,
+            "wandb_name": "toy",
+        },
+        "openai": {
+            "base_url": openai + "/v1",
+            "api_key": "x",
+            "model_name": "toy",
+            "server_type": "openai",
+        },
+    }
     path = tmp / f"env{k}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -103,27 +134,43 @@ def test_atroposlib_envs_and_example_trainer(
     oport = free_port()
     procs: list[ManagedProcess] = []
     try:
-        oai = start("openai", [py, toy, "openai-server", str(oport)], tmp_path / "openai.log",
-                    f"http://127.0.0.1:{oport}/docs")  # fmt: skip
+        oai = start(
+            "openai",
+            [py, toy, "openai-server", str(oport)],
+            tmp_path / "openai.log",
+            f"http://127.0.0.1:{oport}/docs",
+        )
         procs.append(oai)
         api, url = start_api(server, atropos_python, tmp_path)
         procs.append(api)
         out, stop = tmp_path / "served.json", tmp_path / "stop"
         trainer = ManagedProcess(
             "trainer",
-            [py, str(HERE / "atropos_trainer.py"), url, str(BATCH), str(out), str(stop),
-             sysconfig.get_paths()["purelib"]],
+            [
+                py,
+                str(HERE / "atropos_trainer.py"),
+                url,
+                str(BATCH),
+                str(out),
+                str(stop),
+                sysconfig.get_paths()["purelib"],
+            ],
             tmp_path / "trainer.log",
-        ).start()  # fmt: skip
+        ).start()
         procs.append(trainer)
         records = tmp_path / "records"
         records.mkdir()
         envs = []
         for k, weight in enumerate([1.0, 1.0, -1.0]):
             cfg = env_config(tmp_path, k, url, f"http://127.0.0.1:{oport}", tokenizer, weight)
-            envs.append(ManagedProcess(f"env{k}", [py, toy, "serve", "--config", str(cfg)],
-                                       tmp_path / f"env{k}.log",
-                                       env={**os.environ, "TOY_RECORD_DIR": str(records)}))  # fmt: skip
+            envs.append(
+                ManagedProcess(
+                    f"env{k}",
+                    [py, toy, "serve", "--config", str(cfg)],
+                    tmp_path / f"env{k}.log",
+                    env={**os.environ, "TOY_RECORD_DIR": str(records)},
+                )
+            )
         procs.extend(e.start() for e in envs)
         deadline = time.monotonic() + 900  # generous: a busy 2-core box
         while any(e.alive() for e in envs) and time.monotonic() < deadline:
@@ -173,8 +220,15 @@ def test_packing_port_matches_atroposlib(atropos_python: Path) -> None:
         sizes = [rng.choice([1, 2, 4, 8, 3, 16]) for _ in range(rng.randrange(0, 14))]
         envs = [rng.choice([None, 0, 1, 2]) for _ in sizes]
         allocs = [[i, rng.random() < 0.8, rng.choice([None, 0.25, 0.5, 0.75])] for i in range(3)]
-        cases.append({"sizes": sizes, "envs": envs, "batch": rng.choice([4, 8, 16]),
-                      "allocs": allocs, "target": rng.choice([2, 4, 8])})  # fmt: skip
+        cases.append(
+            {
+                "sizes": sizes,
+                "envs": envs,
+                "batch": rng.choice([4, 8, 16]),
+                "allocs": allocs,
+                "target": rng.choice([2, 4, 8]),
+            }
+        )
     script = """
 import json, sys
 from atroposlib.api.utils import (find_groups_summing_to_target,
@@ -192,8 +246,13 @@ for c in json.load(sys.stdin):
                 "find": find_groups_summing_to_target(queue, c["target"])})
 print(json.dumps(out))
 """
-    res = subprocess.run([str(atropos_python), "-c", script], input=json.dumps(cases),
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    res = subprocess.run(
+        [str(atropos_python), "-c", script],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     theirs = json.loads(res.stdout)
     for c, t in zip(cases, theirs, strict=True):
         queue = [QueueItem(s, e) for s, e in zip(c["sizes"], c["envs"], strict=True)]

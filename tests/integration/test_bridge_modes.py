@@ -75,11 +75,16 @@ def vllm_greedy(
     r = httpx.post(
         f"{url}/v1/completions",
         json={
-            "model": model, "prompt": ids, "max_tokens": n, "temperature": 0.0,
-            "ignore_eos": True, "logprobs": 0, "return_token_ids": True,
+            "model": model,
+            "prompt": ids,
+            "max_tokens": n,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "logprobs": 0,
+            "return_token_ids": True,
         },
         timeout=120,
-    )  # fmt: skip
+    )
     r.raise_for_status()
     choice = r.json()["choices"][0]
     return choice["token_ids"], choice["logprobs"]["token_logprobs"], r.headers[VERSION_HEADER]
@@ -172,9 +177,16 @@ def gloo_server(tiny_model_dir, tmp_path_factory) -> Iterator[BridgeServer]:
 
 def test_mutating_routes_need_the_token(gloo_server: BridgeServer) -> None:
     url = gloo_server.base_url
-    for path in ["/pause", "/init_weight_transfer_engine", "/update_weights", "/collective_rpc",
-                 "/reset_prefix_cache", "/bridge/apply", "/bridge/stage",
-                 "/update_weight_version"]:  # fmt: skip
+    for path in [
+        "/pause",
+        "/init_weight_transfer_engine",
+        "/update_weights",
+        "/collective_rpc",
+        "/reset_prefix_cache",
+        "/bridge/apply",
+        "/bridge/stage",
+        "/update_weight_version",
+    ]:
         r = httpx.post(url + path, json={})
         assert r.status_code == 401, path
         r = httpx.post(url + path, json={}, headers={TOKEN_HEADER: "wrong"})

@@ -59,13 +59,15 @@ def hf_greedy(model: torch.nn.Module, ids: list[int]) -> tuple[list[int], list[f
         tok = int(lp.argmax())
         toks.append(tok)
         lps.append(float(lp[tok]))
-        out = model(input_ids=torch.tensor([[tok]]), past_key_values=out.past_key_values,
-                    use_cache=True)  # fmt: skip
+        out = model(
+            input_ids=torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True
+        )
     return toks, lps
 
 
-def assert_serves(url: str, served: str, model: torch.nn.Module, prompts: list[list[int]],
-                  version: int) -> list[list[float]]:  # fmt: skip
+def assert_serves(
+    url: str, served: str, model: torch.nn.Module, prompts: list[list[int]], version: int
+) -> list[list[float]]:
     """vLLM's greedy tokens equal transformers' on every prompt; returns the logprobs."""
     all_lp = []
     for ids in prompts:

@@ -15,11 +15,24 @@ def test_evaluate_cli_prints_paper_table(vllm_server, tmp_path, capsys) -> None:
     out = tmp_path / "eval"
     m = evaluate_main(
         [
-            "--data-dir", str(tmp_path / "data"), "--num-sessions", "200", "--split", "test",
-            "--limit", "12", "--inference-url", vllm_server.base_url, "--max-tokens", "32",
-            "--max-prompt-tokens", "1024", "--out-dir", str(out),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--num-sessions",
+            "200",
+            "--split",
+            "test",
+            "--limit",
+            "12",
+            "--inference-url",
+            vllm_server.base_url,
+            "--max-tokens",
+            "32",
+            "--max-prompt-tokens",
+            "1024",
+            "--out-dir",
+            str(out),
         ]
-    )  # fmt: skip
+    )
     table = capsys.readouterr().out
     assert "exact match" in table and "macro-F1" in table
     for kind in ("click", "type_and_submit", "terminate"):
@@ -34,8 +47,16 @@ def test_evaluate_cli_prints_paper_table(vllm_server, tmp_path, capsys) -> None:
     # The predictions file it wrote evaluates to the same numbers without the server.
     again = evaluate_main(
         [
-            "--data-dir", str(tmp_path / "data"), "--split", "test", "--limit", "12",
-            "--predictions", str(out / "predictions.jsonl"), "--out-dir", str(tmp_path / "e2"),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--split",
+            "test",
+            "--limit",
+            "12",
+            "--predictions",
+            str(out / "predictions.jsonl"),
+            "--out-dir",
+            str(tmp_path / "e2"),
         ]
-    )  # fmt: skip
+    )
     assert again["exact_match"] == m["exact_match"] and again["confusion"] == m["confusion"]

@@ -48,12 +48,31 @@ def test_service_pushes_scored_groups(vllm_server, tiny_model_dir, tmp_path) -> 
     api.stop()
 
     argv = [
-        sys.executable, "-m", "env_server", "--api-url", f"http://127.0.0.1:{port}",
-        "--inference-url", vllm_server.base_url, "--group-size", str(GROUP_SIZE),
-        "--max-groups", str(GROUPS), "--no-drop-constant-groups", "--max-tokens", str(MAX_TOKENS),
-        "--max-prompt-tokens", "1024", "--concurrency", "2", "--data-dir", str(tmp_path / "data"),
-        "--num-sessions", "50", "--metrics-path", str(tmp_path / "env_metrics.jsonl"),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "env_server",
+        "--api-url",
+        f"http://127.0.0.1:{port}",
+        "--inference-url",
+        vllm_server.base_url,
+        "--group-size",
+        str(GROUP_SIZE),
+        "--max-groups",
+        str(GROUPS),
+        "--no-drop-constant-groups",
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--max-prompt-tokens",
+        "1024",
+        "--concurrency",
+        "2",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--num-sessions",
+        "50",
+        "--metrics-path",
+        str(tmp_path / "env_metrics.jsonl"),
+    ]
     env = ManagedProcess("env", argv, tmp_path / "env.log").start()
     try:
         wait_for_log(env, "API POST /envs/register failed", timeout=120)  # cannot reach the API

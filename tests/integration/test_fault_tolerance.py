@@ -85,8 +85,19 @@ class Stack:
         return [p.pid for p in self.history]
 
     def start_api(self) -> None:
-        argv = [sys.executable, "-m", "api", "--port", str(self.api_port), "--db-path",
-                str(self.db), "--token", TOKEN, "--max-staleness", str(MAX_STALENESS)]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "api",
+            "--port",
+            str(self.api_port),
+            "--db-path",
+            str(self.db),
+            "--token",
+            TOKEN,
+            "--max-staleness",
+            str(MAX_STALENESS),
+        ]
         proc = ManagedProcess("api", argv, self._log("api")).start()
         self.procs["api"] = proc
         self.history.append(proc)
@@ -95,36 +106,99 @@ class Stack:
 
     def start_vllm(self) -> None:
         self.vllm = start_bridge_server(
-            self.model, "shared_vllm", self._log("vllm"), token=TOKEN, port=self.vllm_port,
+            self.model,
+            "shared_vllm",
+            self._log("vllm"),
+            token=TOKEN,
+            port=self.vllm_port,
             timeout=WAIT_S,
-        )  # fmt: skip
+        )
         self.procs["vllm"] = self.vllm.proc
         self.history.append(self.vllm.proc)
 
     def start_env(self) -> None:
         argv = [
-            sys.executable, "-m", "env_server", "--api-url", self.api_url, "--api-token", TOKEN,
-            "--inference-url", self.vllm_url, "--tokenizer", str(self.model),
-            "--data-dir", str(self.tmp / "data"), "--num-sessions", "20",
-            "--group-size", str(GROUP), "--max-tokens", "24", "--max-prompt-tokens", "512",
-            "--latest-only", "--concurrency", "2", "--no-drop-constant-groups",
-            "--poll-interval-s", "0.3", "--log-every-s", "5", "--reconnect-timeout-s", str(WAIT_S),
-            "--metrics-path", str(self.env_metrics),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "env_server",
+            "--api-url",
+            self.api_url,
+            "--api-token",
+            TOKEN,
+            "--inference-url",
+            self.vllm_url,
+            "--tokenizer",
+            str(self.model),
+            "--data-dir",
+            str(self.tmp / "data"),
+            "--num-sessions",
+            "20",
+            "--group-size",
+            str(GROUP),
+            "--max-tokens",
+            "24",
+            "--max-prompt-tokens",
+            "512",
+            "--latest-only",
+            "--concurrency",
+            "2",
+            "--no-drop-constant-groups",
+            "--poll-interval-s",
+            "0.3",
+            "--log-every-s",
+            "5",
+            "--reconnect-timeout-s",
+            str(WAIT_S),
+            "--metrics-path",
+            str(self.env_metrics),
+        ]
         self.procs["env"] = ManagedProcess("env", argv, self._log("env")).start()
         self.history.append(self.procs["env"])
 
     def start_trainer(self) -> None:
         resume = "--resume" if self.starts["trainer"] else "--overwrite"
         argv = [
-            sys.executable, "-m", "trainer", "grpo", "--model-name", str(self.model),
-            "--save-path", str(self.save), "--api-url", self.api_url, "--api-token", TOKEN,
-            "--weight-bridge-mode", "shared_vllm", "--inference-url", self.vllm_url,
-            "--bridge-token", TOKEN, "--device", "cpu", "--training-steps", str(STEPS),
-            "--batch-size", str(GROUP), "--lr", "1e-4", "--kl-beta", "0",
-            "--lease-seconds", "60", "--wait-timeout", str(2 * WAIT_S), "--poll-interval", "0.3",
-            "--reconnect-timeout", str(WAIT_S), "--save-every", "1", "--no-tensorboard", resume,
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "trainer",
+            "grpo",
+            "--model-name",
+            str(self.model),
+            "--save-path",
+            str(self.save),
+            "--api-url",
+            self.api_url,
+            "--api-token",
+            TOKEN,
+            "--weight-bridge-mode",
+            "shared_vllm",
+            "--inference-url",
+            self.vllm_url,
+            "--bridge-token",
+            TOKEN,
+            "--device",
+            "cpu",
+            "--training-steps",
+            str(STEPS),
+            "--batch-size",
+            str(GROUP),
+            "--lr",
+            "1e-4",
+            "--kl-beta",
+            "0",
+            "--lease-seconds",
+            "60",
+            "--wait-timeout",
+            str(2 * WAIT_S),
+            "--poll-interval",
+            "0.3",
+            "--reconnect-timeout",
+            str(WAIT_S),
+            "--save-every",
+            "1",
+            "--no-tensorboard",
+            resume,
+        ]
         self.procs["trainer"] = ManagedProcess("trainer", argv, self._log("trainer")).start()
         self.history.append(self.procs["trainer"])
 
@@ -171,8 +245,9 @@ def _healthy(client: ApiClient) -> bool:
         return False
 
 
-def _wait(cond: Callable[[], bool], what: str, *watch: ManagedProcess,
-          timeout: float = WAIT_S) -> float:  # fmt: skip
+def _wait(
+    cond: Callable[[], bool], what: str, *watch: ManagedProcess, timeout: float = WAIT_S
+) -> float:
     """Poll ``cond`` until true; fail early when a watched process died. Returns the time."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -223,14 +298,16 @@ def _kill_and_restart(stack: Stack, name: str) -> dict:
         out["version_seen_after_restart"] = health["weight_version"]  # "0" unless re-synced
         assert health["weight_version"] in ("0", str(step_before))
         # Only the trainer's own re-sync can bring vLLM back to its version: it has no data.
-        t_synced = _wait(lambda: stack.vllm_health()["weight_version"] == str(step_before),
-                         "vLLM weight version == trainer policy version", *watch,
-                         stack.procs["vllm"])  # fmt: skip
+        t_synced = _wait(
+            lambda: stack.vllm_health()["weight_version"] == str(step_before),
+            "vLLM weight version == trainer policy version",
+            *watch,
+            stack.procs["vllm"],
+        )
         out["restart_to_resync_s"] = round(t_synced - t_restart, 1)
         assert stack.last_step() == step_before  # no step trained on the start weights' data
         os.kill(env.pid, signal.SIGCONT)
-    t_step = _wait(lambda: stack.last_step() > step_before, f"a trained step after {name}",
-                   *watch)  # fmt: skip
+    t_step = _wait(lambda: stack.last_step() > step_before, f"a trained step after {name}", *watch)
     out.update(
         step_at_kill=step_before,
         restart_s=round(t_up - t_restart, 1),
@@ -303,8 +380,11 @@ def test_kill9_each_service_in_turn(tiny_model_dir: Path, tmp_path: Path) -> Non
             stack.check_alive()
 
         trainer = stack.procs["trainer"]
-        _wait(lambda: not trainer.alive(), f"the trainer to finish {STEPS} steps",
-              *[stack.procs[n] for n in ("api", "vllm", "env")])  # fmt: skip
+        _wait(
+            lambda: not trainer.alive(),
+            f"the trainer to finish {STEPS} steps",
+            *[stack.procs[n] for n in ("api", "vllm", "env")],
+        )
         assert trainer.popen.returncode == 0, tail(trainer.log_path, 60)
         stack.procs["env"].stop()  # no more pushes: the accounting below is final
 
@@ -380,7 +460,7 @@ def test_kill9_each_service_in_turn(tiny_model_dir: Path, tmp_path: Path) -> Non
             staleness_max=max(r["staleness_max"] for r in rows),
             versions_pushed=dict(
                 Counter(r["policy_version"] for r in pushed if r.get("kind") == "group")
-            ),  # fmt: skip
+            ),
             trainer_resync_lines=trainer_log.count("re-syncing"),
             trainer_sync_retries=trainer_log.count("weight sync of version"),
             trainer_api_retries=len(re.findall(r"API [A-Z]+ \S+ failed", trainer_log))

@@ -35,10 +35,29 @@ def _input_dir(tmp_path: Path) -> tuple[Path, int]:
 
 
 def _cmd(src: Path, out: Path, base_url: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "env_server.synthesize", "--input", str(src), "--output",
-            str(out), "--base-url", base_url, "--concurrency", "2", "--max-retries", "6",
-            "--max-tokens", "24", "--max-context-chars", "1200", "--lenient",
-            "--temperature", "1.0", *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "env_server.synthesize",
+        "--input",
+        str(src),
+        "--output",
+        str(out),
+        "--base-url",
+        base_url,
+        "--concurrency",
+        "2",
+        "--max-retries",
+        "6",
+        "--max-tokens",
+        "24",
+        "--max-context-chars",
+        "1200",
+        "--lenient",
+        "--temperature",
+        "1.0",
+        *extra,
+    ]
 
 
 def _cache(out: Path) -> list[dict]:
@@ -88,8 +107,9 @@ def test_synthesis_resumes_after_sigkill(vllm_server, tiny_model_dir, tmp_path: 
     assert (out / "failed.jsonl").read_text() == ""
 
     # Run 3: everything is cached, so no request at all (the endpoint here is a dead port).
-    third = ManagedProcess("synth-3", _cmd(src, out, "http://127.0.0.1:9/v1"),
-                           tmp_path / "synth-3.log").start()  # fmt: skip
+    third = ManagedProcess(
+        "synth-3", _cmd(src, out, "http://127.0.0.1:9/v1"), tmp_path / "synth-3.log"
+    ).start()
     try:
         assert third.wait_exit() == 0, (tmp_path / "synth-3.log").read_text()[-2000:]
     finally:

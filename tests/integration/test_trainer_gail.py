@@ -27,27 +27,43 @@ def _groups(model_dir: Path, n: int, version: int) -> list[dict]:
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "<html><button name='buy'>Buy</button></html>"}],
-        add_generation_prompt=True, tokenize=True,
-    )  # fmt: skip
+        add_generation_prompt=True,
+        tokenize=True,
+    )
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-    gold = {"rationale": "The price is right, so I'll buy it now.",
-            "action": json.dumps({"type": "click", "name": "buy"})}  # fmt: skip
-    texts = [format_target(gold["rationale"], {"type": "click", "name": "buy"}),
-             format_target("buy buy buy", {"type": "terminate"}),
-             format_target("I think I want this one.", {"type": "click", "name": "buy"}),
-             '{"rationale": "unfinished']  # fmt: skip
+    gold = {
+        "rationale": "The price is right, so I'll buy it now.",
+        "action": json.dumps({"type": "click", "name": "buy"}),
+    }
+    texts = [
+        format_target(gold["rationale"], {"type": "click", "name": "buy"}),
+        format_target("buy buy buy", {"type": "terminate"}),
+        format_target("I think I want this one.", {"type": "click", "name": "buy"}),
+        '{"rationale": "unfinished',
+    ]
     groups = []
     for _ in range(n):
         seqs = []
         for i, text in enumerate(texts):
             comp = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            seqs.append({
-                "tokens": prompt + comp, "mask": [0] * len(prompt) + [1] * len(comp),
-                "logprobs": [0.0] * len(prompt) + [-4.0] * len(comp),
-                "score": 1.0 if i % 2 == 0 else 0.5, "spans": {},
-            })  # fmt: skip
-        groups.append({"group_id": str(uuid.uuid4()), "env": "shop_r1", "policy_version": version,
-                       "sequences": seqs, "extras": {"gold": gold}})  # fmt: skip
+            seqs.append(
+                {
+                    "tokens": prompt + comp,
+                    "mask": [0] * len(prompt) + [1] * len(comp),
+                    "logprobs": [0.0] * len(prompt) + [-4.0] * len(comp),
+                    "score": 1.0 if i % 2 == 0 else 0.5,
+                    "spans": {},
+                }
+            )
+        groups.append(
+            {
+                "group_id": str(uuid.uuid4()),
+                "env": "shop_r1",
+                "policy_version": version,
+                "sequences": seqs,
+                "extras": {"gold": gold},
+            }
+        )
     return groups
 
 
@@ -80,8 +96,15 @@ def test_grpo_with_gail_reward(tiny_model_dir: Path, tmp_path: Path) -> None:
 
         # Resume in eval mode: the discriminator comes back from the checkpoint and stays put.
         client.push_groups(_groups(tiny_model_dir, 2, version=2))
-        log = run_trainer(tiny_model_dir, save, api_url, server.base_url, 3, "--resume",
-                          env={**gail_env, "GAIL_EVAL_MODE": "1"})  # fmt: skip
+        log = run_trainer(
+            tiny_model_dir,
+            save,
+            api_url,
+            server.base_url,
+            3,
+            "--resume",
+            env={**gail_env, "GAIL_EVAL_MODE": "1"},
+        )
         assert "discriminator restored" in log
         row = _rows(save)[-1]
         assert row["step"] == 3 and row["gail_updates"] == 2 and row["extra_adv_shift"] > 0

@@ -30,8 +30,9 @@ def _groups(
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "<html><button name='buy'>Buy</button></html>"}],
-        add_generation_prompt=True, tokenize=True,
-    )  # fmt: skip
+        add_generation_prompt=True,
+        tokenize=True,
+    )
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     actions = [{"type": "click", "name": "buy"}, {"type": "terminate"}]
     groups = []
@@ -41,13 +42,23 @@ def _groups(
             text = format_target(f"I want option {g} {i}.", actions[i % 2])
             comp = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             rationale = [0] * len(prompt) + [1 if 3 <= j < 10 else 0 for j in range(len(comp))]
-            seqs.append({
-                "tokens": prompt + comp, "mask": [0] * len(prompt) + [1] * len(comp),
-                "logprobs": [0.0] * len(prompt) + [-4.0] * len(comp),
-                "score": scores[i % 2], "spans": {"rationale": rationale},
-            })  # fmt: skip
-        groups.append({"group_id": str(uuid.uuid4()), "env": "shop_r1",
-                       "policy_version": version, "sequences": seqs})  # fmt: skip
+            seqs.append(
+                {
+                    "tokens": prompt + comp,
+                    "mask": [0] * len(prompt) + [1] * len(comp),
+                    "logprobs": [0.0] * len(prompt) + [-4.0] * len(comp),
+                    "score": scores[i % 2],
+                    "spans": {"rationale": rationale},
+                }
+            )
+        groups.append(
+            {
+                "group_id": str(uuid.uuid4()),
+                "env": "shop_r1",
+                "policy_version": version,
+                "sequences": seqs,
+            }
+        )
     return groups
 
 

@@ -21,11 +21,25 @@ STEPS = 4
 
 def _cfg(model_dir: Path, data_dir: Path, save: Path, **kw: object) -> SftConfig:
     # fp32 on every CPU (`auto` would pick bf16 on CPUs with native bf16 only)
-    base = dict(model_name=str(model_dir), data_dir=str(data_dir), save_path=str(save),
-                num_sessions=12, training_steps=STEPS, batch_size=2, micro_batch_size=1,
-                max_seq_len=640, latest_only=True, lr=3e-3, warmup_steps=1, save_every=1,
-                eval_every=STEPS, eval_examples=2, eval_generate=0, tensorboard=False,
-                precision="fp32")  # fmt: skip
+    base = dict(
+        model_name=str(model_dir),
+        data_dir=str(data_dir),
+        save_path=str(save),
+        num_sessions=12,
+        training_steps=STEPS,
+        batch_size=2,
+        micro_batch_size=1,
+        max_seq_len=640,
+        latest_only=True,
+        lr=3e-3,
+        warmup_steps=1,
+        save_every=1,
+        eval_every=STEPS,
+        eval_examples=2,
+        eval_generate=0,
+        tensorboard=False,
+        precision="fp32",
+    )
     return SftConfig(**(base | kw))
 
 
@@ -41,8 +55,7 @@ def _argv(cfg: SftConfig) -> list[str]:
 
 def test_sft_loss_falls_and_kill_resume_is_exact(tiny_model_dir: Path, tmp_path: Path) -> None:
     data = tmp_path / "data"
-    straight = _cfg(tiny_model_dir, data, tmp_path / "straight", eval_generate=2,
-                    max_new_tokens=8)  # fmt: skip
+    straight = _cfg(tiny_model_dir, data, tmp_path / "straight", eval_generate=2, max_new_tokens=8)
     train(straight)
     rows = [json.loads(x) for x in (tmp_path / "straight/metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]

@@ -290,8 +290,16 @@ def _engine_client_class():
 class StandInServer:
     """One "CUDA vLLM server" (TP ``tp`` on GPUs ``first_gpu..``) behind real uvicorn."""
 
-    def __init__(self, monkeypatch, backend: str, tp: int, param_map: dict, token: str,
-                 dtype: torch.dtype = torch.bfloat16, first_gpu: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        monkeypatch,
+        backend: str,
+        tp: int,
+        param_map: dict,
+        token: str,
+        dtype: torch.dtype = torch.bfloat16,
+        first_gpu: int = 0,
+    ) -> None:
         from settings.ports import free_port
 
         self.monkeypatch, self.backend, self.tp, self.token = monkeypatch, backend, tp, token
@@ -313,9 +321,15 @@ class StandInServer:
         from vllm_patching.routes import BridgeEndpointPlugin
 
         self.run_id = uuid.uuid4().hex
-        settings = BridgeSettings(mode="shared_vllm", single_copy=self.backend == "ipc",
-                                  backend=self.backend, device="cuda", run_id=self.run_id,
-                                  config_path="/nonexistent", served_model_name="tiny")  # fmt: skip
+        settings = BridgeSettings(
+            mode="shared_vllm",
+            single_copy=self.backend == "ipc",
+            backend=self.backend,
+            device="cuda",
+            run_id=self.run_id,
+            config_path="/nonexistent",
+            served_model_name="tiny",
+        )
         self.monkeypatch.setenv(SETTINGS_ENV, settings.model_dump_json())
         self.monkeypatch.setenv(TOKEN_ENV, self.token)
         self.workers = [
@@ -335,8 +349,9 @@ class StandInServer:
         init_exception_handler(app)  # vLLM's own: an error is a JSON answer (500 for a crash)
         app.include_router(rl_router)
         plugin.attach_router(app)
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                timeout_graceful_shutdown=2)  # fmt: skip
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", timeout_graceful_shutdown=2
+        )
         self._uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._uvicorn.run, daemon=True)
         self._thread.start()
@@ -364,7 +379,11 @@ class StandInServer:
 
     def sequence(self) -> list[str]:
         """The weight protocol's calls, in order (init, pause, start, update, finish, ...)."""
-        names = {"init_weight_transfer_engine": "init", "start_weight_update": "start",
-                 "update_weights": "update", "finish_weight_update": "finish",
-                 "shutdown_weight_transfer_engine": "shutdown"}  # fmt: skip
+        names = {
+            "init_weight_transfer_engine": "init",
+            "start_weight_update": "start",
+            "update_weights": "update",
+            "finish_weight_update": "finish",
+            "shutdown_weight_transfer_engine": "shutdown",
+        }
         return [names.get(m, m) for m, _ in self.calls]

@@ -16,16 +16,29 @@ from api.config import ApiConfig
 
 pytestmark = pytest.mark.unit
 
-REG = {"wandb_group": "g", "wandb_project": "p", "batch_size": 8, "max_token_len": 512,
-       "checkpoint_dir": "", "save_checkpoint_interval": -1, "starting_step": 0,
-       "num_steps": 100}  # fmt: skip
+REG = {
+    "wandb_group": "g",
+    "wandb_project": "p",
+    "batch_size": 8,
+    "max_token_len": 512,
+    "checkpoint_dir": "",
+    "save_checkpoint_interval": -1,
+    "starting_step": 0,
+    "num_steps": 100,
+}
 
 
 def item(n: int, tag: int, env_id: int | None = None, **kw) -> dict:
     """A group of ``n`` sequences; ``tag`` makes it unique."""
     tokens = [[tag, s, 7, 8] for s in range(n)]
-    return {"tokens": tokens, "masks": [[-100, -100, 7, 8]] * n, "scores": [float(s) for s in range(n)],
-            "inference_logprobs": [[0.0, 0.0, -0.5, -0.25]] * n, "env_id": env_id, **kw}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "masks": [[-100, -100, 7, 8]] * n,
+        "scores": [float(s) for s in range(n)],
+        "inference_logprobs": [[0.0, 0.0, -0.5, -0.25]] * n,
+        "env_id": env_id,
+        **kw,
+    }
 
 
 def env(name: str, **kw) -> dict:
@@ -85,8 +98,13 @@ def test_weights_as_atropos_computes_them(client: TestClient) -> None:
 def test_a_bad_group_is_rejected_alone(client: TestClient) -> None:
     started(client)
     eid = client.post("/register-env", json=env("e", group_size=2)).json()["env_id"]
-    body = [item(2, 1, eid), {**item(2, 2, eid), "inference_logprobs": None},
-            item(2, 3, eid), {**item(2, 4, eid), "masks": [[1]] * 2}, item(2, 5, eid)]  # fmt: skip
+    body = [
+        item(2, 1, eid),
+        {**item(2, 2, eid), "inference_logprobs": None},
+        item(2, 3, eid),
+        {**item(2, 4, eid), "masks": [[1]] * 2},
+        item(2, 5, eid),
+    ]
     r = client.post("/scored_data_list", json=body).json()
     assert r["groups_processed"] == 5
     assert [x["index"] for x in r["rejected"]] == [1, 3]
@@ -107,12 +125,17 @@ def test_a_bad_group_is_rejected_alone(client: TestClient) -> None:
 
 def test_every_atropos_field_is_served_as_posted(client: TestClient) -> None:
     started(client, batch_size=2)
-    extra = {"distill_token_ids": [[[1, 2], [3, 4]]] * 2,
-             "distill_logprobs": [[[-0.1, -0.2], [-0.3, -0.4]]] * 2,
-             "advantages": [[0.5] * 4] * 2, "ref_logprobs": [[-1.0] * 4] * 2,
-             "messages": [[{"role": "user", "content": "hi"}]] * 2,
-             "generation_params": {"temperature": 0.7}, "overrides": [{"a": 1}, {"b": 2}],
-             "group_overrides": {"group_size": 2}, "images": None}  # fmt: skip
+    extra = {
+        "distill_token_ids": [[[1, 2], [3, 4]]] * 2,
+        "distill_logprobs": [[[-0.1, -0.2], [-0.3, -0.4]]] * 2,
+        "advantages": [[0.5] * 4] * 2,
+        "ref_logprobs": [[-1.0] * 4] * 2,
+        "messages": [[{"role": "user", "content": "hi"}]] * 2,
+        "generation_params": {"temperature": 0.7},
+        "overrides": [{"a": 1}, {"b": 2}],
+        "group_overrides": {"group_size": 2},
+        "images": None,
+    }
     posted = item(2, 1, **extra)
     client.post("/scored_data", json=posted).raise_for_status()
     got = client.get("/batch").json()
@@ -150,7 +173,9 @@ def test_mixed_sizes_from_an_env_wait_in_its_buffer(client: TestClient) -> None:
     started(client, batch_size=4)
     eid = client.post("/register-env", json=env("e", group_size=4)).json()["env_id"]
     assert client.post("/scored_data", json=item(2, 1, eid)).json() == {
-        "status": "buffered", "buffer_size": 2}  # fmt: skip
+        "status": "buffered",
+        "buffer_size": 2,
+    }
     r = client.post("/scored_data_list", json=[item(3, 2, eid), item(2, 3, eid)]).json()
     assert (r["buffered"], r["last_buffer_size"]) == (2, 3)
     assert tags(client.get("/batch").json()["batch"]) == [1, 3]
@@ -231,9 +256,22 @@ def test_served_groups_have_every_atropos_key_and_no_unknown_one(client: TestCli
     client.post("/scored_data", json=item(2, 1)).raise_for_status()  # optional keys left out
     client.post("/scored_data", json={**item(2, 2), "not_atropos": 1}).raise_for_status()
     batch = client.get("/batch").json()["batch"]
-    keys = {"tokens", "masks", "scores", "advantages", "ref_logprobs", "messages",
-            "generation_params", "inference_logprobs", "overrides", "group_overrides", "images",
-            "env_id", "distill_token_ids", "distill_logprobs"}  # fmt: skip
+    keys = {
+        "tokens",
+        "masks",
+        "scores",
+        "advantages",
+        "ref_logprobs",
+        "messages",
+        "generation_params",
+        "inference_logprobs",
+        "overrides",
+        "group_overrides",
+        "images",
+        "env_id",
+        "distill_token_ids",
+        "distill_logprobs",
+    }
     assert [set(g) for g in batch] == [keys, keys]
     assert sorted(tags(batch)) == [1, 2] and batch[0]["advantages"] is None
 
@@ -250,9 +288,19 @@ def test_a_batch_whose_trainer_left_before_the_reply_is_served_again(client: Tes
     async def send(message: dict) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
-             "scheme": "http", "path": "/batch", "raw_path": b"/batch", "query_string": b"",
-             "headers": [], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}  # fmt: skip
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": "/batch",
+        "raw_path": b"/batch",
+        "query_string": b"",
+        "headers": [],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
     client.portal.call(client.app, scope, receive, send)
     assert sent[0]["status"] == 499
     assert tags(client.get("/batch").json()["batch"]) == [1]  # not lost

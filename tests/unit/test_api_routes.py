@@ -18,13 +18,21 @@ pytestmark = pytest.mark.unit
 
 
 def seq(n: int = 4, score: float = 1.0) -> dict:
-    return {"tokens": list(range(n)), "mask": [0] * (n - 1) + [1], "logprobs": [-0.5] * n,
-            "score": score}  # fmt: skip
+    return {
+        "tokens": list(range(n)),
+        "mask": [0] * (n - 1) + [1],
+        "logprobs": [-0.5] * n,
+        "score": score,
+    }
 
 
 def grp(gid: str, env: str = "e", n_seqs: int = 2, **kw) -> dict:
-    return {"group_id": gid, "env": env, "policy_version": 0,
-            "sequences": [seq(**kw) for _ in range(n_seqs)]}  # fmt: skip
+    return {
+        "group_id": gid,
+        "env": env,
+        "policy_version": 0,
+        "sequences": [seq(**kw) for _ in range(n_seqs)],
+    }
 
 
 def make_client(tmp_path: Path, **cfg) -> TestClient:
@@ -89,8 +97,11 @@ def test_non_finite_scores_are_rejected(client: TestClient) -> None:
     body = json.dumps({"groups": [grp("x", score=float("nan"))]})  # Python writes NaN
     r = client.post("/groups", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 422 and "finite" in r.text
-    r = client.post("/groups", content=body.replace("NaN", "Infinity"),
-                    headers={"content-type": "application/json"})  # fmt: skip
+    r = client.post(
+        "/groups",
+        content=body.replace("NaN", "Infinity"),
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 422 and "finite" in r.text
 
 
@@ -102,8 +113,11 @@ def test_invalid_json_is_a_4xx(client: TestClient) -> None:
 
 def test_gzip_body_and_limits_after_decompression(client: TestClient) -> None:
     small = json.dumps({"groups": [grp("z")]}).encode()
-    r = client.post("/groups", content=gzip.compress(small),
-                    headers={"content-encoding": "gzip", "content-type": "application/json"})  # fmt: skip
+    r = client.post(
+        "/groups",
+        content=gzip.compress(small),
+        headers={"content-encoding": "gzip", "content-type": "application/json"},
+    )
     assert r.json()["accepted"] == 1
     # 10 MB of zeros gzips to ~10 KB: under the limit on the wire, far over it inflated.
     bomb = gzip.compress(b"0" * 10_000_000)
@@ -123,9 +137,16 @@ def test_gzip_body_and_limits_after_decompression(client: TestClient) -> None:
 
 def test_token_guards_every_route(tmp_path: Path) -> None:
     with make_client(tmp_path, token="s3cret") as c:
-        for method, path in [("GET", "/health"), ("GET", "/docs"), ("GET", "/openapi.json"),
-                             ("GET", "/status"), ("POST", "/groups"), ("GET", "/batch"),
-                             ("POST", "/scored_data"), ("GET", "/reset_data")]:  # fmt: skip
+        for method, path in [
+            ("GET", "/health"),
+            ("GET", "/docs"),
+            ("GET", "/openapi.json"),
+            ("GET", "/status"),
+            ("POST", "/groups"),
+            ("GET", "/batch"),
+            ("POST", "/scored_data"),
+            ("GET", "/reset_data"),
+        ]:
             assert c.request(method, path).status_code == 401, path
             wrong = {"Authorization": "Bearer nope"}
             assert c.request(method, path, headers=wrong).status_code == 401, path
@@ -135,10 +156,27 @@ def test_token_guards_every_route(tmp_path: Path) -> None:
 
 def test_openapi_lists_the_native_and_atropos_routes(client: TestClient) -> None:
     paths = client.get("/openapi.json").json()["paths"]
-    for p in ["/groups", "/envs/register", "/backpressure", "/batches/lease",
-              "/batches/{batch_id}/ack", "/batches/{batch_id}/skip", "/policy_version", "/status", "/health",
-              "/register", "/register-env", "/scored_data", "/scored_data_list", "/batch",
-              "/status-env", "/info", "/wandb_info", "/disconnect-env", "/latest_example"]:  # fmt: skip
+    for p in [
+        "/groups",
+        "/envs/register",
+        "/backpressure",
+        "/batches/lease",
+        "/batches/{batch_id}/ack",
+        "/batches/{batch_id}/skip",
+        "/policy_version",
+        "/status",
+        "/health",
+        "/register",
+        "/register-env",
+        "/scored_data",
+        "/scored_data_list",
+        "/batch",
+        "/status-env",
+        "/info",
+        "/wandb_info",
+        "/disconnect-env",
+        "/latest_example",
+    ]:
         assert p in paths, p
     assert client.get("/docs").status_code == 200
 
@@ -146,7 +184,9 @@ def test_openapi_lists_the_native_and_atropos_routes(client: TestClient) -> None
 def test_versions_staleness_and_backpressure(client: TestClient) -> None:
     client.post("/envs/register", json={"name": "e", "weight": 1.0, "group_size": 2})
     assert client.get("/backpressure", params={"env": "e"}).json() == {
-        "wanted": (2 + 1) * 64 // 2, "policy_version": 0}  # fmt: skip
+        "wanted": (2 + 1) * 64 // 2,
+        "policy_version": 0,
+    }
     client.post("/groups", json={"groups": [grp("old")]})
     r = client.post("/policy_version", json={"version": 3})
     assert r.json() == {"version": 3, "dropped": 1}
@@ -157,26 +197,44 @@ def test_versions_staleness_and_backpressure(client: TestClient) -> None:
 
 def atropos_item(n: int = 2, **kw) -> dict:
     tokens = [[1, 2, 3, 4] for _ in range(n)]
-    return {"tokens": tokens, "masks": [[-100, -100, 3, 4]] * n, "scores": [1.0, -1.0][:n],
-            "inference_logprobs": [[1.0, 1.0, -0.2, -0.3]] * n, **kw}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "masks": [[-100, -100, 3, 4]] * n,
+        "scores": [1.0, -1.0][:n],
+        "inference_logprobs": [[1.0, 1.0, -0.2, -0.3]] * n,
+        **kw,
+    }
 
 
 def test_atropos_env_and_trainer_flow(client: TestClient) -> None:
-    assert client.post("/register-env", json={"max_token_length": 512, "desired_name": "gsm8k",
-                       "weight": 1.0, "group_size": 2}).json() == {"status": "wait for trainer to start"}  # fmt: skip
-    reg = {"wandb_group": "g", "wandb_project": "p", "batch_size": 4, "max_token_len": 512,
-           "checkpoint_dir": "/tmp/ck", "save_checkpoint_interval": 10, "starting_step": 0,
-           "num_steps": 100}  # fmt: skip
+    assert client.post(
+        "/register-env",
+        json={"max_token_length": 512, "desired_name": "gsm8k", "weight": 1.0, "group_size": 2},
+    ).json() == {"status": "wait for trainer to start"}
+    reg = {
+        "wandb_group": "g",
+        "wandb_project": "p",
+        "batch_size": 4,
+        "max_token_len": 512,
+        "checkpoint_dir": "/tmp/ck",
+        "save_checkpoint_interval": 10,
+        "starting_step": 0,
+        "num_steps": 100,
+    }
     assert "uuid" in client.post("/register", json=reg).json()
     assert client.get("/batch").json() == {"batch": None}  # the trainer has started
-    env = client.post("/register-env", json={"max_token_length": 512, "desired_name": "gsm8k",
-                      "weight": 1.0, "group_size": 2}).json()  # fmt: skip
+    env = client.post(
+        "/register-env",
+        json={"max_token_length": 512, "desired_name": "gsm8k", "weight": 1.0, "group_size": 2},
+    ).json()
     assert env["status"] == "success" and env["wandb_name"] == "gsm8k_0"
     assert env["checkpoint_dir"] == "/tmp/ck" and env["num_steps"] == 100
     eid = env["env_id"]
     assert client.post("/scored_data", json=atropos_item(env_id=eid)).json()["status"] == "received"
-    r = client.post("/scored_data_list", json=[atropos_item(env_id=eid, scores=[0.5, 0.25]),
-                                                atropos_item(env_id=eid)])  # fmt: skip
+    r = client.post(
+        "/scored_data_list",
+        json=[atropos_item(env_id=eid, scores=[0.5, 0.25]), atropos_item(env_id=eid)],
+    )
     assert r.json() == {"status": "received", "groups_processed": 2}  # one was a retry (dedup)
     assert client.get("/status").json()["queued_groups"] == 2
     senv = client.request("GET", "/status-env", json={"env_id": eid}).json()

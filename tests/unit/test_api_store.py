@@ -22,8 +22,12 @@ class Clock:
 
 
 def group(gid: str, env: str = "a", version: int = 0, n_seqs: int = 2, length: int = 10):
-    seq = {"tokens": list(range(length)), "mask": [0] * (length - 1) + [1],
-           "logprobs": [0.0] * length, "score": 1.0}  # fmt: skip
+    seq = {
+        "tokens": list(range(length)),
+        "mask": [0] * (length - 1) + [1],
+        "logprobs": [0.0] * length,
+        "score": 1.0,
+    }
     return ScoredGroup.model_validate(
         {"group_id": gid, "env": env, "policy_version": version, "sequences": [seq] * n_seqs}
     )

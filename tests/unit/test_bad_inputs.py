@@ -173,13 +173,22 @@ def test_huge_outputs_are_scored_in_bounded_time(size: int) -> None:
     assert time.perf_counter() - t0 < 30.0
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, database=None,
-          suppress_health_check=list(HealthCheck))  # fmt: skip
-@given(st.one_of(
-    st.text(),
-    st.text(alphabet='{}[]":,\\ artionlcky_x0\n\u0000\ud800', max_size=120),
-    st.builds(lambda a, b: GOOD[:a] + b + GOOD[a:], st.integers(0, len(GOOD)), st.text(max_size=3)),
-))  # fmt: skip
+@settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+@given(
+    st.one_of(
+        st.text(),
+        st.text(alphabet='{}[]":,\\ artionlcky_x0\n\u0000\ud800', max_size=120),
+        st.builds(
+            lambda a, b: GOOD[:a] + b + GOOD[a:], st.integers(0, len(GOOD)), st.text(max_size=3)
+        ),
+    )
+)
 def test_random_text_never_raises_and_failures_score_zero(text: str) -> None:
     parsed = parse_output(text)
     r = score(text, CLICK)
@@ -192,9 +201,14 @@ def test_random_text_never_raises_and_failures_score_zero(text: str) -> None:
 
 # ----------------------------------------------------------------------------- dataset rows
 
-ROW = {"session_id": "s", "step": 1, "pages": ["<p>a</p>", "<p>b</p>"],
-       "previous_actions": ['{"type": "click", "name": "a"}'], "rationale": "r",
-       "action": '{"type": "terminate"}'}  # fmt: skip
+ROW = {
+    "session_id": "s",
+    "step": 1,
+    "pages": ["<p>a</p>", "<p>b</p>"],
+    "previous_actions": ['{"type": "click", "name": "a"}'],
+    "rationale": "r",
+    "action": '{"type": "terminate"}',
+}
 SHOP = {"context": "<p>x</p>", "rationale": "r", "action": {"type": "terminate"}}
 
 
@@ -226,7 +240,7 @@ def _write(path: Path, rows: list) -> Path:
         ({**SHOP, "previous_actions": "click"}, "previous_actions"),
         ({**SHOP, "action": {"type": "type_and_submit", "name": "s"}}, "action.text"),
     ],
-)  # fmt: skip
+)
 def test_malformed_dataset_row_names_file_line_and_field(tmp_path: Path, row: dict, field: str):
     good = SHOP if "context" in row else ROW
     path = _write(tmp_path / "data.jsonl", [good, "", row])  # a blank line is skipped, counted

@@ -100,8 +100,14 @@ def test_bridge_table_compares_each_mode_with_the_floors_of_its_own_run() -> Non
     from bench.bridge_sync import table
 
     def mode(key: str, label: str, sync_s: float, floors: dict | None) -> dict:
-        med = {"sync_s": sync_s, "transfer_s": 0.002, "server_pause_s": 0.01,
-               "client_gap_s": 0.02, "median_token_gap_s": 0.002, "bytes": 2**20}  # fmt: skip
+        med = {
+            "sync_s": sync_s,
+            "transfer_s": 0.002,
+            "server_pause_s": 0.01,
+            "client_gap_s": 0.02,
+            "median_token_gap_s": 0.002,
+            "bytes": 2**20,
+        }
         m = {"key": key, "label": label, "median": med, "best": med}
         return m | ({"floors": floors} if floors is not None else {})
 
@@ -134,10 +140,21 @@ def test_bridge_table_names_the_rounds_a_box_freeze_hit() -> None:
         r = {"sync_s": sync_s, "client_gap_s": gap_s}
         return r | ({"box_freeze_s": freeze_s} if freeze_s is not None else {})
 
-    med = {"sync_s": 0.1, "transfer_s": None, "server_pause_s": 0.0, "client_gap_s": 0.02,
-           "median_token_gap_s": 0.002, "bytes": 2**20}  # fmt: skip
-    rounds = [rnd(9.0, 9.0, 8.9), rnd(0.04, 0.02, 0.001), rnd(3.0, 2.9, 2.8),
-              rnd(0.06, 0.03, 0.002), rnd(0.05, 0.01, None)]  # fmt: skip
+    med = {
+        "sync_s": 0.1,
+        "transfer_s": None,
+        "server_pause_s": 0.0,
+        "client_gap_s": 0.02,
+        "median_token_gap_s": 0.002,
+        "bytes": 2**20,
+    }
+    rounds = [
+        rnd(9.0, 9.0, 8.9),
+        rnd(0.04, 0.02, 0.001),
+        rnd(3.0, 2.9, 2.8),
+        rnd(0.06, 0.03, 0.002),
+        rnd(0.05, 0.01, None),
+    ]
     m = {"key": "lora", "label": "LoRA", "median": med, "best": med, "rounds": rounds}
     # the first round is the warm-up: not counted
     assert freeze_note(m) == (

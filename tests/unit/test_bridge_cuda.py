@@ -26,9 +26,16 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                      tie_word_embeddings=True)  # fmt: skip
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
     return Qwen2ForCausalLM(cfg).float()
 
 
@@ -72,8 +79,9 @@ def servers(monkeypatch: pytest.MonkeyPatch, fabric: Fabric):
     def start(backend: str, tps: list[int], model: torch.nn.Module) -> list[StandInServer]:
         gpu = 0
         for tp in tps:
-            started.append(StandInServer(monkeypatch, backend, tp, param_map(model), TOKEN,
-                                         first_gpu=gpu))  # fmt: skip
+            started.append(
+                StandInServer(monkeypatch, backend, tp, param_map(model), TOKEN, first_gpu=gpu)
+            )
             gpu += tp
         return started[-len(tps) :]
 
@@ -110,8 +118,15 @@ def test_nccl_round_as_vllm_parses_it(servers, fabric: Fabric, tps: list[int]) -
         bridge.sync(model, version=7)
         offset = 1
         for s, tp in zip(srv, tps, strict=True):
-            assert s.sequence() == ["init", "pause", "start", "update", "finish", "version",
-                                    "resume"]  # fmt: skip
+            assert s.sequence() == [
+                "init",
+                "pause",
+                "start",
+                "update",
+                "finish",
+                "version",
+                "resume",
+            ]
             assert ("version", "7") in s.calls
             for w in s.workers:
                 (kind, init), (kind2, update) = w.parsed
@@ -374,8 +389,13 @@ def _raiser(message: str):
 def test_grpo_hands_the_trainers_gpu_to_the_cuda_bridge_only() -> None:
     from trainer.grpo import _bridge_kwargs
 
-    cfg = SimpleNamespace(inference_device="auto", single_copy=False, bridge_token="t",
-                          vllm_restart_interval=1, save_path="s")  # fmt: skip
+    cfg = SimpleNamespace(
+        inference_device="auto",
+        single_copy=False,
+        bridge_token="t",
+        vllm_restart_interval=1,
+        save_path="s",
+    )
     kw = _bridge_kwargs(cfg, "cuda:1")
     assert kw["device"] == "cuda" and kw["trainer_device"] == "cuda:1"
     assert "trainer_device" not in _bridge_kwargs(cfg, "cpu")  # the CPU bridges take none

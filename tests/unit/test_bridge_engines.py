@@ -63,9 +63,16 @@ def test_local_rank_reads_shared_memory_remote_rank_gets_gloo() -> None:
 
     def init(rank: int) -> None:
         name = seg.name if rank == 1 else f"{SHM_PREFIX}{uuid.uuid4().hex}"
-        info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": rank,
-                "world_size": 3, "timeout_s": 60, "shm_segment": name,
-                "shm_size": seg.size, "shm_nonce": nonce}  # fmt: skip
+        info = {
+            "master_address": "127.0.0.1",
+            "master_port": port,
+            "rank_offset": rank,
+            "world_size": 3,
+            "timeout_s": 60,
+            "shm_segment": name,
+            "shm_size": seg.size,
+            "shm_nonce": nonce,
+        }
         try:
             eng = engines[rank]
             eng.init_transfer_engine(eng.parse_init_info(info))

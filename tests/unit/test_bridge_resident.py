@@ -16,9 +16,16 @@ pytestmark = pytest.mark.unit
 
 def _model() -> Qwen2ForCausalLM:
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                      tie_word_embeddings=True)  # fmt: skip
+    cfg = Qwen2Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
     return Qwen2ForCausalLM(cfg)
 
 

@@ -122,9 +122,14 @@ def test_hf_tensors_skip_tied_lm_head_and_check_names() -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     names = [n for n, _ in hf_tensors(Qwen2ForCausalLM(cfg))]
     assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
     param_map = {n: {} for n in names}

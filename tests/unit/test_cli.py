@@ -59,9 +59,13 @@ def _parse(argv: list[str], environ: dict[str, str] | None = None) -> cli.Resolv
     cli.add_config_flags(parser, Demo, aliases={"cap": ["--max-cap"]})
     ns = parser.parse_args(argv)
     return cli.resolve(
-        Demo, section="trainer.grpo", recipe=ns.recipe, config=ns.config,
-        flags=cli.flag_values(Demo, ns), environ=environ or {},
-    )  # fmt: skip
+        Demo,
+        section="trainer.grpo",
+        recipe=ns.recipe,
+        config=ns.config,
+        flags=cli.flag_values(Demo, ns),
+        environ=environ or {},
+    )
 
 
 def _write(path: Path, text: str) -> Path:
@@ -70,8 +74,22 @@ def _write(path: Path, text: str) -> Path:
 
 
 def test_flags_follow_field_types(capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = _parse(["--no-tensorboard", "--urls", "http://a,http://b", "--mode", "slow",
-                  "--max-cap", "none", "--gail.use", "--gail.beta", "0.25", "--lr", "0.5"]).config  # fmt: skip
+    cfg = _parse(
+        [
+            "--no-tensorboard",
+            "--urls",
+            "http://a,http://b",
+            "--mode",
+            "slow",
+            "--max-cap",
+            "none",
+            "--gail.use",
+            "--gail.beta",
+            "0.25",
+            "--lr",
+            "0.5",
+        ]
+    ).config
     assert not cfg.tensorboard and cfg.urls == ["http://a", "http://b"] and cfg.mode == "slow"
     assert cfg.cap is None and cfg.gail.use and cfg.gail.beta == 0.25 and cfg.lr == 0.5
     with pytest.raises(SystemExit):  # Literal -> argparse choices
@@ -87,7 +105,9 @@ def test_flags_follow_field_types(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_precedence_defaults_recipe_config_env_flags(tmp_path: Path) -> None:
-    recipe = _write(tmp_path / "r.yaml", """
+    recipe = _write(
+        tmp_path / "r.yaml",
+        """
 model: from-recipe-shared
 seed: 3
 trainer:
@@ -98,10 +118,13 @@ trainer:
     token: recipe-token
     table: {a: 1.0}
     gail: {use: true, beta: 0.9}
-""")  # fmt: skip
+""",
+    )
     config = _write(tmp_path / "c.yaml", "lr: 0.2\n")
-    r = _parse(["--recipe", str(recipe), "--config", str(config), "--seed", "7"],
-               environ={"DEMO_TOKEN": "env-token", "GAIL_BETA": "0.7"})  # fmt: skip
+    r = _parse(
+        ["--recipe", str(recipe), "--config", str(config), "--seed", "7"],
+        environ={"DEMO_TOKEN": "env-token", "GAIL_BETA": "0.7"},
+    )
     cfg = r.config
     assert cfg.model_name == "from-recipe-shared"  # shared key 'model' -> trainer.model_name
     assert cfg.mode == "slow" and cfg.cap == 2.0 and cfg.table == {"a": 1.0}  # recipe
@@ -149,11 +172,17 @@ def test_recipe_errors_name_the_key_and_the_file(tmp_path: Path, text: str, mess
 
 def test_recipe_base_variables_and_loops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SHOP_R1_TEST_DIR", "/data/x")
-    _write(tmp_path / "base.yaml", "model: ${SHOP_R1_TEST_DIR}/m\nseed: 1\n"
-           "trainer: {lr: 0.1, grpo: {mode: slow}}\nrewards: {components: {format: 0.5}}\n")  # fmt: skip
-    child = _write(tmp_path / "child.yaml", "base: base.yaml\nseed: 2\n"
-                   "trainer: {grpo: {cap: 1.5}}\nrewards: {components: {type: 0.3}}\n"
-                   "output_dir: ${SHOP_R1_TEST_UNSET_VAR:-${RUNS_DIR}}\n")  # fmt: skip
+    _write(
+        tmp_path / "base.yaml",
+        "model: ${SHOP_R1_TEST_DIR}/m\nseed: 1\n"
+        "trainer: {lr: 0.1, grpo: {mode: slow}}\nrewards: {components: {format: 0.5}}\n",
+    )
+    child = _write(
+        tmp_path / "child.yaml",
+        "base: base.yaml\nseed: 2\n"
+        "trainer: {grpo: {cap: 1.5}}\nrewards: {components: {type: 0.3}}\n"
+        "output_dir: ${SHOP_R1_TEST_UNSET_VAR:-${RUNS_DIR}}\n",
+    )
     merged = cli.load_recipe(child)
     assert merged["model"] == "/data/x/m" and merged["seed"] == 2
     assert merged["trainer"] == {"lr": 0.1, "grpo": {"mode": "slow", "cap": 1.5}}
@@ -164,7 +193,9 @@ def test_recipe_base_variables_and_loops(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_vllm_recipe_args_and_flags_win(tmp_path: Path) -> None:
-    recipe = _write(tmp_path / "r.yaml", """
+    recipe = _write(
+        tmp_path / "r.yaml",
+        """
 model: /models/m
 seed: 5
 output_dir: /runs/x
@@ -175,7 +206,8 @@ vllm:
   enable_prefix_caching: false
   max_model_len: 2048
   weight_bridge_mode: none
-""")  # fmt: skip
+""",
+    )
     argv = expand_recipe(["--recipe", str(recipe), "--dtype=bfloat16", "--port", "9"])
     assert argv[:2] == ["--model", "/models/m"] and "--seed" in argv
     assert "--no-enable-prefix-caching" in argv and "--enforce-eager" in argv
@@ -184,5 +216,10 @@ vllm:
     assert ["--bridge-config", "/runs/x/vllm_bridge_config.json"] == argv[
         argv.index("--bridge-config") : argv.index("--bridge-config") + 2
     ]
-    assert merge_argv(["--a", "1", "--b"], ["--no-b", "--c", "2"]) == ["--a", "1", "--no-b",
-                                                                       "--c", "2"]  # fmt: skip
+    assert merge_argv(["--a", "1", "--b"], ["--no-b", "--c", "2"]) == [
+        "--a",
+        "1",
+        "--no-b",
+        "--c",
+        "2",
+    ]

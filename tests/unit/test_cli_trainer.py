@@ -50,8 +50,10 @@ def test_resume_checkpoint_resolution(tmp_path: Path) -> None:
     assert resume_checkpoint(cfg) == last
     path_cfg = SftConfig(save_path=str(save), resume_from_checkpoint=str(last))
     assert resume_checkpoint(path_cfg) == last.resolve()
-    assert resume_checkpoint(SftConfig(save_path=str(save), resume_from_checkpoint=str(save))) \
-        == last.resolve()  # a run directory: its newest checkpoint  # fmt: skip
+    assert (
+        resume_checkpoint(SftConfig(save_path=str(save), resume_from_checkpoint=str(save)))
+        == last.resolve()
+    )  # a run directory: its newest checkpoint
     with pytest.raises(SystemExit, match="not the newest"):
         resume_checkpoint(SftConfig(save_path=str(save), resume_from_checkpoint=str(first)))
     foreign = _ckpt(other, 9)
@@ -95,11 +97,17 @@ def test_hub_push_arguments_and_token_from_env(
     ckpt = _ckpt(tmp_path, 3)
     calls: list[dict] = []
     push_checkpoint(cfg, ckpt, upload=lambda **kw: calls.append(kw) or "commit")
-    assert calls == [{
-        "repo_id": "me/shop-r1", "repo_type": "model", "folder_path": str(ckpt),
-        "path_in_repo": "checkpoints/step_000003", "commit_message": f"step_000003 ({tmp_path.name})",
-        "ignore_patterns": LOCAL_ONLY, "token": "hf_from_env",
-    }]  # fmt: skip
+    assert calls == [
+        {
+            "repo_id": "me/shop-r1",
+            "repo_type": "model",
+            "folder_path": str(ckpt),
+            "path_in_repo": "checkpoints/step_000003",
+            "commit_message": f"step_000003 ({tmp_path.name})",
+            "ignore_patterns": LOCAL_ONLY,
+            "token": "hf_from_env",
+        }
+    ]
     with pytest.raises(SystemExit, match="owner/name"):
         _parse(SftConfig, ["--hub-repo-id", "noslash"])
 

@@ -98,19 +98,37 @@ def test_eval_table_shows_every_part_and_the_paired_gain() -> None:
     assert "exact match, RL - SFT on the same 4 rows (paired): +25.00 points ± 25.00" in table
     assert "best reachable exact match on these rows (simulated users): 50.0%" in table
     # Metrics without the new keys (an older metrics.json) still give the basic rows.
-    old = {k: sft[k] for k in ("exact_match", "type_accuracy", "macro_f1", "format_rate",
-                               "mean_reward")}  # fmt: skip
+    old = {
+        k: sft[k]
+        for k in ("exact_match", "type_accuracy", "macro_f1", "format_rate", "mean_reward")
+    }
     assert "| macro-F1 |" in eval_table(old, old, "n") and "paired" not in eval_table(old, old, "")
 
 
 def test_reward_curve_plots_trainer_and_env_metrics(tmp_path) -> None:
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("".join(json.dumps({"step": s, "score_mean": 0.5 + 100 * (s % 2)}) + "\n"
-                               for s in range(1, 7)))  # fmt: skip
+    metrics.write_text(
+        "".join(
+            json.dumps({"step": s, "score_mean": 0.5 + 100 * (s % 2)}) + "\n" for s in range(1, 7)
+        )
+    )
     env = tmp_path / "env_metrics.jsonl"
-    env.write_text("".join(json.dumps({"kind": "group", "policy_version": v, "valid": 0.5,
-                                       "type_match": 0.25, "exact_match": 0.0}) + "\n"
-                           for v in (0, 0, 1, 3)) + '{"kind": "summary"}\n')  # fmt: skip
+    env.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "kind": "group",
+                    "policy_version": v,
+                    "valid": 0.5,
+                    "type_match": 0.25,
+                    "exact_match": 0.0,
+                }
+            )
+            + "\n"
+            for v in (0, 0, 1, 3)
+        )
+        + '{"kind": "summary"}\n'
+    )
     png = tmp_path / "reward_curve.png"
     reward_curve(metrics, png)
     assert png.stat().st_size > 10_000

@@ -27,15 +27,40 @@ SHOP_R1_ROW = {
 }
 
 OPERA_ROWS = [
-    {"session_id": "s1", "step": 2, "action_type": "terminate", "simplified_html": "<p>c</p>",
-     "rationale": "Done.", "input_text": None},
-    {"session_id": "s1", "step": 0, "action_type": "input", "simplified_html": "<p>a</p>",
-     "rationale": "Search.", "input_text": "desk lamp", "target_name": "search_input"},
-    {"session_id": "s1", "step": 1, "action_type": "click", "simplified_html": "<p>b</p>",
-     "rationale": "Looks good.", "target_name": "product_lumio_a1"},
-    {"session_id": 7, "step": 0, "action_type": "click", "simplified_html": "<p>x</p>",
-     "rationale": "Hm.", "name": "deal_x"},
-]  # fmt: skip
+    {
+        "session_id": "s1",
+        "step": 2,
+        "action_type": "terminate",
+        "simplified_html": "<p>c</p>",
+        "rationale": "Done.",
+        "input_text": None,
+    },
+    {
+        "session_id": "s1",
+        "step": 0,
+        "action_type": "input",
+        "simplified_html": "<p>a</p>",
+        "rationale": "Search.",
+        "input_text": "desk lamp",
+        "target_name": "search_input",
+    },
+    {
+        "session_id": "s1",
+        "step": 1,
+        "action_type": "click",
+        "simplified_html": "<p>b</p>",
+        "rationale": "Looks good.",
+        "target_name": "product_lumio_a1",
+    },
+    {
+        "session_id": 7,
+        "step": 0,
+        "action_type": "click",
+        "simplified_html": "<p>x</p>",
+        "rationale": "Hm.",
+        "name": "deal_x",
+    },
+]
 
 
 def test_shop_r1_rows_keep_actions_aligned(tmp_path: Path) -> None:
@@ -56,16 +81,25 @@ def test_opera_rows_become_sessions_in_step_order(tmp_path: Path) -> None:
     assert last["pages"] == ["<p>a</p>", "<p>b</p>", "<p>c</p>"]
     assert [json.loads(a)["type"] for a in last["previous_actions"]] == ["type_and_submit", "click"]
     assert json.loads(s1[0]["action"]) == {
-        "type": "type_and_submit", "name": "search_input", "text": "desk lamp"
-    }  # fmt: skip
+        "type": "type_and_submit",
+        "name": "search_input",
+        "text": "desk lamp",
+    }
     assert last["action"] == '{"type": "terminate"}'
     assert any(r["session_id"] == "7" for r in ds)
 
 
 def test_opera_rows_from_csv(tmp_path: Path) -> None:
     path = tmp_path / "opera.csv"
-    fields = ["session_id", "step", "action_type", "simplified_html", "rationale", "input_text",
-              "target_name"]  # fmt: skip
+    fields = [
+        "session_id",
+        "step",
+        "action_type",
+        "simplified_html",
+        "rationale",
+        "input_text",
+        "target_name",
+    ]
     with path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
@@ -83,14 +117,20 @@ def test_opera_rows_from_csv(tmp_path: Path) -> None:
         ({**SHOP_R1_ROW, "action": "{not json"}, "action", "shop_r1"),
         ({**SHOP_R1_ROW, "rationale": ""}, "rationale", "shop_r1"),
         ({**SHOP_R1_ROW, "context": 5}, "context", "shop_r1"),
-        ({**SHOP_R1_ROW, "previous_actions": [{"type": "click"}]}, "previous_actions[0].name",
-         "shop_r1"),
+        (
+            {**SHOP_R1_ROW, "previous_actions": [{"type": "click"}]},
+            "previous_actions[0].name",
+            "shop_r1",
+        ),
         ({**OPERA_ROWS[1], "action_type": "scroll"}, "action_type.type", "opera"),
         ({**OPERA_ROWS[1], "input_text": ""}, "action_type.text", "opera"),
-        ({k: v for k, v in OPERA_ROWS[1].items() if k != "simplified_html"}, "simplified_html",
-         "opera"),
+        (
+            {k: v for k, v in OPERA_ROWS[1].items() if k != "simplified_html"},
+            "simplified_html",
+            "opera",
+        ),
     ],
-)  # fmt: skip
+)
 def test_malformed_row_names_file_line_and_field(tmp_path: Path, row: dict, field: str, fmt: str):
     good = SHOP_R1_ROW if fmt == "shop_r1" else OPERA_ROWS[2]
     path = write_jsonl(tmp_path / "bad.jsonl", [good, row])
@@ -114,8 +154,14 @@ def test_invalid_json_line_and_unknown_format(tmp_path: Path) -> None:
 
 
 def test_own_rows_are_validated(tmp_path: Path) -> None:
-    row = {"session_id": "s", "step": 1, "pages": ["<p>a</p>", "<p>b</p>"],
-           "previous_actions": [], "rationale": "r", "action": '{"type": "terminate"}'}  # fmt: skip
+    row = {
+        "session_id": "s",
+        "step": 1,
+        "pages": ["<p>a</p>", "<p>b</p>"],
+        "previous_actions": [],
+        "rationale": "r",
+        "action": '{"type": "terminate"}',
+    }
     with pytest.raises(DataFormatError, match="previous_actions"):
         load_user_data(write_jsonl(tmp_path / "rows.jsonl", [row]))
     row["previous_actions"] = ['{"type": "click", "name": "a"}']
@@ -130,9 +176,17 @@ def test_convert_cli_splits_user_data_by_session(tmp_path: Path, capsys) -> None
     rows = []
     for s in range(30):
         for step, kind in enumerate(("input", "click", "terminate")):
-            rows.append({"session_id": f"u{s}", "step": step, "action_type": kind,
-                         "simplified_html": f"<p>{s}-{step}</p>", "rationale": "why",
-                         "input_text": "lamp", "target_name": "search_input"})  # fmt: skip
+            rows.append(
+                {
+                    "session_id": f"u{s}",
+                    "step": step,
+                    "action_type": kind,
+                    "simplified_html": f"<p>{s}-{step}</p>",
+                    "rationale": "why",
+                    "input_text": "lamp",
+                    "target_name": "search_input",
+                }
+            )
     src = write_jsonl(tmp_path / "opera.jsonl", rows)
     main(["convert", "--input", str(src), "--out", str(tmp_path / "data")])
     summary = json.loads(capsys.readouterr().out)

@@ -135,18 +135,27 @@ def test_rouge_l_matches_hand_computation() -> None:
         # wrong element, ROUGE-L 0: no similarity credit
         (CLICK, {"type": "click", "name": "buy_now"}, 1.0),
         # ROUGE-L 6/7 >= 0.75: credited 1000 x 6/7
-        ({"type": "click", "name": KURO}, {"type": "click", "name": KURO.replace("l370", "l371")},
-         1.0 + 1000 * 6 / 7),
+        (
+            {"type": "click", "name": KURO},
+            {"type": "click", "name": KURO.replace("l370", "l371")},
+            1.0 + 1000 * 6 / 7,
+        ),
         # ROUGE-L 3/5 = 0.6 < 0.75: presence only
-        ({"type": "click", "name": "product_a_b_c_d"}, {"type": "click", "name": "product_a_b_x_y"},
-         1.0),
+        (
+            {"type": "click", "name": "product_a_b_c_d"},
+            {"type": "click", "name": "product_a_b_x_y"},
+            1.0,
+        ),
         # type_and_submit exact: 0.5 + 0.3 + 0.1 + 0.1 + 0.1 x 1 + 1000 x 1
         (SEARCH, SEARCH, 1001.1),
         # text ROUGE-L 2/3 < 0.75: presence + name similarity only
         (SEARCH, {**SEARCH, "text": "wireless noise cancelling headphones"}, 1.1),
         # text: pred 3 words, gold 4, LCS 3 -> P 1, R 3/4, F 6/7
-        ({**SEARCH, "text": "noise cancelling wireless headphones"},
-         {**SEARCH, "text": "noise cancelling headphones"}, 1.1 + 1000 * 6 / 7),
+        (
+            {**SEARCH, "text": "noise cancelling wireless headphones"},
+            {**SEARCH, "text": "noise cancelling headphones"},
+            1.1 + 1000 * 6 / 7,
+        ),
         # name 'search box' vs 'search input': F 1/2 < 0.75, no name similarity; text exact
         (SEARCH, {**SEARCH, "name": "search_box"}, 1001.0),
         # wrong type: format only, no attribute credit
@@ -155,7 +164,7 @@ def test_rouge_l_matches_hand_computation() -> None:
         # terminate: format + type
         ({"type": "terminate"}, {"type": "terminate"}, 0.8),
     ],
-)  # fmt: skip
+)
 def test_hierarchical_reward_table1(gold: dict, pred: dict, total: float) -> None:
     r = score(out(pred), gold)
     assert r.valid
@@ -165,8 +174,10 @@ def test_hierarchical_reward_table1(gold: dict, pred: dict, total: float) -> Non
 
 
 def test_components_reported_separately() -> None:
-    r = score(out({**SEARCH, "text": "noise cancelling headphones"}),
-              {**SEARCH, "text": "noise cancelling wireless headphones"})  # fmt: skip
+    r = score(
+        out({**SEARCH, "text": "noise cancelling headphones"}),
+        {**SEARCH, "text": "noise cancelling wireless headphones"},
+    )
     assert (r.format, r.type, r.name, r.text) == (0.5, 0.3, 0.1, 0.1)
     assert r.name_similarity == pytest.approx(0.1)
     assert r.rouge_text == pytest.approx(6 / 7)
@@ -227,9 +238,12 @@ def test_default_spec_is_table1_bit_for_bit() -> None:
     spec = RewardSpec()
     assert spec.weights == {k: v for k, v in PAPER_COMPONENTS.items() if k != "dars"}
     golds = [CLICK, SEARCH, {"type": "terminate"}, {"type": "click", "name": KURO}]
-    preds = [*golds, {"type": "click", "name": KURO.replace("l370", "l371")},
-             {**SEARCH, "text": "wireless noise cancelling headphones"},
-             {**SEARCH, "name": "search_box"}]  # fmt: skip
+    preds = [
+        *golds,
+        {"type": "click", "name": KURO.replace("l370", "l371")},
+        {**SEARCH, "text": "wireless noise cancelling headphones"},
+        {**SEARCH, "name": "search_box"},
+    ]
     for gold in golds:
         for pred in preds:
             a, b = score(out(pred), gold, spec), score(out(pred), gold, RewardConfig())
@@ -240,9 +254,15 @@ def test_default_spec_is_table1_bit_for_bit() -> None:
 def test_components_name_every_entry() -> None:
     r = score(out(SEARCH), SEARCH)
     assert r.components == {
-        "format": 0.5, "type": 0.3, "click_name": 0.0, "click_name_rouge": 0.0,
-        "tas_name": 0.1, "tas_text": 0.1, "tas_name_rouge": 0.1, "tas_text_rouge": 1000.0,
-    }  # fmt: skip
+        "format": 0.5,
+        "type": 0.3,
+        "click_name": 0.0,
+        "click_name_rouge": 0.0,
+        "tas_name": 0.1,
+        "tas_text": 0.1,
+        "tas_name_rouge": 0.1,
+        "tas_text_rouge": 1000.0,
+    }
     bad = score("nope", SEARCH)
     assert bad.total == 0.0 and set(bad.components) == set(r.components)
     assert not any(bad.components.values())
@@ -259,8 +279,9 @@ def test_weights_are_normalized_to_the_papers_budget_of_the_listed_entries() -> 
     assert scaled.weights == pytest.approx(RewardSpec().weights)
     # dropping an entry (an ablation) leaves the others at the paper's values
     assert RewardSpec(components={"type": 0.3, "exact_match": 1.0}).weights == {
-        "type": 0.3, "exact_match": 1.0,
-    }  # fmt: skip
+        "type": 0.3,
+        "exact_match": 1.0,
+    }
     raw = RewardSpec(components={"format": 1.0, "type": 1.0}, normalize=False)
     assert raw.weights == {"format": 1.0, "type": 1.0}
 
@@ -287,8 +308,13 @@ def test_bad_specs_are_clear_errors(components: dict, why: str) -> None:
 
 
 def test_a_new_term_is_a_registration_not_an_edit() -> None:
-    term = RewardTerm("short_rationale", "credit", 0.1, "Rationale under 40 characters.",
-                      lambda c: 1.0 if len(c.rationale) < 40 else 0.0)  # fmt: skip
+    term = RewardTerm(
+        "short_rationale",
+        "credit",
+        0.1,
+        "Rationale under 40 characters.",
+        lambda c: 1.0 if len(c.rationale) < 40 else 0.0,
+    )
     register(term)
     try:
         with pytest.raises(ValueError, match="already registered"):

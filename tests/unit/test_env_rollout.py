@@ -83,12 +83,22 @@ def test_build_group_follows_the_data_contract(tokenizer, rows) -> None:
 def test_parse_completion_response_aligns_and_checks() -> None:
     body = {
         "choices": [
-            {"index": 1, "text": "b", "token_ids": [5, 6], "finish_reason": "stop",
-             "logprobs": {"token_logprobs": [-0.1, float("-inf")]}},
-            {"index": 0, "text": "a", "token_ids": [7], "finish_reason": "length",
-             "logprobs": {"token_logprobs": [-1.5]}},
+            {
+                "index": 1,
+                "text": "b",
+                "token_ids": [5, 6],
+                "finish_reason": "stop",
+                "logprobs": {"token_logprobs": [-0.1, float("-inf")]},
+            },
+            {
+                "index": 0,
+                "text": "a",
+                "token_ids": [7],
+                "finish_reason": "length",
+                "logprobs": {"token_logprobs": [-1.5]},
+            },
         ]
-    }  # fmt: skip
+    }
     b = parse_completion_response(body, [1, 2], "4")
     assert b.weight_version == 4 and [c.text for c in b.completions] == ["a", "b"]
     assert b.completions[1].logprobs == [-0.1, -1e4]  # -inf clamped: JSON has no infinity

@@ -24,14 +24,18 @@ ITEMS = ["laptop", "kettle", "running shoes", "desk lamp", "backpack", "headphon
 def human(rng: random.Random) -> str:
     item = rng.choice(ITEMS)
     price = rng.randint(10, 300)
-    return format_target(f"The {item} at ${price} fits what I need, so I'll open it.",
-                         {"type": "click", "name": f"product_{item.replace(' ', '_')}"})  # fmt: skip
+    return format_target(
+        f"The {item} at ${price} fits what I need, so I'll open it.",
+        {"type": "click", "name": f"product_{item.replace(' ', '_')}"},
+    )
 
 
 def policy(rng: random.Random) -> str:
     item = rng.choice(ITEMS)
-    return format_target(f"click {item} click {item} button now now",
-                         {"type": "click", "name": rng.choice(["add_to_cart", "next_page"])})  # fmt: skip
+    return format_target(
+        f"click {item} click {item} button now now",
+        {"type": "click", "name": rng.choice(["add_to_cart", "next_page"])},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,13 +72,30 @@ def _groups(tokenizer, n: int, with_gold: bool = True) -> list[dict]:
             comp = tokenizer.encode(policy(rng) if i % 2 else "garbage {{{") + [
                 tokenizer.eos_token_id
             ]
-            seqs.append({"tokens": prompt + comp, "mask": [0] * len(prompt) + [1] * len(comp),
-                         "logprobs": [0.0] * (len(prompt) + len(comp)), "score": 0.5 * (i % 2),
-                         "spans": {}})  # fmt: skip
-        extras = {"gold": {"rationale": "I want the mug, so I'll open it.",
-                           "action": '{"name": "product_mug", "type": "click"}'}}  # fmt: skip
-        groups.append({"group_id": str(uuid.uuid4()), "env": "shop_r1", "policy_version": 0,
-                       "sequences": seqs, "extras": extras if with_gold else {}})  # fmt: skip
+            seqs.append(
+                {
+                    "tokens": prompt + comp,
+                    "mask": [0] * len(prompt) + [1] * len(comp),
+                    "logprobs": [0.0] * (len(prompt) + len(comp)),
+                    "score": 0.5 * (i % 2),
+                    "spans": {},
+                }
+            )
+        extras = {
+            "gold": {
+                "rationale": "I want the mug, so I'll open it.",
+                "action": '{"name": "product_mug", "type": "click"}',
+            }
+        }
+        groups.append(
+            {
+                "group_id": str(uuid.uuid4()),
+                "env": "shop_r1",
+                "policy_version": 0,
+                "sequences": seqs,
+                "extras": extras if with_gold else {},
+            }
+        )
     return groups
 
 
@@ -111,8 +132,7 @@ def test_reward_trains_unless_eval_mode(tokenizer) -> None:
 def test_alpha_is_a_temperature_on_the_logit(tokenizer) -> None:
     groups = _groups(tokenizer, 2)
     items, _ = flatten_groups(groups, 4096)
-    flat = GailReward(GailConfig(use=True, alpha=0.0, weight=0.8, eval_mode=True), tokenizer,
-                      "cpu")  # fmt: skip
+    flat = GailReward(GailConfig(use=True, alpha=0.0, weight=0.8, eval_mode=True), tokenizer, "cpu")
     bonus, _ = flat(groups, items)
     assert torch.allclose(bonus, torch.full_like(bonus, 0.4))  # sigmoid(0) * weight
 

@@ -22,7 +22,7 @@ from launch.configs import (
     write_vllm_config,
 )
 from launch.presets import load_preset
-from launch.run_all import layers, parse_args
+from launch.run_all_config import layers, parse_args
 from settings.paths import REPO_ROOT
 from trainer.config import GrpoConfig, SftConfig, build_parser, config_from_args
 from vllm_patching.serve import build

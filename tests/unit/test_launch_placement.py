@@ -14,16 +14,8 @@ from launch.configs import service_configs, write_vllm_config
 from launch.placement import PlacementError, num_servers_from_env, plan_placement, visible_gpus
 from launch.prepare import context_warning
 from launch.presets import load_preset
-from launch.run_all import (
-    RunAllConfig,
-    layers,
-    parse_args,
-    placement,
-    trainer_argv,
-    trainer_env,
-    vllm_extra,
-    vllm_names,
-)
+from launch.run_all import placement, trainer_argv, trainer_env, vllm_extra, vllm_names
+from launch.run_all_config import RunAllConfig, layers, parse_args
 from launch.supervisor import ServiceFailed
 from launch.vllm_server import server_env
 from trainer.bridge import rendezvous_from_env

@@ -38,11 +38,15 @@ def _all(recipe: Path) -> dict[str, object]:
 
 def test_recipes_are_shipped() -> None:
     names = {str(p.relative_to(REPO_ROOT / "recipes")) for p in RECIPES}
-    assert {"tiny-qwen2/shop-r1/sft.yaml", "tiny-qwen2/shop-r1/grpo.yaml",
-            "tiny-qwen2/shop-r1/grpo_binary.yaml", "tiny-qwen2/shop-r1/grpo_no_dars.yaml",
-            "tiny-qwen2/shop-r1/grpo_no_format.yaml",
-            "qwen2.5-0.5b-instruct/shop-r1/grpo.yaml",
-            "qwen2.5-3b-instruct/shop-r1/grpo.yaml"} <= names  # fmt: skip
+    assert {
+        "tiny-qwen2/shop-r1/sft.yaml",
+        "tiny-qwen2/shop-r1/grpo.yaml",
+        "tiny-qwen2/shop-r1/grpo_binary.yaml",
+        "tiny-qwen2/shop-r1/grpo_no_dars.yaml",
+        "tiny-qwen2/shop-r1/grpo_no_format.yaml",
+        "qwen2.5-0.5b-instruct/shop-r1/grpo.yaml",
+        "qwen2.5-3b-instruct/shop-r1/grpo.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: str(p.relative_to(REPO_ROOT)))
@@ -131,9 +135,13 @@ def _cases() -> list[tuple[str, dict]]:
 
 @pytest.mark.parametrize(
     ("recipe", "variant"),
-    [("grpo.yaml", "full"), ("grpo_binary.yaml", "binary"), ("grpo_no_dars.yaml", "no_dars"),
-     ("grpo_no_format.yaml", "no_format")],
-)  # fmt: skip
+    [
+        ("grpo.yaml", "full"),
+        ("grpo_binary.yaml", "binary"),
+        ("grpo_no_dars.yaml", "no_dars"),
+        ("grpo_no_format.yaml", "no_format"),
+    ],
+)
 def test_ablation_recipes_score_exactly_like_the_paper_variants(recipe: str, variant: str) -> None:
     spec = _all(TINY / recipe)["env"].reward_config()
     legacy = RewardConfig.variant(variant)

@@ -59,10 +59,12 @@ def test_lenient_accepts_anything_non_empty() -> None:
 def test_cache_survives_a_torn_last_line(tmp_path: Path) -> None:
     path = tmp_path / "cache.jsonl"
     path.write_text(
-        json.dumps({"id": "a", "rationale": "I x."}) + "\n"
-        + json.dumps({"id": "b", "rationale": "I y."}) + "\n"
+        json.dumps({"id": "a", "rationale": "I x."})
+        + "\n"
+        + json.dumps({"id": "b", "rationale": "I y."})
+        + "\n"
         + '{"id": "c", "ratio'  # killed mid-write
-    )  # fmt: skip
+    )
     cache = Cache(path)
     assert set(cache.entries) == {"a", "b"}
     cache.add({"id": "c", "rationale": "I z."})
@@ -73,9 +75,14 @@ def test_cache_survives_a_torn_last_line(tmp_path: Path) -> None:
 
 
 def _row(**kw) -> dict:
-    row = {"session_id": "s1", "step": 1, "pages": ["<p>home</p>", "<p>results</p>" * 500],
-           "previous_actions": ['{"type": "click", "name": "search"}'],
-           "rationale": "", "action": '{"name": "buy_now", "type": "click"}'}  # fmt: skip
+    row = {
+        "session_id": "s1",
+        "step": 1,
+        "pages": ["<p>home</p>", "<p>results</p>" * 500],
+        "previous_actions": ['{"type": "click", "name": "search"}'],
+        "rationale": "",
+        "action": '{"name": "buy_now", "type": "click"}',
+    }
     return {**row, **kw}
 
 
@@ -91,10 +98,14 @@ def test_row_id_depends_on_content_not_rationale() -> None:
 def test_input_rows_without_rationale(tmp_path: Path) -> None:
     src = tmp_path / "sessions.jsonl"
     rows = [
-        {"session_id": f"s{i}", "context": "<button name='buy'>Buy</button>",
-         "action": {"type": "click", "name": "buy"}, **({"rationale": "I buy."} if i else {})}
+        {
+            "session_id": f"s{i}",
+            "context": "<button name='buy'>Buy</button>",
+            "action": {"type": "click", "name": "buy"},
+            **({"rationale": "I buy."} if i else {}),
+        }
         for i in range(10)
-    ]  # fmt: skip
+    ]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     splits = load_input(SynthConfig(input=src, output=tmp_path / "out"))
     got = [r for s in splits.values() for r in s]

@@ -38,10 +38,15 @@ def build_micro_model(out: Path) -> Path:
         tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<|im_end|>", unk_token="<unk>"
     )
     cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
         tie_word_embeddings=True,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     Qwen2ForCausalLM(cfg).save_pretrained(out)
     tok.save_pretrained(out)
@@ -61,11 +66,15 @@ def make_groups(n_groups: int = 2, size: int = 3, seed: int = 0) -> list[dict]:
         for si in range(size):
             n_prompt, n_comp = 4, 3 + si
             tokens = torch.randint(0, VOCAB - 2, (n_prompt + n_comp,), generator=g).tolist()
-            seqs.append({
-                "tokens": tokens, "mask": [0] * n_prompt + [1] * n_comp,
-                "logprobs": [0.0] * n_prompt + [-3.5] * n_comp, "score": float(si == gi),
-                "spans": {"rationale": [0] * n_prompt + [1] * (n_comp - 1) + [0]},
-            })  # fmt: skip
+            seqs.append(
+                {
+                    "tokens": tokens,
+                    "mask": [0] * n_prompt + [1] * n_comp,
+                    "logprobs": [0.0] * n_prompt + [-3.5] * n_comp,
+                    "score": float(si == gi),
+                    "spans": {"rationale": [0] * n_prompt + [1] * (n_comp - 1) + [0]},
+                }
+            )
         groups.append({"group_id": f"g{seed}-{gi}", "policy_version": 0, "sequences": seqs})
     return groups
 
@@ -101,8 +110,9 @@ def test_fp32_master_weights_keep_tiny_updates() -> None:
 
 def test_flatten_microbatch_collate() -> None:
     groups = make_groups()
-    groups[0]["sequences"].append({"tokens": [1, 2, 3], "mask": [0, 1], "logprobs": [0.0] * 3,
-                                   "score": 1.0})  # fmt: skip
+    groups[0]["sequences"].append(
+        {"tokens": [1, 2, 3], "mask": [0, 1], "logprobs": [0.0] * 3, "score": 1.0}
+    )
     items, dropped = flatten_groups(groups, max_seq_len=8)
     assert dropped == 1 and len(items) == 6
     assert [i.trainable for i in items] == [True, True, False] * 2  # 9 tokens > 8
@@ -115,8 +125,16 @@ def test_flatten_microbatch_collate() -> None:
 
 def _grpo_cfg(model_dir: Path, save: Path, **kw) -> GrpoConfig:
     # fp32 unless a test asks for bf16: `auto` would pick bf16 on CPUs with native bf16 only
-    base = dict(model_name=str(model_dir), save_path=str(save), lr=1e-3, warmup_steps=0,
-                micro_batch_tokens=24, tensorboard=False, kl_beta=0.1, precision="fp32")  # fmt: skip
+    base = dict(
+        model_name=str(model_dir),
+        save_path=str(save),
+        lr=1e-3,
+        warmup_steps=0,
+        micro_batch_tokens=24,
+        tensorboard=False,
+        kl_beta=0.1,
+        precision="fp32",
+    )
     return GrpoConfig(**(base | kw))
 
 
@@ -216,8 +234,15 @@ def test_cpu_bf16_steps_with_unscaled_advantages(
 ) -> None:
     """The cpu-tiny preset's trainer: bf16 autocast on the CPU, Dr. GRPO advantages, sampling
     temperature 0.7 -- full weights and LoRA. The master weights stay fp32 and move."""
-    cfg = _grpo_cfg(micro_model_dir, tmp_path, precision="bf16", scale_advantages=False,
-                    temperature=0.7, lora_r=lora_r, lora_alpha=8)  # fmt: skip
+    cfg = _grpo_cfg(
+        micro_model_dir,
+        tmp_path,
+        precision="bf16",
+        scale_advantages=False,
+        temperature=0.7,
+        lora_r=lora_r,
+        lora_alpha=8,
+    )
     lm = load_model(cfg)
     assert lm.device.type == "cpu" and lm.compute_dtype == torch.bfloat16
     ref = Reference(lm)

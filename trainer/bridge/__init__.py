@@ -75,8 +75,13 @@ def make_bridge(
         if device == "cuda":
             from trainer.bridge.cuda import NativeCudaBridge
 
-            return NativeCudaBridge(server_urls, token=token, single_copy=single_copy,
-                                    trainer_device=trainer_device, **kwargs)  # fmt: skip
+            return NativeCudaBridge(
+                server_urls,
+                token=token,
+                single_copy=single_copy,
+                trainer_device=trainer_device,
+                **kwargs,
+            )
         from trainer.bridge.shared_vllm import GlooBroadcastBridge, SharedMemoryBridge
 
         if single_copy:

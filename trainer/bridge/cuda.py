@@ -85,16 +85,18 @@ class _FanOutClient:
         futures: list[Future[T]] = []
         for k, s in enumerate(self.servers):
             f: Future[T] = Future()
-            threading.Thread(target=self._call, args=(f, fn, k, s), daemon=True,
-                             name=f"bridge-rpc-{k}").start()  # fmt: skip
+            threading.Thread(
+                target=self._call, args=(f, fn, k, s), daemon=True, name=f"bridge-rpc-{k}"
+            ).start()
             futures.append(f)
         while wait(futures, timeout=0.1).not_done:
             if self._closed.is_set():  # reset: vLLM's engine thread waiting here returns
                 raise WeightSendError("the weight transfer was reset during a server call")
         return [f.result() for f in futures]
 
-    def _call(self, out: Future[T], fn: Callable[[int, ServerClient], T], k: int,
-              s: ServerClient) -> None:  # fmt: skip
+    def _call(
+        self, out: Future[T], fn: Callable[[int, ServerClient], T], k: int, s: ServerClient
+    ) -> None:
         try:
             out.set_result(fn(k, s))
             return
@@ -225,8 +227,12 @@ class NativeCudaBridge(WeightBridge):
                 world_size=self.world_size,
             )
             engine_cls = self.vllm.NCCLTrainerEngine
-        log.info("GPU weight transfer: %s engine, %d server(s), world size %d",
-                 init.backend, len(self.servers), self.world_size)  # fmt: skip
+        log.info(
+            "GPU weight transfer: %s engine, %d server(s), world size %d",
+            init.backend,
+            len(self.servers),
+            self.world_size,
+        )
         client = self.client
 
         def init_engine() -> Any:  # NCCL: the rendezvous waits for every worker to join

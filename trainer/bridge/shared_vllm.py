@@ -257,8 +257,11 @@ class ResidentWeights:
             view.copy_(p.data)
             p.data = view
             moved.append(p)
-        log.info("%d of %d parameters now live in the weight-transfer buffers (zero-copy "
-                 "syncs)", len(moved), len(params))  # fmt: skip
+        log.info(
+            "%d of %d parameters now live in the weight-transfer buffers (zero-copy syncs)",
+            len(moved),
+            len(params),
+        )
         return cls(moved)
 
     @torch.no_grad()
@@ -306,8 +309,12 @@ class GlooBroadcastBridge(_StagedBridge):
         port = self.master_port or free_port(self.master_address)
         sizes = [int(i["world_size"]) for i in self.infos]
         world = 1 + sum(sizes)
-        log.info("weight broadcast group at %s:%d, %d ranks (trainer = rank 0)",
-                 self.master_address, port, world)  # fmt: skip
+        log.info(
+            "weight broadcast group at %s:%d, %d ranks (trainer = rank 0)",
+            self.master_address,
+            port,
+            world,
+        )
         offsets = [1 + sum(sizes[:k]) for k in range(len(sizes))]
         shm: dict[str, Any] = {}
         if self.shm_fast_path:

@@ -21,13 +21,15 @@ def _tiny_encoder(vocab_size: int, cfg: GailConfig):
     layer = nn.TransformerEncoderLayer(
         d, nhead=4, dim_feedforward=2 * d, dropout=0.1, batch_first=True, norm_first=True
     )
-    return nn.ModuleDict({
-        "embed": nn.Embedding(vocab_size, d),
-        "pos": nn.Embedding(cfg.max_length, d),
-        "encoder": nn.TransformerEncoder(layer, cfg.num_layers, enable_nested_tensor=False),
-        "norm": nn.LayerNorm(d),
-        "head": nn.Linear(d, 1),
-    })  # fmt: skip
+    return nn.ModuleDict(
+        {
+            "embed": nn.Embedding(vocab_size, d),
+            "pos": nn.Embedding(cfg.max_length, d),
+            "encoder": nn.TransformerEncoder(layer, cfg.num_layers, enable_nested_tensor=False),
+            "norm": nn.LayerNorm(d),
+            "head": nn.Linear(d, 1),
+        }
+    )
 
 
 class Discriminator:
@@ -65,9 +67,14 @@ class Discriminator:
         )
 
     def _encode(self, texts: Sequence[str]):
-        enc = self.tokenizer(list(texts), truncation=True, max_length=self.cfg.max_length,
-                             padding=True, return_tensors="pt",
-                             add_special_tokens=self.encoder is not None)  # fmt: skip
+        enc = self.tokenizer(
+            list(texts),
+            truncation=True,
+            max_length=self.cfg.max_length,
+            padding=True,
+            return_tensors="pt",
+            add_special_tokens=self.encoder is not None,
+        )
         return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
 
     def logits(self, texts: Sequence[str]):
@@ -113,13 +120,19 @@ class Discriminator:
         return float(loss.detach())
 
     def state_dict(self) -> dict[str, Any]:
-        return {"net": self.net.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "updates_done": self.updates_done, "disc_model": self.cfg.disc_model}  # fmt: skip
+        return {
+            "net": self.net.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "updates_done": self.updates_done,
+            "disc_model": self.cfg.disc_model,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("disc_model") != self.cfg.disc_model:
-            raise ValueError(f"checkpointed discriminator is {state.get('disc_model')!r}, "
-                             f"the config asks for {self.cfg.disc_model!r}")  # fmt: skip
+            raise ValueError(
+                f"checkpointed discriminator is {state.get('disc_model')!r}, "
+                f"the config asks for {self.cfg.disc_model!r}"
+            )
         self.net.load_state_dict(state["net"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.updates_done = int(state.get("updates_done", 0))

@@ -91,8 +91,10 @@ class GailReward:
             metrics["gail_d_human"] = float(torch.sigmoid(pos_logits).mean())
         if not positives:
             if not self._warned_no_gold:
-                log.warning("GAIL: the batch's groups carry no extras.gold (human target); the "
-                            "discriminator is not updated on such batches")  # fmt: skip
+                log.warning(
+                    "GAIL: the batch's groups carry no extras.gold (human target); the "
+                    "discriminator is not updated on such batches"
+                )
                 self._warned_no_gold = True
             metrics["gail_loss"] = math.nan
         elif self.cfg.eval_mode:
@@ -120,9 +122,18 @@ def build_gail_reward(cfg: GailConfig, run: Any) -> GailReward | None:
             log.warning("GAIL: %s holds no discriminator; starting a fresh one", run.resumed_from)
         else:
             reward.load_state_dict(state)
-            log.info("GAIL: discriminator restored from %s (%d updates)", run.resumed_from,
-                     reward.disc.updates_done)  # fmt: skip
-    log.info("GAIL reward on: weight %.3g, alpha %.3g, lr %.2g, model %s on %s%s", cfg.weight,
-             cfg.alpha, cfg.learning_rate(), cfg.disc_model, device,
-             " (eval mode: frozen)" if cfg.eval_mode else "")  # fmt: skip
+            log.info(
+                "GAIL: discriminator restored from %s (%d updates)",
+                run.resumed_from,
+                reward.disc.updates_done,
+            )
+    log.info(
+        "GAIL reward on: weight %.3g, alpha %.3g, lr %.2g, model %s on %s%s",
+        cfg.weight,
+        cfg.alpha,
+        cfg.learning_rate(),
+        cfg.disc_model,
+        device,
+        " (eval mode: frozen)" if cfg.eval_mode else "",
+    )
     return reward
