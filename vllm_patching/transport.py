@@ -126,7 +126,7 @@ class Packer:
 
         Each tensor is cast to the plan's (serving) dtype first if it differs. A tensor that
         already *is* its slot (the trainer keeps its weights in the buckets, see
-        ``trainer.bridge.shared_vllm.ResidentWeights``) is not copied at all.
+        ``trainer.bridge.resident.ResidentWeights``) is not copied at all.
         """
         copied = 0
         slots = self.plan.slots

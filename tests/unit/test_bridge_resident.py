@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from trainer.bridge.params import hf_parameters, wire_metas
-from trainer.bridge.shared_vllm import ResidentWeights
+from trainer.bridge.resident import ResidentWeights
 from vllm_patching.shm_segment import ShmSegment, new_segment_name
 from vllm_patching.transport import Packer, plan_buckets, unpack
 

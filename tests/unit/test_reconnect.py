@@ -103,7 +103,7 @@ def test_rendezvous_fails_fast_when_a_server_refuses_its_init() -> None:
     that error at once instead of waiting out gloo's rendezvous timeout."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from trainer.bridge.shared_vllm import _join_unless_refused
+    from trainer.bridge.gloo_broadcast import _join_unless_refused
 
     never = threading.Event()
     with ThreadPoolExecutor(2) as pool:

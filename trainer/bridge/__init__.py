@@ -82,10 +82,12 @@ def make_bridge(
                 trainer_device=trainer_device,
                 **kwargs,
             )
-        from trainer.bridge.shared_vllm import GlooBroadcastBridge, SharedMemoryBridge
-
         if single_copy:
+            from trainer.bridge.shared_memory import SharedMemoryBridge
+
             return SharedMemoryBridge(server_urls, token=token, **kwargs)
+        from trainer.bridge.gloo_broadcast import GlooBroadcastBridge
+
         return GlooBroadcastBridge(server_urls, token=token, **kwargs)
     if mode == "lora_only":
         from trainer.bridge.lora import LoraBridge
