@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from settings import cli
-from settings.cli import add_config_flags, from_env
+from settings.flags import add_config_flags, from_env
 from settings.paths import RUNS_DIR
 from settings.ports import API_PORT
 

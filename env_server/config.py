@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from env_server.reward import RewardConfig, RewardSpec
 from settings import cli
-from settings.cli import add_config_flags, from_env, recipe_only
+from settings.flags import add_config_flags, from_env, recipe_only
 from settings.paths import DATA_DIR
 from settings.ports import API_URL, VLLM_URL
 

@@ -226,7 +226,7 @@ def summary_line(s: Mapping[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> SynthConfig:
     """One flag per :class:`SynthConfig` field (settings/cli.py), validated (a bad value:
     argparse's error naming it, exit 2)."""
-    from settings.cli import add_config_flags, flag_values
+    from settings.flags import add_config_flags, flag_values
 
     p = argparse.ArgumentParser(
         prog="python -m env_server.synthesize",

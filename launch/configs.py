@@ -20,7 +20,8 @@ from typing import Any
 import yaml
 
 from launch.presets import Preset
-from settings.cli import Resolved, config_file_data, flags_of, recipe_layer, resolve_layers
+from settings.cli import Resolved, config_file_data, recipe_layer, resolve_layers
+from settings.flags import flags_of
 from settings.paths import DATA_DIR
 from settings.recipe import deep_merge, load_recipe, section_values
 

@@ -18,7 +18,7 @@ from launch.placement import (
 )
 from launch.presets import Preset, PresetName
 from launch.run_all_help import HELP_EPILOG
-from settings.cli import add_config_flags, flag_values
+from settings.flags import add_config_flags, flag_values
 
 
 class RunAllConfig(BaseModel):

@@ -1,6 +1,5 @@
-"""One command line for every service: a pydantic config becomes flags (pydantic-settings'
-CLI source), a recipe and environment variables fill it, and the result is validated and
-reported.
+"""One command line for every service: a pydantic config becomes flags (``settings.flags``),
+a recipe and environment variables fill it, and the result is validated and reported.
 
 Precedence, lowest first (docs/RECIPES.md):
 
@@ -9,33 +8,23 @@ Precedence, lowest first (docs/RECIPES.md):
                      launch/run_all.sh writes for each service)
                    < environment variables declared on fields < command-line flags
 
-Flags (``pydantic_settings.CliSettingsSource``): one ``--kebab-case`` flag per field, its help
-= the field's docstring and default; ``bool`` -> ``--x/--no-x``; ``list`` -> ``--x A,B`` (or
-``--x A --x B``); ``Literal`` -> choices; an optional field takes ``none``/``null`` for None; a
-nested model gets dotted flags (``--gail.use``, ``--gail.beta 0.1``). ``dict`` fields and
-fields marked :func:`recipe_only` are set in recipes and config files only. A field reads an
-environment variable when declared with :func:`from_env` (or when it belongs to a nested
-``pydantic_settings.BaseSettings`` with an ``env_prefix``). Extra spellings of a flag
-(``aliases``, e.g. Atropos' ``--kl-coef``) are listed in ``--help`` beside it.
-
 This module imports neither torch nor any service package, so every ``--help`` stays instant
-and every package can import it. Recipe reading lives in ``settings.recipe``.
+and every package can import it. Recipe reading lives in ``settings.recipe``, the flags and
+environment variables in ``settings.flags``.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import yaml
-from pydantic import AliasChoices, BaseModel, Field, ValidationError, create_model
-from pydantic_settings import CliSettingsSource
+from pydantic import BaseModel, ValidationError
 
+from settings.flags import add_config_flags, env_values, flag_values
 from settings.recipe import (
     RecipeError,
     check_keys,
@@ -44,214 +33,9 @@ from settings.recipe import (
     read_yaml,
     section_values,
     snake_keys,
-    unwrap,
 )
 
 M = TypeVar("M", bound=BaseModel)
-NONE_WORDS = ("none", "null")
-COMPUTED = "computed"
-_SOURCES = "_settings_cli_sources"
-"""Namespace attribute holding, per config class, the CLI source and the dests it added."""
-
-
-# ----------------------------------------------------------------------------- field helpers
-
-
-def from_env(name: str, **extra: Any) -> dict[str, Any]:
-    """``json_schema_extra`` of a field that reads environment variable ``name``."""
-    return {"env": name, **extra}
-
-
-def recipe_only(**extra: Any) -> dict[str, Any]:
-    """``json_schema_extra`` of a field that gets no flag (set it in a recipe)."""
-    return {"cli": False, **extra}
-
-
-def _extra(info: Any) -> dict[str, Any]:
-    extra = info.json_schema_extra
-    return extra if isinstance(extra, dict) else {}
-
-
-def _flaggable(info: Any) -> bool:
-    inner, _ = unwrap(info.annotation)
-    is_dict = inner is dict or getattr(inner, "__origin__", None) is dict
-    return _extra(info).get("cli") is not False and not is_dict
-
-
-def _flag_model(
-    cls: type[BaseModel], aliases: Mapping[str, Sequence[str]], prefix: str = ""
-) -> type[BaseModel]:
-    """``cls`` reduced to the fields that get a flag (nested models recursively), each with
-    its description, default and extra spellings; only its shape is used (no validation)."""
-    fields: dict[str, Any] = {}
-    for name, info in cls.model_fields.items():
-        if not _flaggable(info):
-            continue
-        dotted = prefix + name
-        annotation = info.annotation
-        sub = model_type(annotation)
-        if sub is not None:
-            annotation = _flag_model(sub, aliases, dotted + ".")
-        names = [a.lstrip("-").replace("-", "_") for a in aliases.get(dotted, ())]
-        default: dict[str, Any] = {"default": info.default}
-        if info.default_factory is not None:  # help says "computed" (a secret stays unread)
-            default = {"default_factory": info.default_factory} if sub else {"default": COMPUTED}
-        fields[name] = (
-            annotation,
-            Field(
-                **default,
-                description=info.description,
-                validation_alias=AliasChoices(name, *names) if names else None,
-            ),
-        )
-    return create_model(f"{cls.__name__}Flags", __doc__=cls.__doc__, **fields)
-
-
-# ----------------------------------------------------------------------------- flags
-
-
-def add_config_flags(
-    parser: argparse.ArgumentParser,
-    cls: type[BaseModel],
-    *,
-    aliases: Mapping[str, Sequence[str]] | None = None,
-    files: bool = True,
-) -> None:
-    """``--recipe``, ``--config``, ``--print-config`` and one flag per field of ``cls``.
-
-    ``aliases`` maps a dotted field name to extra flag spellings (``{"kl_beta": ["--kl-coef"]}``).
-    """
-    if files:
-        parser.add_argument(
-            "--recipe",
-            type=Path,
-            default=None,
-            help="YAML recipe (recipes/<model>/<task>/*.yaml); its shared keys and this "
-            "service's section set options, flags override them.",
-        )
-        parser.add_argument(
-            "--config",
-            type=Path,
-            default=None,
-            help="Flat YAML of this service's options (applied over --recipe, under flags); "
-            "launch/run_all.sh writes one per service into <run>/config/.",
-        )
-        parser.add_argument(
-            "--print-config",
-            action="store_true",
-            help="Print the resolved config (secrets masked) with where each value came "
-            "from, then exit.",
-        )
-    before = {a.dest for a in parser._actions}
-    source = CliSettingsSource(
-        _flag_model(cls, aliases or {}),
-        root_parser=parser,
-        cli_kebab_case=True,
-        cli_implicit_flags=True,
-        cli_avoid_json=True,
-        cli_hide_none_type=True,
-        cli_parse_none_str="null",
-    )
-    dests = {a.dest for a in parser._actions} - before
-    _literal_choices(parser, cls, dests)
-    sources = dict(parser.get_default(_SOURCES) or {})
-    sources[cls] = (source, dests)
-    parser.set_defaults(**{_SOURCES: sources})
-
-
-def _leaf_fields(cls: type[BaseModel], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, info in cls.model_fields.items():
-        sub = model_type(info.annotation)
-        if sub is not None:
-            out |= _leaf_fields(sub, prefix + name + ".")
-        else:
-            out[prefix + name] = info
-    return out
-
-
-def _literal_choices(
-    parser: argparse.ArgumentParser, cls: type[BaseModel], dests: set[str]
-) -> None:
-    """argparse ``choices`` for ``Literal`` fields, so a wrong value is refused at once with
-    argparse's "invalid choice" (``none``/``null`` too where the field is optional)."""
-    leaves = _leaf_fields(cls)
-    for action in parser._actions:
-        info = leaves.get(action.dest) if action.dest in dests else None
-        inner, optional = unwrap(info.annotation) if info is not None else (None, False)
-        if typing.get_origin(inner) is Literal:
-            action.choices = [str(c) for c in typing.get_args(inner)]
-            action.choices += list(NONE_WORDS) if optional else []
-            action.metavar = "{" + ",".join(str(c) for c in typing.get_args(inner)) + "}"
-
-
-def flag_values(cls: type[BaseModel], ns: argparse.Namespace) -> dict[str, Any]:
-    """The flags actually given, as a nested dict of field values (``none`` -> None)."""
-    source, dests = getattr(ns, _SOURCES)[cls]
-    given = argparse.Namespace(**{d: v for d, v in vars(ns).items() if d in dests})
-    return _none_words(cls, source(parsed_args=given)())
-
-
-def _none_words(cls: type[BaseModel], values: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in values.items():
-        info = cls.model_fields.get(key)
-        sub = model_type(info.annotation) if info is not None else None
-        if sub is not None and isinstance(value, dict):
-            value = _none_words(sub, value)
-        elif info is not None and unwrap(info.annotation)[1] and str(value).lower() in NONE_WORDS:
-            value = None
-        out[key] = value
-    return out
-
-
-def flags_of(
-    cls: type[BaseModel],
-    argv: Sequence[str],
-    *,
-    prog: str = "flags",
-    aliases: Mapping[str, Sequence[str]] | None = None,
-) -> dict[str, Any]:
-    """The field values a list of ``cls``'s flags sets (``--env-args`` of the launcher)."""
-    parser = argparse.ArgumentParser(prog=prog, add_help=False)
-    add_config_flags(parser, cls, aliases=aliases, files=False)
-    return flag_values(cls, parser.parse_args(list(argv)))
-
-
-# ----------------------------------------------------------------------------- env vars
-
-
-def _set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
-    *parents, last = dotted.split(".")
-    for p in parents:
-        d = d.setdefault(p, {})
-    d[last] = value
-
-
-def env_values(cls: type[BaseModel], environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Field values from the environment variables declared on ``cls`` (recursively)."""
-    environ = os.environ if environ is None else environ
-    out: dict[str, Any] = {}
-    for dotted, name in env_names(cls).items():
-        if environ.get(name):
-            _set_dotted(out, dotted, environ[name])
-    return out
-
-
-def env_names(cls: type[BaseModel], prefix: str = "", env_prefix: str = "") -> dict[str, str]:
-    """``{dotted field: ENV_VAR}`` of every field that reads one."""
-    out: dict[str, str] = {}
-    for name, info in cls.model_fields.items():
-        dotted = prefix + name
-        sub = model_type(info.annotation)
-        if sub is not None:
-            sub_prefix = str(sub.model_config.get("env_prefix", "") or "")
-            out |= env_names(sub, dotted + ".", sub_prefix)
-        elif _extra(info).get("env"):
-            out[dotted] = str(_extra(info)["env"])
-        elif env_prefix:  # a pydantic_settings.BaseSettings section: PREFIX + FIELD
-            out[dotted] = (env_prefix + name).upper()
-    return out
 
 
 # ----------------------------------------------------------------------------- resolution

@@ -12,7 +12,8 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from settings.cli import add_config_flags, from_env, resolve_args
+from settings.cli import resolve_args
+from settings.flags import add_config_flags, from_env
 from settings.paths import DATA_DIR, RUNS_DIR, SFT_MODEL_DIR, TINY_MODEL_DIR
 from settings.ports import API_URL, HOST, VLLM_PORT
 from trainer.gail import GailConfig
@@ -293,7 +294,7 @@ SECTIONS: dict[type[_Config], str] = {SftConfig: "trainer.sft", GrpoConfig: "tra
 
 def build_parser(cls: type[_Config], parser: argparse.ArgumentParser) -> None:
     """``--recipe``/``--config``/``--print-config`` and one ``--kebab-case`` flag per field, its
-    help = the field's docstring (``settings.cli.add_config_flags``)."""
+    help = the field's docstring (``settings.flags.add_config_flags``)."""
     add_config_flags(parser, cls, aliases=ALIASES)
 
 

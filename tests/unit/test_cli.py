@@ -1,4 +1,5 @@
-"""settings/cli.py: flags from pydantic fields, recipes, env vars, precedence, errors, report."""
+"""settings/cli.py and settings/flags.py: flags from pydantic fields, recipes, env vars,
+precedence, errors, report."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from settings import cli
+from settings import cli, flags
 from vllm_patching.serve import expand_recipe, merge_argv
 
 pytestmark = pytest.mark.unit
@@ -46,7 +47,7 @@ class Demo(BaseModel):
     """Servers."""
     cap: float | None = None
     """Optional cap."""
-    token: str | None = Field(None, json_schema_extra=cli.from_env("DEMO_TOKEN"))
+    token: str | None = Field(None, json_schema_extra=flags.from_env("DEMO_TOKEN"))
     """Secret token."""
     table: dict[str, float] = {}
     """Recipe-only mapping."""
@@ -56,14 +57,14 @@ class Demo(BaseModel):
 
 def _parse(argv: list[str], environ: dict[str, str] | None = None) -> cli.Resolved:
     parser = argparse.ArgumentParser()
-    cli.add_config_flags(parser, Demo, aliases={"cap": ["--max-cap"]})
+    flags.add_config_flags(parser, Demo, aliases={"cap": ["--max-cap"]})
     ns = parser.parse_args(argv)
     return cli.resolve(
         Demo,
         section="trainer.grpo",
         recipe=ns.recipe,
         config=ns.config,
-        flags=cli.flag_values(Demo, ns),
+        flags=flags.flag_values(Demo, ns),
         environ=environ or {},
     )
 
@@ -98,7 +99,7 @@ def test_flags_follow_field_types(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):  # dict fields are recipe-only
         _parse(["--table", "x"])
     parser = argparse.ArgumentParser()
-    cli.add_config_flags(parser, Demo)
+    flags.add_config_flags(parser, Demo)
     text = parser.format_help()
     assert "Learning rate, 100% documented." in text and "--gail.beta" in text
     assert "{fast,slow}" in text

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from settings.cli import env_values, from_env
+from settings.flags import env_values, from_env
 
 TINY = "tiny"
 STATE_NAME = "gail"
