@@ -97,7 +97,7 @@ def test_atropos_and_native_payloads_carry_the_same_content() -> None:
 
 
 def test_bridge_table_compares_each_mode_with_the_floors_of_its_own_run() -> None:
-    from bench.bridge_sync import table
+    from bench.bridge_sync_tables import table
 
     def mode(key: str, label: str, sync_s: float, floors: dict | None) -> dict:
         med = {
@@ -134,7 +134,7 @@ def test_bridge_table_compares_each_mode_with_the_floors_of_its_own_run() -> Non
 
 
 def test_bridge_table_names_the_rounds_a_box_freeze_hit() -> None:
-    from bench.bridge_sync import freeze_note, table
+    from bench.bridge_sync_tables import freeze_note, table
 
     def rnd(sync_s: float, gap_s: float, freeze_s: float | None) -> dict:
         r = {"sync_s": sync_s, "client_gap_s": gap_s}
@@ -172,7 +172,7 @@ def test_freeze_probe_counts_a_stop_inside_its_window_only() -> None:
     import signal
     import time
 
-    from bench.bridge_sync import FreezeProbe
+    from bench.bridge_sync_probes import FreezeProbe
 
     probe = FreezeProbe()
     try:
