@@ -18,6 +18,7 @@ def pyplot() -> Any:
 
 
 def load_note(points: list[dict[str, Any]], locked: bool = True) -> str:
+    """One line on the machine and its load average during the runs of ``points``."""
     loads = [p["machine"]["loadavg"][0] for p in points if "machine" in p]
     loads += [
         p[k]["loadavg"][0] for p in points for k in ("machine_before", "machine_after") if k in p

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.api_throughput import atropos_group, encode_bodies, native_group
+from bench.api_throughput_bodies import atropos_group, encode_bodies, native_group
 from bench.common import overhead, parse_list, parse_points, pct, write_result
 from bench.report import fill
 from bench.trainer_breakdown import breakdown
