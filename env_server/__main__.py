@@ -19,7 +19,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
     from settings.ports import check_service
 
-    check_service(cfg.api_url, "api")  # a URL that answers as another service: say so now
+    check_service(
+        cfg.api_url, "api", cfg.api_token
+    )  # a URL that answers as another service: say so now
     for url in cfg.inference_urls():
         check_service(url, "inference")
     from env_server.service import serve, write_summary

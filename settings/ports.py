@@ -38,16 +38,22 @@ class WrongService(SystemExit):
         super().__init__(f"error: {message}")
 
 
-def check_service(url: str, kind: str, timeout: float = 5.0) -> None:
-    """Raise :class:`WrongService` when ``url`` answers but is not a ``kind`` service
-    (``api``: our batching API; ``inference``: an OpenAI-compatible server). A URL that does
-    not answer passes: the caller's retries wait for a service that is still starting."""
+def check_service(url: str, kind: str, token: str | None = None, timeout: float = 5.0) -> None:
+    """Raise :class:`WrongService` when ``url`` answers as something that is not a ``kind``
+    service (``api``: our batching API; ``inference``: an OpenAI-compatible server).
+
+    Only a positive answer counts: a URL that does not answer, asks for credentials (401/403)
+    or fails (5xx) passes, and the caller's own calls and retries deal with it (a service that
+    is still starting, a token the check does not know). ``token``: sent as a bearer token."""
     import httpx
 
     path = "/health" if kind == "api" else "/v1/models"
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        r = httpx.get(url.rstrip("/") + path, timeout=timeout)
+        r = httpx.get(url.rstrip("/") + path, headers=headers, timeout=timeout)
     except httpx.HTTPError:
+        return
+    if r.status_code in (401, 403) or r.status_code >= 500:
         return
     body: object = None
     try:

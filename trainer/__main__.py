@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "grpo":  # a URL that answers as another service: say so before torch
         from settings.ports import check_service
 
-        check_service(cfg.api_url, "api")
+        check_service(cfg.api_url, "api", cfg.api_token)
         for url in cfg.inference_urls():
             check_service(url, "inference")
 

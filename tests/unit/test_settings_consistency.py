@@ -107,3 +107,18 @@ def test_our_api_says_what_it_is() -> None:
     from api.protocol import Health
 
     assert Health().model_dump()["service"] == ports.API_SERVICE
+
+
+def test_a_service_that_asks_for_credentials_or_fails_is_not_called_wrong() -> None:
+    """Only a positive answer names a wrong service: our API with a token answers /health with
+    401 to a caller without it, and a 503 is a service still starting (the retries wait)."""
+    denied = (401, {"detail": "missing or wrong API token"})
+    locked, locked_url = _serve({"/health": denied, "/v1/models": denied})
+    busy, busy_url = _serve({"/v1/models": (503, {"detail": "starting"})})
+    try:
+        check_service(locked_url, "api")
+        check_service(locked_url, "inference")
+        check_service(busy_url, "inference")
+    finally:
+        locked.shutdown()
+        busy.shutdown()
