@@ -44,21 +44,26 @@ def ensure_atropos(python: Path | None = None) -> Path:
     return py
 
 
+def atropos_api_argv(python: Path, port: int) -> list[str]:
+    """atroposlib's ``run-api`` app under uvicorn, from its virtualenv's ``python``."""
+    return [
+        str(python),
+        "-m",
+        "uvicorn",
+        "atroposlib.api:app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+
+
 def start_server(target: str, work: Path, args: argparse.Namespace) -> tuple[ManagedProcess, str]:
     port = free_port()
     if target == "atropos":
-        argv = [
-            str(args.atropos_python),
-            "-m",
-            "uvicorn",
-            "atroposlib.api:app",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ]
+        argv = atropos_api_argv(args.atropos_python, port)
     else:
         argv = [
             sys.executable,

@@ -41,24 +41,18 @@ def api_tables(d: dict[str, Any]) -> tuple[str, str]:
         "|---|---|---|---|",
     ]
     for t in TARGET_LABEL:
-        ing = [d.get(f"{t}/gs{g}/b64") for g in (4, 8, 16)]
-        if all(ing):
-            rows.append(
-                f"| {TARGET_LABEL[t]} | group size 4 / 8 / 16 (batch 64) | "
-                + " / ".join(f"{p['ingest']['sequences_per_s']:.0f}" for p in ing)
-                + " | "
-                + " / ".join(f"{p['serve']['sequences_per_s']:.0f}" for p in ing)
-                + " |"
-            )
-        srv = [d.get(f"{t}/gs8/b{b}") for b in (32, 64, 128)]
-        if all(srv):
-            rows.append(
-                f"| {TARGET_LABEL[t]} | batch 32 / 64 / 128 (group size 8) | "
-                + " / ".join(f"{p['ingest']['sequences_per_s']:.0f}" for p in srv)
-                + " | "
-                + " / ".join(f"{p['serve']['sequences_per_s']:.0f}" for p in srv)
-                + " |"
-            )
+        sweeps = (
+            ("group size 4 / 8 / 16 (batch 64)", [f"{t}/gs{g}/b64" for g in (4, 8, 16)]),
+            ("batch 32 / 64 / 128 (group size 8)", [f"{t}/gs8/b{b}" for b in (32, 64, 128)]),
+        )
+        for sweep, keys in sweeps:
+            points = [d.get(k) for k in keys]
+            if all(points):
+                rates = [
+                    " / ".join(f"{p[phase]['sequences_per_s']:.0f}" for p in points)
+                    for phase in ("ingest", "serve")
+                ]
+                rows.append(f"| {TARGET_LABEL[t]} | {sweep} | {rates[0]} | {rates[1]} |")
     return main, "\n".join(rows)
 
 

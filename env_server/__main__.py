@@ -17,13 +17,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     logging.getLogger("env_server").info("config:\n%s", report(resolved))
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
-    from settings.ports import check_service
+    from settings.ports import check_services
 
-    check_service(
-        cfg.api_url, "api", cfg.api_token
-    )  # a URL that answers as another service: say so now
-    for url in cfg.inference_urls():
-        check_service(url, "inference")
+    # a URL that answers as another service: say so now
+    check_services(cfg.api_url, cfg.inference_urls(), cfg.api_token)
     from env_server.service import serve, write_summary
 
     write_summary(asyncio.run(serve(cfg)), cfg.metrics_path)

@@ -76,3 +76,11 @@ def check_service(url: str, kind: str, token: str | None = None, timeout: float 
         f"{r.status_code}). vLLM listens on port {VLLM_PORT} by default, the API on "
         f"{API_PORT} (settings/ports.py)."
     )
+
+
+def check_services(api_url: str, inference_urls: list[str], token: str | None = None) -> None:
+    """A service's start-up check of what it talks to: the API at ``api_url`` (sent
+    ``token``) and every inference server (:func:`check_service` for each)."""
+    check_service(api_url, "api", token)
+    for url in inference_urls:
+        check_service(url, "inference")

@@ -32,11 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cfg = resolved.config
     if ns.command == "grpo":  # a URL that answers as another service: say so before torch
-        from settings.ports import check_service
+        from settings.ports import check_services
 
-        check_service(cfg.api_url, "api", cfg.api_token)
-        for url in cfg.inference_urls():
-            check_service(url, "inference")
+        check_services(cfg.api_url, cfg.inference_urls(), cfg.api_token)
 
     from trainer.run import setup_logging  # imports torch
 

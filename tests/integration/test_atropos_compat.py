@@ -34,7 +34,7 @@ from api.atropos_packing import (
     grab_exact,
     grab_with_min_allocations,
 )
-from bench.api_throughput_servers import ensure_atropos
+from bench.api_throughput_servers import atropos_api_argv, ensure_atropos
 from launch.procs import ManagedProcess, tail
 from settings.ports import free_port
 
@@ -72,18 +72,7 @@ def start_api(server: str, py: Path, tmp: Path) -> tuple[ManagedProcess, str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     if server == "atropos":
-        argv = [
-            str(py),
-            "-m",
-            "uvicorn",
-            "atroposlib.api:app",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ]
+        argv = atropos_api_argv(py, port)
     else:
         argv = [
             sys.executable,
