@@ -115,3 +115,58 @@ def collate(items: list[SeqItem], pad_id: int, device: torch.device) -> dict[str
         "logprobs": pad([i.logprobs for i in items], 0.0, torch.float32),
         "rationale": pad([i.rationale for i in items], 0, torch.long),
     }
+
+
+def _shared(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for j in range(n):
+        if a[j] != b[j]:
+            return j
+    return n
+
+
+def tree_micro_batches(
+    items: list[SeqItem], max_tokens: int, min_shared: int, parts: int = 1
+) -> list[list[SeqItem]]:
+    """Split trainable items so each micro-batch's *packed* size (its prefix tree's tokens,
+    trainer/prefix_tree.py) is at most ``max_tokens`` where it can be.
+
+    Items are sorted by their token ids, so sequences that share a prefix (a group's rollouts,
+    prompts that share a system prompt) sit side by side; in that order a tree's size is the
+    first sequence's length plus, for each next one, what it does not share with the one
+    before. A range over the budget is cut where its neighbours share least (between groups
+    before inside one), then neighbouring ranges are merged while they fit. With ``parts``
+    ranks the largest micro-batches are cut further until every rank has one (when there are
+    that many items). A single sequence over the budget gets a micro-batch of its own.
+    """
+    order = sorted((i for i in items if i.trainable), key=lambda i: i.tokens)
+    if not order:
+        return []
+    shared = [0] + [_shared(a.tokens, b.tokens) for a, b in zip(order, order[1:], strict=False)]
+    shared = [k if k >= min_shared else 0 for k in shared]
+
+    def cost(lo: int, hi: int) -> int:
+        return sum(len(i.tokens) for i in order[lo:hi]) - sum(shared[lo + 1 : hi])
+
+    def cut(lo: int, hi: int) -> int:
+        mid = (lo + hi) / 2
+        return min(range(lo + 1, hi), key=lambda k: (shared[k], abs(k - mid)))
+
+    def split(lo: int, hi: int) -> list[tuple[int, int]]:
+        if hi - lo == 1 or cost(lo, hi) <= max_tokens:
+            return [(lo, hi)]
+        k = cut(lo, hi)
+        return split(lo, k) + split(k, hi)
+
+    ranges: list[tuple[int, int]] = []
+    for lo, hi in split(0, len(order)):
+        if ranges and cost(ranges[-1][0], hi) <= max_tokens:
+            ranges[-1] = (ranges[-1][0], hi)
+        else:
+            ranges.append((lo, hi))
+    while len(ranges) < min(parts, len(order)):
+        lo, hi = max((r for r in ranges if r[1] - r[0] > 1), key=lambda r: cost(*r))
+        k = cut(lo, hi)
+        at = ranges.index((lo, hi))
+        ranges[at : at + 1] = [(lo, k), (k, hi)]
+    return [order[lo:hi] for lo, hi in ranges]

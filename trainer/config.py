@@ -63,6 +63,16 @@ class CommonConfig(_Config):
     """Attention kernel. ``auto``: FlashAttention 2 if it is installed and we are on CUDA with
     bf16, else PyTorch SDPA. Asking for ``flash_attention_2`` without it falls back to SDPA
     with a warning instead of crashing."""
+    packing: Literal["prefix_tree", "padded"] = "prefix_tree"
+    """How sequences go through the model. ``prefix_tree``: each micro-batch is one packed row
+    in which every run of tokens that several sequences share (a group's prompt, the system
+    prompt) is computed once, with no padding, and the LM head runs only where a token is
+    trained on (trainer/prefix_tree.py; same logprobs, loss and gradients as ``padded`` within
+    fp32 tolerance). ``padded``: one right-padded row per sequence. An ``eager`` attention
+    kernel always runs padded."""
+    min_shared_prefix: int = Field(16, ge=1)
+    """``packing: prefix_tree``: the fewest shared tokens worth computing once (shorter shared
+    runs are computed once per sequence, as padded)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
     lr: float = 1e-5
@@ -210,7 +220,8 @@ class GrpoConfig(CommonConfig):
     max_batch_tokens: int = 65536
     """Most tokens per leased batch."""
     micro_batch_tokens: int = 8192
-    """Padded tokens per forward/backward; micro-batches accumulate into one step."""
+    """Tokens per forward/backward (packed tree tokens with ``packing: prefix_tree``, rows x
+    longest with ``padded``); micro-batches accumulate into one step."""
     lease_seconds: float = 600.0
     """Lease length asked of the API; an unacked batch returns to the queue after it."""
     wait_timeout: float = 600.0

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer.batch import SeqItem, collate, micro_batches
+from trainer.batch import SeqItem, micro_batches, tree_micro_batches
 from trainer.config import GrpoConfig
 from trainer.distributed import Work
-from trainer.loss import group_advantages, policy_loss, self_certainty, shift_aligned, token_stats
+from trainer.forward import MicroBatch, prepare, stats_of
+from trainer.loss import group_advantages, policy_loss, self_certainty, shift_aligned
 from trainer.model import LoadedModel, Reference, autocast, vocab_size
 from trainer.optim import clip_and_step
 
@@ -31,14 +32,22 @@ class StepContext:
     """Which micro-batches this rank runs (all of them on one process; trainer/distributed.py)."""
 
 
-def _logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(
-        input_ids=batch["tokens"], attention_mask=batch["attention"], use_cache=False
-    ).logits
+def plan(ctx: StepContext, items: list[SeqItem]) -> list[MicroBatch]:
+    """The step's micro-batches, each collated (and packed as a prefix tree) once for both
+    passes: packed by ``micro_batch_tokens`` of tree tokens when the model runs the tree
+    path (``packing: prefix_tree``), else padded rows by rows x longest."""
+    lm, cfg = ctx.loaded, ctx.cfg
+    if lm.tree_attention:
+        parts = ctx.work.world_size
+        groups = tree_micro_batches(items, cfg.micro_batch_tokens, cfg.min_shared_prefix, parts)
+    else:
+        groups = micro_batches(items, cfg.micro_batch_tokens)
+    pad = lm.tokenizer.pad_token_id
+    return [prepare(g, pad, lm.device, lm.tree_attention, cfg.min_shared_prefix) for g in groups]
 
 
 @torch.no_grad()
-def _scoring_pass(ctx: StepContext, mbs: list[list[SeqItem]], n_items: int):
+def _scoring_pass(ctx: StepContext, mbs: list[MicroBatch], n_items: int):
     """Per-item self-certainty, reference logprobs per micro-batch this rank trains, and
     batch statistics (summed over ranks)."""
     lm, cfg = ctx.loaded, ctx.cfg
@@ -47,23 +56,20 @@ def _scoring_pass(ctx: StepContext, mbs: list[list[SeqItem]], n_items: int):
     ent_sum = tok_sum = mismatch_sum = 0.0
     lm.model.eval()  # no dropout while measuring
     for mb, real in ctx.work.split(mbs):
-        batch = collate(mb, lm.tokenizer.pad_token_id, lm.device)
+        batch = mb.batch
         with autocast(lm.device, lm.compute_dtype):
-            stats = token_stats(_logits(lm.model, batch), batch["tokens"], cfg.temperature)
+            stats = stats_of(lm.model, mb, cfg.temperature)
         ref_lp = None
         if ctx.reference is not None and cfg.kl_beta > 0:
             with ctx.reference.model() as ref, autocast(lm.device, lm.compute_dtype):
-                ref_stats = token_stats(
-                    _logits(ref, batch), batch["tokens"], cfg.temperature, with_entropy=False
-                )
-            ref_lp = ref_stats.logprobs
+                ref_lp = stats_of(ref, mb, cfg.temperature, with_entropy=False).logprobs
         if not real:  # a padding pass (other ranks have one more micro-batch)
             continue
         ref_lps.append(ref_lp)
         mask = shift_aligned(batch["mask"]).float()
         span = shift_aligned(batch["rationale"])
         sc = self_certainty(stats.entropy, span, vocab_size(lm.model))
-        certainty[[i.index for i in mb]] = sc.cpu()
+        certainty[[i.index for i in mb.items]] = sc.cpu()
         ent_sum += float((stats.entropy * mask).sum())
         tok_sum += float(mask.sum())
         inf_lp = shift_aligned(batch["logprobs"])
@@ -84,9 +90,20 @@ def grpo_step(
     ``extra_reward`` (``[len(items)]``, e.g. the GAIL bonus of trainer/gail/) is added to
     the scores before the group advantages; ``extra_adv_shift`` reports how much it moved them.
     """
-    lm, cfg = ctx.loaded, ctx.cfg
     t0 = time.monotonic()
-    mbs = micro_batches(items, cfg.micro_batch_tokens)
+    stats = accumulate(ctx, items, extra_reward)
+    grad_norm = clip_and_step(ctx.loaded.model, ctx.optimizer, ctx.scheduler, ctx.cfg.max_grad_norm)
+    lr = ctx.scheduler.get_last_lr()[0]
+    return {**stats, "grad_norm": grad_norm, "lr": lr, "compute_s": time.monotonic() - t0}
+
+
+def accumulate(
+    ctx: StepContext, items: list[SeqItem], extra_reward: torch.Tensor | None = None
+) -> dict[str, float]:
+    """Both passes of :func:`grpo_step`: the gradients of the step's loss accumulate in the
+    parameters' ``.grad`` (nothing is stepped). Returns the step's metrics."""
+    lm, cfg = ctx.loaded, ctx.cfg
+    mbs = plan(ctx, items)
     if not mbs:
         raise ValueError("batch has no trainable sequence (all too long or malformed)")
     certainty, ref_lps, scoring = _scoring_pass(ctx, mbs, len(items))
@@ -100,7 +117,7 @@ def grpo_step(
     adv = group_advantages(total, group_ids, cfg.adv_eps, cfg.scale_advantages)
     if extra_reward is not None:
         extra["extra_adv_shift"] = float((adv - base_adv).abs().mean())
-    trainable = [i for mb in mbs for i in mb]
+    trainable = [i for mb in mbs for i in mb.items]
     n_tokens = sum(sum(i.mask[1:]) for i in trainable)
     normaliser = float(n_tokens if cfg.loss_aggregation == "token" else len(trainable))
     sums = dict.fromkeys(("kl", "clipped", "ratio", "iw", "iw_truncated", "tokens"), 0.0)
@@ -109,14 +126,13 @@ def grpo_step(
     real_refs = iter(ref_lps)
     for mb, real in mine:
         ref_lp = next(real_refs) if real else None
-        batch = collate(mb, lm.tokenizer.pad_token_id, lm.device)
+        batch = mb.batch
         with autocast(lm.device, lm.compute_dtype):
-            logits = _logits(lm.model, batch)
-        stats = token_stats(logits, batch["tokens"], cfg.temperature, with_entropy=False)
+            stats = stats_of(lm.model, mb, cfg.temperature, with_entropy=False)
         out = policy_loss(
             stats.logprobs,
             shift_aligned(batch["logprobs"]),
-            adv[[i.index for i in mb]].to(lm.device),
+            adv[[i.index for i in mb.items]].to(lm.device),
             shift_aligned(batch["mask"]),
             normaliser=normaliser,
             clip_low=cfg.clip_low,
@@ -135,12 +151,9 @@ def grpo_step(
             sums[k] += v
     sums = ctx.work.sum({**sums, "loss": loss_total})
     loss_total = sums["loss"]
-    grad_norm = clip_and_step(lm.model, ctx.optimizer, ctx.scheduler, cfg.max_grad_norm)
     tok = max(sums["tokens"], 1.0)
     return {
         "loss": loss_total,
-        "grad_norm": grad_norm,
-        "lr": ctx.scheduler.get_last_lr()[0],
         "score_mean": float(scores.mean()),
         "score_std": float(scores.std(unbiased=False)),
         "self_certainty": float(certainty.mean()),
@@ -154,7 +167,8 @@ def grpo_step(
         "sequences": len(items),
         "sequences_trained": len(trainable),
         "micro_batches": len(mbs),
-        "compute_s": time.monotonic() - t0,
+        "forward_tokens": sum(mb.forward_tokens for mb in mbs),
+        "sequence_tokens": sum(len(i.tokens) for i in trainable),
         **scoring,
         **extra,
     }

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from trainer import tree_attention
 from trainer.config import CommonConfig
 from trainer.precision import choose_precision
 
@@ -67,6 +68,8 @@ class LoadedModel:
     device: torch.device
     compute_dtype: torch.dtype
     is_lora: bool
+    tree_attention: bool = False
+    """The model runs packed prefix trees (``packing: prefix_tree``, trainer/tree_attention.py)."""
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
@@ -86,6 +89,9 @@ def load_model(cfg: CommonConfig, source: str | None = None) -> LoadedModel:
         name, dtype=torch.float32, attn_implementation=attn
     )
     model.to(device)
+    tree = cfg.packing == "prefix_tree" and tree_attention.enable(model)
+    if cfg.packing == "prefix_tree" and not tree:
+        log.warning("packing: prefix_tree needs sdpa or flash_attention_2 (got %s); padded", attn)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -93,14 +99,15 @@ def load_model(cfg: CommonConfig, source: str | None = None) -> LoadedModel:
     if is_lora:
         model = _add_lora(model, cfg)
     log.info(
-        "loaded %s on %s (compute %s, attention %s, lora=%s)",
+        "loaded %s on %s (compute %s, attention %s, lora=%s, packing %s)",
         name,
         device,
         compute_dtype,
         attn,
         is_lora,
+        "prefix_tree" if tree else "padded",
     )
-    return LoadedModel(model, load_tokenizer(name), device, compute_dtype, is_lora)
+    return LoadedModel(model, load_tokenizer(name), device, compute_dtype, is_lora, tree)
 
 
 def _add_lora(model: torch.nn.Module, cfg: CommonConfig) -> torch.nn.Module:

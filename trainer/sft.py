@@ -15,13 +15,12 @@ from trainer.config import SftConfig
 from trainer.dist_checkpoint import unsharded_copy
 from trainer.distributed import Work
 from trainer.evaluate import format_valid_rate
-from trainer.loss import sft_loss
+from trainer.forward import target_nll
 from trainer.model import LoadedModel, autocast
 from trainer.optim import clip_and_step
 from trainer.run import Run, start_run
 from trainer.sft_data import (
     SftExample,
-    collate_sft,
     encode_split,
     epoch_order,
     load_or_build_dataset,
@@ -106,16 +105,26 @@ def _step(run: Run, batch: list[SftExample], work: Work) -> tuple[float, float]:
     total = 0.0
     starts = list(range(0, len(batch), cfg.micro_batch_size))
     for i, real in work.split(starts):
-        mb = collate_sft(batch[i : i + cfg.micro_batch_size], lm.tokenizer.pad_token_id, lm.device)
         with autocast(lm.device, lm.compute_dtype):
-            logits = lm.model(
-                input_ids=mb["tokens"], attention_mask=mb["attention"], use_cache=False
-            ).logits
-        loss, _ = sft_loss(logits, mb["tokens"], mb["loss_mask"], normaliser=n_target)
+            nll = _nll(lm, batch[i : i + cfg.micro_batch_size], cfg)
+        loss = nll / n_target
         (loss if real else loss * 0.0).backward()
         total += float(loss.detach()) if real else 0.0
     grad_norm = clip_and_step(lm.model, run.optimizer, run.scheduler, cfg.max_grad_norm)
     return work.sum({"loss": total})["loss"], grad_norm
+
+
+def _nll(lm: LoadedModel, examples: list[SftExample], cfg: SftConfig) -> torch.Tensor:
+    """Summed target NLL of ``examples`` in one forward (packed or padded, as the model runs)."""
+    return target_nll(
+        lm.model,
+        [e.tokens for e in examples],
+        [e.loss_mask for e in examples],
+        lm.device,
+        lm.tree_attention,
+        cfg.min_shared_prefix,
+        lm.tokenizer.pad_token_id,
+    )
 
 
 @torch.no_grad()
@@ -129,16 +138,12 @@ def validation_loss(
     starts = list(range(0, len(examples), cfg.micro_batch_size))
     for i, real in work.split(starts) if examples else []:
         chunk = examples[i : i + cfg.micro_batch_size]
-        mb = collate_sft(chunk, lm.tokenizer.pad_token_id, lm.device)
         with autocast(lm.device, lm.compute_dtype):
-            logits = lm.model(
-                input_ids=mb["tokens"], attention_mask=mb["attention"], use_cache=False
-            ).logits
+            s = float(_nll(lm, chunk, cfg))
         if not real:
             continue
-        _, s = sft_loss(logits, mb["tokens"], mb["loss_mask"], normaliser=1.0)
         nll += s
-        count += float(mb["loss_mask"][:, 1:].sum())
+        count += float(sum(sum(e.loss_mask[1:]) for e in chunk))
     lm.model.train()
     sums = work.sum({"nll": nll, "count": count})
     return sums["nll"] / sums["count"] if sums["count"] else math.nan

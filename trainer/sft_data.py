@@ -91,22 +91,3 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     run sees exactly the order the uninterrupted run would have."""
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
     return torch.randperm(n, generator=g).tolist()
-
-
-def collate_sft(
-    examples: list[SftExample], pad_id: int, device: torch.device
-) -> dict[str, torch.Tensor]:
-    length = max(len(e.tokens) for e in examples)
-    tokens = torch.full((len(examples), length), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(examples), length), dtype=torch.long)
-    loss_mask = torch.zeros((len(examples), length), dtype=torch.long)
-    for r, e in enumerate(examples):
-        n = len(e.tokens)
-        tokens[r, :n] = torch.tensor(e.tokens)
-        attention[r, :n] = 1
-        loss_mask[r, :n] = torch.tensor(e.loss_mask)
-    return {
-        "tokens": tokens.to(device),
-        "attention": attention.to(device),
-        "loss_mask": loss_mask.to(device),
-    }

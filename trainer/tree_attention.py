@@ -1,0 +1,182 @@
+"""Attention over a packed prefix tree (trainer/prefix_tree.py), as a transformers attention
+function, and the token statistics of a packed micro-batch.
+
+``enable(model)`` registers ``prefix_tree:<kernel>`` with transformers' ``AttentionInterface``
+and points the model at it. A forward given ``prefix_tree=<PackedTree>`` (transformers passes
+extra keyword arguments down to the attention function) attends sibling set by sibling set:
+the children of one node are batched, their queries see every ancestor token and their own
+tokens causally, with PyTorch SDPA (its fused CPU flash kernel, or CUDA's memory-efficient
+kernel with the mask; a set that is one root uses plain causal attention). Every other call
+(generation, evaluation, the padded path) goes to the kernel the model was loaded with,
+unchanged. The attention FLOPs are those of the tree, not of the padded rows: a completion's
+queries meet the prompt's keys once each, and the prompt is computed once.
+
+Only the positions whose next token is trained on reach the LM head (``logits_to_keep``): on a
+49k vocabulary the head over a ~900-token prompt costs more than the completions' whole
+forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from trainer.loss import TokenStats
+from trainer.prefix_tree import PackedTree
+
+PREFIX = "prefix_tree:"
+SUPPORTED_KERNELS = ("sdpa", "flash_attention_2")
+
+
+def _tree_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    prefix_tree: PackedTree | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``query`` ``[1, H, N, D]``, ``key``/``value`` ``[1, H_kv, N, D]`` of the packed row ->
+    ``[1, N, H, D]`` (transformers' layout for an attention function's output)."""
+    if query.shape[0] != 1:
+        raise ValueError(f"a packed prefix tree is one row (got a batch of {query.shape[0]})")
+    if kwargs.get("sliding_window"):
+        raise ValueError("prefix-tree packing does not support sliding-window attention")
+    q, k, v = query[0], key[0], value[0]
+    heads, head_dim = q.shape[0], q.shape[-1]
+    rep = heads // k.shape[0]
+    pieces = []
+    for s in prefix_tree.sets:
+        n_sets, n_max = s.queries.shape
+        qs = q[:, s.queries].transpose(0, 1)  # [S, H, n, D]
+        ks, vs = k[:, s.queries], v[:, s.queries]  # [H_kv, S, n, D]
+        if len(s.ancestors):
+            shape = (-1, n_sets, -1, -1)
+            ks = torch.cat([k[:, s.ancestors].unsqueeze(1).expand(shape), ks], dim=2)
+            vs = torch.cat([v[:, s.ancestors].unsqueeze(1).expand(shape), vs], dim=2)
+        ks, vs = ks.transpose(0, 1), vs.transpose(0, 1)  # [S, H_kv, A + n, D]
+        if rep > 1:
+            ks, vs = ks.repeat_interleave(rep, dim=1), vs.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(
+            qs,
+            ks,
+            vs,
+            attn_mask=s.mask,
+            dropout_p=dropout,
+            is_causal=s.mask is None,
+            scale=scaling,
+        )
+        pieces.append(out.transpose(1, 2).reshape(n_sets * n_max, heads, head_dim)[s.valid])
+    return torch.cat(pieces).unsqueeze(0), None
+
+
+def _dispatch(base: str):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    plain = ALL_ATTENTION_FUNCTIONS[base]
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        if kwargs.get("prefix_tree") is not None:
+            return _tree_attention(module, query, key, value, attention_mask, *args, **kwargs)
+        kwargs.pop("prefix_tree", None)
+        return plain(module, query, key, value, attention_mask, *args, **kwargs)
+
+    return attention
+
+
+def enable(model: torch.nn.Module) -> bool:
+    """Point ``model`` (and its sub-configs) at ``prefix_tree:<its kernel>``; False when its
+    kernel is not one the tree path wraps (``eager``): the caller then keeps padded batches."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    config = model.config
+    current = config._attn_implementation
+    if current.startswith(PREFIX):
+        return True
+    if current not in SUPPORTED_KERNELS:
+        return False
+    name = PREFIX + current
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        ALL_ATTENTION_FUNCTIONS.register(name, _dispatch(current))
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])
+    config._attn_implementation = name
+    return True
+
+
+def plain_kernel(name: str) -> str:
+    """The kernel behind an attention implementation name (``prefix_tree:sdpa`` -> ``sdpa``)."""
+    return name.removeprefix(PREFIX)
+
+
+@dataclass
+class Targets:
+    """Which predictions of which sequences to compute, and their next tokens."""
+
+    rows: torch.Tensor
+    """``[M]`` sequence index of each prediction."""
+    cols: torch.Tensor
+    """``[M]`` prediction index ``t`` (predicts token ``t + 1``)."""
+    tokens: torch.Tensor
+    """``[M]`` the token at ``t + 1``."""
+    packed: torch.Tensor
+    """``[M]`` where in the packed row the logits of prediction ``t`` are (token ``t``)."""
+
+
+def targets(
+    tree: PackedTree, seqs: Sequence[Sequence[int]], wanted: Sequence[Sequence[int]]
+) -> Targets:
+    """Predictions ``t`` where ``wanted[r][t + 1]`` is set (a trained or scored token)."""
+    rows, cols, toks, packed = [], [], [], []
+    for r, (s, w) in enumerate(zip(seqs, wanted, strict=True)):
+        index = tree.token_index[r].tolist()
+        for t in range(len(s) - 1):
+            if w[t + 1]:
+                rows.append(r)
+                cols.append(t)
+                toks.append(s[t + 1])
+                packed.append(index[t])
+    as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    return Targets(as_long(rows), as_long(cols), as_long(toks), as_long(packed))
+
+
+def tree_token_stats(
+    model: torch.nn.Module,
+    tree: PackedTree,
+    want: Targets,
+    width: int,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+) -> TokenStats:
+    """:func:`trainer.loss.token_stats` of the sequences packed in ``tree``, as ``[B, width]``
+    tensors (``width`` = longest sequence - 1), computed only at ``want``'s predictions (0
+    elsewhere: every consumer masks them out)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (got {temperature}); greedy has no logprobs")
+    device = tree.input_ids.device
+    keep, where = torch.unique(want.packed.to(device), return_inverse=True)
+    logits = model(
+        input_ids=tree.input_ids,
+        position_ids=tree.position_ids,
+        logits_to_keep=keep,
+        prefix_tree=tree,
+        use_cache=False,
+    ).logits[0]  # [K, V]
+    logp_all = F.log_softmax(logits.float() / temperature, dim=-1)
+    rows, cols = want.rows.to(device), want.cols.to(device)
+    shape = (len(tree.lengths), width)
+    logprobs = torch.zeros(shape, device=device).index_put(
+        (rows, cols), logp_all[where, want.tokens.to(device)]
+    )
+    entropy = torch.zeros(shape, device=device)
+    if with_entropy:
+        ent = -(logp_all.exp() * logp_all).sum(-1)
+        entropy = entropy.index_put((rows, cols), ent[where])
+    return TokenStats(logprobs=logprobs, entropy=entropy)
