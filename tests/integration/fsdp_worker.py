@@ -8,7 +8,8 @@ leased ones, and has rank 0 write the whole model and optimizer state (gathered,
 (and, ``save`` under torchrun, ``"replica"``: rank 0's weight-sync copy after the gather).
 
 Modes: ``step`` (one step on batch 1), ``save`` (step on batch 1, checkpoint, step on batch 2),
-``resume`` (resume the latest checkpoint, then step on batch 2).
+``resume`` (resume the latest checkpoint, then step on batch 2), ``grads`` (batch 1's
+gradients, gathered whole on rank 0 as ``{"grads": ..., "stats": ...}``, nothing stepped).
 """
 
 from __future__ import annotations
@@ -22,23 +23,29 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from trainer.batch import flatten_groups
 from trainer.config import GrpoConfig
 from trainer.dist_weights import SyncReplica, make_replica
-from trainer.distributed import Work, shutdown
-from trainer.grpo_step import StepContext, grpo_step
+from trainer.distributed import Work, full_tensor, shutdown
+from trainer.grpo_step import StepContext, accumulate, grpo_step
 from trainer.model import Reference
 from trainer.run import Run, setup_logging, start_run
 
 VOCAB = 2600  # token ids drawn below the tiny model's vocabulary (2646)
 
 
-def make_groups(seed: int, n_groups: int = 3, size: int = 4) -> list[dict[str, Any]]:
-    """Groups of different lengths, so micro-batches differ in size and count per rank."""
+def make_groups(
+    seed: int, n_groups: int = 3, size: int = 4, shared: bool = False
+) -> list[dict[str, Any]]:
+    """Groups of different lengths, so micro-batches differ in size and count per rank;
+    ``shared``: a group's members continue one 24-token prompt (a prefix tree to pack)."""
     g = torch.Generator().manual_seed(seed)
     groups = []
     for gi in range(n_groups):
         seqs = []
+        prompt = torch.randint(0, VOCAB, (24,), generator=g).tolist() if shared else []
         for si in range(size):
             n_prompt, n_comp = 6 + gi, 5 + 3 * si
             tokens = torch.randint(0, VOCAB, (n_prompt + n_comp,), generator=g).tolist()
+            if shared:
+                n_prompt, tokens = len(prompt), prompt + tokens[n_prompt:]
             lps = (-torch.rand(n_comp, generator=g) * 6).tolist()
             seqs.append(
                 {
@@ -71,13 +78,15 @@ def snapshot(run: Run, stats: dict[str, float] | None) -> dict[str, Any] | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["step", "save", "resume"], required=True)
+    ap.add_argument("--mode", choices=["step", "save", "resume", "grads"], required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--save", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--lora", action="store_true")
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--max-grad-norm", type=float, default=0.1)  # below the steps' norms
+    ap.add_argument("--packing", default="prefix_tree", choices=["prefix_tree", "padded"])
+    ap.add_argument("--shared-prompts", action="store_true")
     a = ap.parse_args()
     setup_logging()
     cfg = GrpoConfig(
@@ -95,6 +104,7 @@ def main() -> None:
         lora_r=8 if a.lora else 0,
         lora_alpha=16,
         max_grad_norm=a.max_grad_norm,
+        packing=a.packing,
     )
     reference: list[Reference] = []
     replica: list[torch.nn.Module | None] = []  # rank 0's weight-sync copy (as trainer.grpo)
@@ -112,11 +122,20 @@ def main() -> None:
     out: dict[str, Any] = {}
 
     def step(seed: int) -> dict[str, float]:
-        stats = grpo_step(ctx, flatten_groups(make_groups(seed), cfg.max_seq_len)[0])
+        groups = make_groups(seed, shared=a.shared_prompts)
+        stats = grpo_step(ctx, flatten_groups(groups, cfg.max_seq_len)[0])
         run.state.step += 1
         return stats
 
-    if a.mode == "resume":
+    if a.mode == "grads":
+        stats = accumulate(ctx, flatten_groups(make_groups(1, shared=a.shared_prompts), 4096)[0])
+        grads = {
+            n: full_tensor(p.grad)
+            for n, p in run.loaded.model.named_parameters()
+            if p.grad is not None
+        }
+        out = {"grads": {n: g.detach().cpu().clone() for n, g in grads.items()}, "stats": stats}
+    elif a.mode == "resume":
         out["loaded"] = snapshot(run, None)
         out["after2"] = snapshot(run, step(2))
     else:

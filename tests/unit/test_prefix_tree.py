@@ -186,7 +186,7 @@ def _run(cfg: GrpoConfig, groups: list[dict]):
     opt = build_optimizer(lm.model, cfg)
     ctx = StepContext(lm, Reference(lm), opt, build_scheduler(opt, cfg), cfg)
     items = flatten_groups(groups, cfg.max_seq_len)[0]
-    for n, p in lm.model.named_parameters():  # a reference that differs from the policy
+    for p in lm.model.parameters():  # a reference that differs from the policy
         if p.requires_grad:
             with torch.no_grad():
                 p.add_(torch.randn_like(p) * 0.02)
