@@ -1,0 +1,304 @@
+"""Packed prefix trees vs padded rows: GRPO step time, tokens computed and peak memory, and
+SFT tokens per second, measured in one run.
+
+    flock /tmp/heavy.lock .venv/bin/python bench/trainer_packing.py --preset cpu-smol \\
+        --group-sizes 4,8,16 [--rounds 2] [--sft]
+    flock /tmp/heavy.lock .venv/bin/python bench/trainer_packing.py --preset cpu-tiny
+
+Each point (packing x group size) runs in a fresh process (so its peak memory is its own):
+the preset's trainer settings (model, precision, KL reference, micro-batch tokens), a
+warm-up step on a small batch, then one measured ``grpo_step`` (scoring pass, reference pass
+if the preset has a KL term, loss + backward, AdamW) on ``--groups`` groups. The prompts are
+real Shop-R1 prompts (validation rows, chat-templated by the preset's tokenizer, the oldest
+pages dropped to fit ``--prompt-tokens`` as the env does); completions are random tokens of
+``--completion-tokens`` (a range: lengths drawn uniformly). The points are interleaved: round
+r runs every point once, so a load change on a shared box hits them alike; the median over
+rounds is reported. ``--sft`` adds SFT rows: one optimizer step of the preset's SFT batch on
+real examples, padded vs packed, as target and total tokens per second. Results:
+docs/results/trainer_packing.json under ``<preset>/<kind>/<packing>/...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.common import RESULTS, machine, parse_list, write_result  # noqa: E402
+
+PACKINGS = ("padded", "prefix_tree")
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _preset(name: str) -> dict[str, Any]:
+    from launch.presets import load_preset
+
+    return load_preset(name).recipe
+
+
+def real_prompts(tokenizer: Any, n: int, max_tokens: int, seed: int) -> list[list[int]]:
+    from env_server.rollout import prompt_ids
+    from settings.paths import DATA_DIR
+    from trainer.sft_data import load_or_build_dataset
+
+    rows = list(load_or_build_dataset(DATA_DIR, None, 0)["validation"])
+    rng = random.Random(seed)
+    return [prompt_ids(r, tokenizer, max_tokens, False) for r in rng.sample(rows, n)]
+
+
+def groups_of(prompts: list[list[int]], size: int, lo: int, hi: int, vocab: int, seed: int):
+    rng = random.Random(seed)
+    out = []
+    for g, prompt in enumerate(prompts):
+        seqs = []
+        for _ in range(size):
+            comp = [rng.randrange(10, vocab) for _ in range(rng.randint(lo, hi))]
+            seqs.append(
+                {
+                    "tokens": prompt + comp,
+                    "mask": [0] * len(prompt) + [1] * len(comp),
+                    "logprobs": [0.0] * len(prompt) + [-rng.uniform(0.2, 4) for _ in comp],
+                    "score": rng.random(),
+                    "spans": {
+                        "rationale": [0] * len(prompt)
+                        + [1] * (len(comp) // 2)
+                        + [0] * (len(comp) - len(comp) // 2)
+                    },
+                }
+            )
+        out.append({"group_id": f"g{g}", "policy_version": 0, "sequences": seqs})
+    return out
+
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    """One point in this process: load, warm up, measure one step."""
+    import torch
+
+    from trainer.batch import flatten_groups
+    from trainer.config import GrpoConfig, SftConfig
+    from trainer.grpo_step import StepContext, grpo_step
+    from trainer.model import Reference, load_model
+    from trainer.optim import build_optimizer, build_scheduler, clip_and_step
+
+    sec = spec["section"]
+    kind = spec["kind"]
+    cls = SftConfig if kind == "sft" else GrpoConfig
+    with tempfile.TemporaryDirectory() as tmp:
+        keep = {
+            k: v
+            for k, v in sec.items()
+            if k in cls.model_fields and k not in ("training_steps", "save_every", "eval_every")
+        }
+        cfg = cls(
+            **{
+                **keep,
+                "model_name": spec["model"],
+                "save_path": tmp,
+                "tensorboard": False,
+                "packing": spec["packing"],
+                "device": "cpu",
+            }
+        )
+        lm = load_model(cfg)
+        opt = build_optimizer(lm.model, cfg)
+        sched = build_scheduler(opt, cfg)
+        vocab = int(lm.model.get_output_embeddings().weight.shape[0])
+        rss_loaded = _rss_mib()
+        if kind == "grpo":
+            ref = Reference(lm) if cfg.kl_beta > 0 else None
+            ctx = StepContext(lm, ref, opt, sched, cfg)
+            lo, hi = spec["completion"]
+            prompts = real_prompts(
+                lm.tokenizer, spec["groups"], spec["prompt_tokens"], spec["seed"]
+            )
+            warm = groups_of([p[:64] for p in prompts[:1]], 2, lo, hi, vocab, seed=99)
+            grpo_step(ctx, flatten_groups(warm, cfg.max_seq_len)[0])
+            rss_warm = _rss_mib()
+            items, _ = flatten_groups(
+                groups_of(prompts, spec["group_size"], lo, hi, vocab, spec["seed"]), cfg.max_seq_len
+            )
+            t0 = time.perf_counter()
+            stats = grpo_step(ctx, items)
+            step_s = time.perf_counter() - t0
+            return {
+                "step_s": step_s,
+                "forward_tokens": stats["forward_tokens"],
+                "sequence_tokens": stats["sequence_tokens"],
+                "micro_batches": stats["micro_batches"],
+                "sequences": len(items),
+                "trained_tokens": stats["tokens"],
+                "prompt_tokens_mean": statistics.mean(len(p) for p in prompts),
+                "loss": stats["loss"],
+                "rss_loaded_mib": rss_loaded,
+                "rss_peak_mib": _rss_mib(),
+                "rss_step_mib": _rss_mib() - max(rss_loaded, rss_warm),
+                "precision": "bf16" if lm.compute_dtype == torch.bfloat16 else "fp32",
+                "threads": torch.get_num_threads(),
+            }
+        from settings.paths import DATA_DIR
+        from trainer.sft import _nll
+        from trainer.sft_data import encode_split, load_or_build_dataset
+
+        rows = list(load_or_build_dataset(DATA_DIR, None, 0)["train"])
+        rng = random.Random(spec["seed"])
+        examples = encode_split(
+            rng.sample(rows, cfg.batch_size * 2), lm.tokenizer, cfg.max_seq_len, cfg.latest_only
+        )
+        batch = examples[: cfg.batch_size]
+
+        def step(exs: list) -> None:
+            n_target = float(sum(sum(e.loss_mask[1:]) for e in exs))
+            for i in range(0, len(exs), cfg.micro_batch_size):
+                with torch.autocast(
+                    "cpu", dtype=lm.compute_dtype, enabled=lm.compute_dtype != torch.float32
+                ):
+                    nll = _nll(lm, exs[i : i + cfg.micro_batch_size], cfg)
+                (nll / n_target).backward()
+            clip_and_step(lm.model, opt, sched, cfg.max_grad_norm)
+
+        step(examples[cfg.batch_size : cfg.batch_size + cfg.micro_batch_size])  # warm-up
+        rss_warm = _rss_mib()
+        t0 = time.perf_counter()
+        step(batch)
+        step_s = time.perf_counter() - t0
+        targets = sum(sum(e.loss_mask) for e in batch)
+        total = sum(len(e.tokens) for e in batch)
+        return {
+            "step_s": step_s,
+            "examples": len(batch),
+            "micro_batch_size": cfg.micro_batch_size,
+            "target_tokens_per_s": targets / step_s,
+            "tokens_per_s": total / step_s,
+            "sequence_tokens": total,
+            "rss_loaded_mib": rss_loaded,
+            "rss_peak_mib": _rss_mib(),
+            "rss_step_mib": _rss_mib() - max(rss_loaded, rss_warm),
+            "precision": "bf16" if lm.compute_dtype == torch.bfloat16 else "fp32",
+            "threads": torch.get_num_threads(),
+        }
+
+
+def run_child(spec: dict[str, Any]) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        check=False,
+    )
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        raise SystemExit(f"point {spec} failed:\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--preset", default="cpu-smol", help="the preset whose trainer settings run")
+    ap.add_argument("--group-sizes", default="4,8,16")
+    ap.add_argument("--groups", type=int, default=2, help="groups per step")
+    ap.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help="default: the preset env's max_prompt_tokens",
+    )
+    ap.add_argument("--completion-tokens", default="64-96", help="range of completion lengths")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--sft", action="store_true", help="also SFT rows (the preset's SFT batch)")
+    ap.add_argument("--model", default=None, help="default: the preset's launch.base_model")
+    ap.add_argument(
+        "--padded-micro-batch-tokens",
+        type=int,
+        default=2048,
+        help="micro-batch tokens of the padded rows (2048: what cpu-smol ran before packing; "
+        "the preset's 8192 puts the padded G=8 step's peak near 20 GB on SmolLM2)",
+    )
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, default=RESULTS / "trainer_packing.json")
+    a = ap.parse_args()
+    if a.child:
+        print("RESULT " + json.dumps(child(json.loads(a.child))), flush=True)
+        return
+    preset = _preset(a.preset)
+    model = a.model or preset["launch"]["base_model"]
+    prompt_tokens = a.prompt_tokens or int(preset["env"]["max_prompt_tokens"])
+    lo, hi = (int(x) for x in a.completion_tokens.split("-"))
+    grpo = (preset.get("trainer") or {}).get("grpo") or {}
+    grpo = {**grpo, "max_seq_len": prompt_tokens + hi}
+    specs = []
+    for gs in parse_list(a.group_sizes):
+        for packing in PACKINGS:
+            section = grpo
+            if packing == "padded" and a.padded_micro_batch_tokens:
+                section = {**grpo, "micro_batch_tokens": a.padded_micro_batch_tokens}
+            specs.append(
+                dict(
+                    kind="grpo",
+                    packing=packing,
+                    group_size=gs,
+                    groups=a.groups,
+                    model=model,
+                    section=section,
+                    prompt_tokens=prompt_tokens,
+                    completion=[lo, hi],
+                )
+            )
+    if a.sft:
+        for packing in PACKINGS:
+            specs.append(
+                dict(
+                    kind="sft",
+                    packing=packing,
+                    model=model,
+                    section=(preset.get("trainer") or {}).get("sft") or {},
+                )
+            )
+    results: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(specs))}
+    for rnd in range(a.rounds):
+        for i, spec in enumerate(specs):
+            r = run_child({**spec, "seed": rnd})
+            results[i].append(r)
+            print(
+                f"round {rnd} {spec['kind']} {spec['packing']} G={spec.get('group_size', '-')}: {r['step_s']:.2f}s peak {r['rss_peak_mib']:.0f} MiB",
+                flush=True,
+            )
+    for i, spec in enumerate(specs):
+        rs = results[i]
+        row = {
+            k: statistics.median(r[k] for r in rs)
+            if isinstance(rs[0][k], (int, float))
+            else rs[0][k]
+            for k in rs[0]
+        }
+        row |= {
+            "step_s_all": [r["step_s"] for r in rs],
+            "rounds": a.rounds,
+            "machine": machine(),
+            "preset": a.preset,
+            "model": Path(model).name,
+        }
+        row |= {k: v for k, v in spec.items() if k not in ("section", "seed")}
+        key = f"{a.preset}/{spec['kind']}/{spec['packing']}" + (
+            f"/G{spec['group_size']}" if spec["kind"] == "grpo" else ""
+        )
+        write_result(a.out, key, row)
+    print(f"written to {a.out}")
+
+
+if __name__ == "__main__":
+    main()
