@@ -73,6 +73,11 @@ class CommonConfig(_Config):
     min_shared_prefix: int = Field(16, ge=1)
     """``packing: prefix_tree``: the fewest shared tokens worth computing once (shorter shared
     runs are computed once per sequence, as padded)."""
+    freeze_layers: int = Field(0, ge=0)
+    """Train only above the first N decoder layers: they get no gradient and no optimizer
+    state, and the input embeddings' output is cut from the graph, so the backward pass stops
+    at layer N (a tied embedding still trains through the LM head). The backward of a
+    30-layer model with N = 20 costs a third of a full one. 0: train every layer."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
     lr: float = 1e-5

@@ -98,6 +98,8 @@ def load_model(cfg: CommonConfig, source: str | None = None) -> LoadedModel:
     is_lora = cfg.lora_r > 0
     if is_lora:
         model = _add_lora(model, cfg)
+    if cfg.freeze_layers:
+        freeze_bottom(model, cfg.freeze_layers)
     log.info(
         "loaded %s on %s (compute %s, attention %s, lora=%s, packing %s)",
         name,
@@ -128,6 +130,22 @@ def _add_lora(model: torch.nn.Module, cfg: CommonConfig) -> torch.nn.Module:
     if cfg.gradient_checkpointing:
         model.enable_input_require_grads()
     return get_peft_model(model, lora)
+
+
+def freeze_bottom(model: torch.nn.Module, n: int) -> None:
+    """Freeze the first ``n`` decoder layers (LoRA adapters in them too) and detach the input
+    embeddings' output, so no gradient flows below layer ``n`` (``freeze_layers``)."""
+    from trainer.distributed import shard_units
+
+    layers = shard_units(model)
+    if n >= len(layers):
+        raise ValueError(f"freeze_layers={n} leaves nothing to train ({len(layers)} layers)")
+    for layer in layers[:n]:
+        for p in layer.parameters():
+            p.requires_grad_(False)
+    embed = model.get_input_embeddings()
+    embed.register_forward_hook(lambda _m, _i, out: out.detach())
+    log.info("training above the first %d of %d decoder layers", n, len(layers))
 
 
 class Reference:
