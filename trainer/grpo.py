@@ -36,7 +36,7 @@ from trainer.gail import build_gail_reward
 from trainer.grpo_step import StepContext, grpo_step
 from trainer.model import LoadedModel, Reference
 from trainer.rollout_log import RolloutLog, batch_format_rate
-from trainer.run import Run, start_run
+from trainer.run import Run, release_freed_memory, start_run
 
 log = logging.getLogger(__name__)
 RECENT_BATCHES = 64  # more than could ever be leased-but-unacked at once
@@ -107,6 +107,7 @@ def train(cfg: GrpoConfig) -> Run:
             items, dropped = flatten_groups(groups, cfg.max_seq_len)
             bonus, gail_stats = gail(groups, items) if gail is not None else (None, {})
             stats = {**grpo_step(ctx, items, extra_reward=bonus), **gail_stats}
+            release_freed_memory()
             staleness = _staleness(state.policy_version, items)
             if not math.isfinite(stats["grad_norm"]):  # the update was skipped: say so
                 _skipped(api, run, batch_id, groups, {**stats, **staleness})

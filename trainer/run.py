@@ -6,6 +6,7 @@ resumes from a sharded or a single-process checkpoint; only rank 0 writes metric
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import random
 import shutil
@@ -169,3 +170,18 @@ def _control_timeout(cfg: CommonConfig) -> float:
     return float(getattr(cfg, "wait_timeout", 0.0)) + 2 * float(
         getattr(cfg, "reconnect_timeout", 0.0)
     )
+
+
+def release_freed_memory() -> None:
+    """Give the memory the step freed back to the OS (glibc ``malloc_trim``).
+
+    A training step allocates and frees tensors of a different size every step (packed rows
+    differ in length), and glibc keeps the freed chunks in its heaps rather than unmapping them:
+    measured on SmolLM2's GRPO trainer, resident memory grew from 5.6 to 9.6 GB over 16 steps
+    and fell to 2.8 GB on one ``malloc_trim(0)``. Called after every step; a few milliseconds.
+    Elsewhere than glibc (musl, macOS) it does nothing."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -18,7 +18,7 @@ from trainer.evaluate import format_valid_rate
 from trainer.forward import target_nll
 from trainer.model import LoadedModel, autocast
 from trainer.optim import clip_and_step
-from trainer.run import Run, start_run
+from trainer.run import Run, release_freed_memory, start_run
 from trainer.sft_data import (
     SftExample,
     encode_split,
@@ -49,6 +49,7 @@ def train(cfg: SftConfig) -> Run:
             t0 = time.monotonic()
             batch = _next_batch(train_set, cfg, state)
             loss, grad_norm = _step(run, batch, work)
+            release_freed_memory()
             state.step += 1
             row = {
                 "loss": loss,
