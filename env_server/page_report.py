@@ -163,6 +163,29 @@ def format_oracle(o: Mapping[str, Mapping[str, tuple[float, float, int]]]) -> st
     return "\n".join(lines)
 
 
+def compare_pages(rows: Sequence[Mapping[str, Any]], runs: Mapping[str, Sequence[str]]) -> str:
+    """Exact match per page kind for several models on the same rows (``runs``: label ->
+    completions), and the share of each model's results-page clicks that name an element on
+    the page: a markdown table."""
+    b = {label: prediction_breakdown(rows, completions) for label, completions in runs.items()}
+    kinds = [k for k in PAGE_KINDS if any(k in v for v in b.values())]
+    lines = ["| page | rows | " + " | ".join(f"{label} exact" for label in b) + " |"]
+    lines.append("|---|---|" + "---|" * len(b))
+    for kind in kinds:
+        n = next(v[kind]["rows"] for v in b.values() if kind in v)
+        cells = [f"{v[kind]['exact']} ({100 * v[kind]['exact'] / n:.1f}%)" for v in b.values()]
+        lines.append(f"| {kind} | {n} | " + " | ".join(cells) + " |")
+    clicks = []
+    for label, v in b.items():
+        c = v.get("results", Counter())
+        on = c["pred_click"] - c["click_off_page"]
+        share = f"{100 * on / c['pred_click']:.1f}%" if c["pred_click"] else "undefined"
+        clicks.append(f"{label} {on} of {c['pred_click']} ({share})")
+    lines.append("")
+    lines.append("Results-page clicks that name an element on the page: " + "; ".join(clicks))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     from env_server.data.dataset import load_or_build
     from env_server.evaluate import read_predictions

@@ -85,3 +85,18 @@ def test_prediction_breakdown_counts_exact_hits_and_off_page_clicks(rows: list[d
     assert "| **all** | 40 | 20 (50.0%)" in format_breakdown("x", b)
     with pytest.raises(ValueError, match="completions for"):
         prediction_breakdown(gold_rows, completions[:-1])
+
+
+def test_compare_pages_counts_per_page_and_results_clicks(rows: list[dict]) -> None:
+    from env_server.page_report import compare_pages
+
+    rows = rows[:40]
+    gold = [completion(json.loads(r["action"])) for r in rows]
+    off = [completion({"type": "click", "name": "no_such_element_xyz"}) for _ in rows]
+    table = compare_pages(rows, {"gold": gold, "off": off})
+    results = [r for r in rows if page_kind(r["pages"][-1]) == "results"]
+    gold_clicks = sum(json.loads(r["action"])["type"] == "click" for r in results)
+    n = len(results)
+    assert f"| results | {n} | {n} (100.0%) |" in table  # gold is exact everywhere
+    assert f"gold {gold_clicks} of {gold_clicks}" in table  # a gold click is on its page
+    assert f"off 0 of {n} (0.0%)" in table
