@@ -6,6 +6,7 @@ logprobs = 0.0 on the prompt, the inference server's sampled-token logprobs afte
 spans.rationale = 1 on completion tokens that carry the rationale string's characters
 score    = the Shop-R1 reward of the completion against the row's gold action
 extras.gold = {"rationale", "action"} of the row (the human target; used by trainer/gail/)
+extras.row = {"session_id", "step"}: which dataset row the prompt was built from
 extras.rollouts = per sequence, what the reward saw: {"action": parsed action or None,
                   "error": format failure or None, "exact": bool, "reward": {registry term:
                   credit}} (the trainer's rollout samples, trainer/rollout_log.py)
@@ -138,6 +139,8 @@ def build_group(
         # (trainer/gail/, docs/GAIL.md) learns to tell it from the policy's completions.
         "extras": {
             "gold": {"rationale": row["rationale"], "action": row["action"]},
+            # Which dataset row this is (analyses join it back, e.g. to its page kind).
+            "row": {"session_id": row.get("session_id"), "step": row.get("step")},
             # What the reward saw in each completion, for the trainer's rollout samples.
             "rollouts": [
                 rollout_record(c.text, b)
