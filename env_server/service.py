@@ -30,6 +30,7 @@ from typing import Any
 from env_server.config import EnvConfig
 from env_server.evaluate import compute_metrics, generate_completions
 from env_server.inference import InferenceClient, InferencePool
+from env_server.page_report import page_kind
 from env_server.rollout import build_group, prompt_ids
 
 log = logging.getLogger("env_server")
@@ -134,14 +135,23 @@ class EnvService:
         scores = [s["score"] for s in group["sequences"]]
         self.stats.scores = (self.stats.scores + scores)[-200:]
         self.stats.valid = (self.stats.valid + [group["metrics"]["valid"]])[-50:]
-        if c.drop_constant_groups and max(scores) == min(scores):
+        constant = max(scores) == min(scores)
+        record = {
+            "group_id": group["group_id"],
+            "policy_version": version,
+            "row": group["extras"]["row"],
+            "page": page_kind(row["pages"][-1]),
+            "score_mean": sum(scores) / len(scores),
+            "pushed": not (c.drop_constant_groups and constant),
+            **group["metrics"],
+        }
+        if not record["pushed"]:
             self.stats.dropped += 1
+            self._record("group", record)
             return
         await self.api.push(group)
         self.stats.pushed += 1
-        self._record(
-            "group", {"group_id": group["group_id"], "policy_version": version, **group["metrics"]}
-        )
+        self._record("group", record)
 
     async def _guarded(self, row: Mapping[str, Any]) -> None:
         try:

@@ -15,7 +15,7 @@ def _env_rates(env_metrics: Path) -> dict[str, list[tuple[int, float]]]:
     by_version: dict[int, list[dict]] = {}
     for line in env_metrics.read_text().splitlines():
         row = json.loads(line) if line.strip() else {}
-        if row.get("kind") == "group":
+        if row.get("kind") == "group" and row.get("pushed", True):
             by_version.setdefault(int(row["policy_version"]), []).append(row)
     out: dict[str, list[tuple[int, float]]] = {}
     for key in ("valid", "type_match", "exact_match"):

@@ -7,12 +7,14 @@ data contract and carry that version (a plain vLLM reports no weight version of 
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
 import pytest
 
 from api.client import ApiClient
+from env_server.page_report import PAGE_KINDS
 from env_server.prompts import SYSTEM_PROMPT
 from launch.procs import ManagedProcess
 from settings.ports import free_port
@@ -102,5 +104,11 @@ def test_service_pushes_scored_groups(vllm_server, tiny_model_dir, tmp_path) -> 
             assert all(lp <= 0.0 for lp in s.logprobs[n_prompt:])
             assert len(s.spans["rationale"]) == len(s.tokens)
             assert not any(s.spans["rationale"][:n_prompt])
+        assert set(g.extras["row"]) == {"session_id", "step"}  # the dataset row it came from
+    records = [json.loads(x) for x in (tmp_path / "env_metrics.jsonl").read_text().splitlines()]
+    groups = [r for r in records if r.get("kind") == "group"]
+    assert len(groups) == GROUPS and all(r["pushed"] for r in groups)
+    assert {r["group_id"] for r in groups} == {g.group_id for g in lease.groups}
+    assert all(r["page"] in PAGE_KINDS and r["row"]["session_id"] for r in groups)
     env_status = next(e for e in status.envs if e.name == "shop_r1")
     assert env_status.group_size == GROUP_SIZE and env_status.leased_groups == GROUPS
