@@ -35,6 +35,11 @@ class StatusMixin:
     def _batch_sequences(self) -> int:
         return int(self._meta("batch_sequences", self.default_batch_sequences))
 
+    def native_batch_size(self) -> int:
+        """Sequences per batch the native trainer leases (from its last lease), -1 before one:
+        what Atropos's ``/info`` reports when no Atropos trainer registered."""
+        return int(self.get_meta("batch_sequences", -1))
+
     def _active_envs(self, db: sqlite3.Connection, now: float) -> dict[str, tuple[float, int]]:
         """Envs that count in the shares: connected and seen lately, or with queued data."""
         rows = db.execute(
