@@ -6,9 +6,12 @@ trainer's real code. Hand-computed values on the micro Qwen2, both packing paths
 from __future__ import annotations
 
 import json
+import logging
 import math
+import time
 from pathlib import Path
 
+import httpx
 import msgspec
 import pytest
 import torch
@@ -243,3 +246,62 @@ def test_env_ref_beside_the_reference_model(micro_model_dir: Path, tmp_path: Pat
     stats = accumulate(ctx, flatten_groups([base, with_ref], 64)[0])
     assert stats["kl"] == pytest.approx((0.0 * 12 + 0.2 * 12) / 24, abs=1e-5)
     assert stats["env_ref_sequences"] == 3
+
+
+# -- the lease-time refusal against a real API -----------------------------------------------
+
+
+@pytest.fixture
+def api_url(tmp_path: Path):
+    """The batching API under uvicorn on a free port, in a thread of this process."""
+    import threading
+
+    import uvicorn
+
+    from api.app import create_app
+    from api.config import ApiConfig
+    from settings.ports import free_port
+
+    port = free_port()
+    app = create_app(ApiConfig(db_path=tmp_path / "api.sqlite"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_refuse_marks_the_groups_rejected_at_the_api_and_trains_the_rest(
+    api_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Three Atropos groups posted on ``/scored_data``, leased natively: the one with an
+    unknown override key and the one sampled at another temperature are refused (logged with
+    the key, ``rejected`` at the API, never served again), the third is what trains."""
+    from api.client import ApiClient
+    from trainer.atropos_fields import refuse
+
+    posts = [
+        item(group_overrides={"group_id": "ok"}),
+        item(group_overrides={"group_id": "odd", "curriculum_bucket": 3}),
+        item(group_overrides={"group_id": "hot"}, overrides=[{"temperature": 1.5}, {}, {}]),
+    ]
+    for p in posts:
+        assert httpx.post(api_url + "/scored_data", json=p).json()["status"] == "received"
+    api = ApiClient(api_url)
+    lease = api.lease(max_tokens=10_000, max_sequences=9, lease_seconds=60)
+    groups = [g.model_dump() for g in lease.groups]
+    with caplog.at_level(logging.ERROR, logger="trainer.atropos_fields"):
+        kept = refuse(api, GrpoConfig(temperature=1.0), lease.batch_id, groups)
+    assert [g["group_id"] for g in kept] == ["ok"]
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    assert "group_overrides.curriculum_bucket" in logged and "overrides[0].temperature" in logged
+    assert api.ack(lease.batch_id).groups_acked == 1
+    status = api.status()
+    assert status.rejected_groups == 2 and status.queued_groups == 0
+    assert (
+        api.lease(max_tokens=10_000, max_sequences=9, lease_seconds=60, allow_partial=True) is None
+    )
+    api.close()
