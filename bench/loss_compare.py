@@ -57,12 +57,21 @@ def _run(argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         raise SystemExit(f"{argv[:4]} exited {rc}; read {log}")
 
 
+def final_model(runs: Path, method: str, steps: int) -> Path:
+    """The model folder of a run's last checkpoint (GRPO writes no model outside them)."""
+    return runs / method / "trainer" / "checkpoints" / f"step_{steps:06d}" / "model"
+
+
 def train(method: str, steps: int, runs: Path) -> Path:
     """One GRPO run of ``method``; returns its final model folder."""
     run_dir = runs / method
-    final = run_dir / "trainer"
+    final = final_model(runs, method, steps)
     if (final / "model.safetensors").exists():
         return final  # done before (--runs-dir reused)
+    if run_dir.exists():  # an earlier attempt that did not finish: start it over
+        import shutil
+
+        shutil.rmtree(run_dir)
     args = " ".join(METHODS[method])
     argv = [sys.executable, "-m", "launch.run_all", "--preset", "cpu-tiny", "--training-steps"]
     argv += [str(steps), "--eval-samples", "0", "--run-dir", str(run_dir)]
@@ -72,24 +81,45 @@ def train(method: str, steps: int, runs: Path) -> Path:
     return final
 
 
-def evaluate(label: str, model: Path, samples: int, runs: Path) -> dict:
-    """Greedy validation metrics of ``model`` served by our vLLM server."""
-    out = runs / f"eval_{label}"
-    if (out / "metrics.json").exists():
-        return json.loads((out / "metrics.json").read_text())
+def evaluate_all(models: dict[str, Path], samples: int, runs: Path) -> dict[str, dict]:
+    """Greedy validation metrics of each model, served in turn by one vLLM server of ours
+    (mode ``none``: ``/bridge/reload`` loads the next model's weights; the tokenizer is the
+    same for all). An evaluation already in ``runs`` is reused."""
+    import httpx
+
     from launch.vllm_server import start_bridge_server
     from settings.paths import DATA_DIR
 
-    server = start_bridge_server(model, "none", runs / f"vllm_{label}.log")
+    out: dict[str, dict] = {}
+    todo = {k: v for k, v in models.items() if not (runs / f"eval_{k}" / "metrics.json").exists()}
+    server = None
     try:
-        argv = [sys.executable, "-m", "env_server.evaluate", "--split", "validation"]
-        argv += ["--limit", str(samples), "--inference-url", server.base_url]
-        argv += ["--data-dir", str(DATA_DIR), "--tokenizer", str(model)]
-        argv += ["--max-prompt-tokens", str(MAX_PROMPT), "--max-tokens", str(MAX_TOKENS)]
-        _run([*argv, "--out-dir", str(out)], runs / f"eval_{label}.log")
+        for version, (label, model) in enumerate(todo.items(), start=1):
+            if server is None:
+                token = "loss-compare"
+                server = start_bridge_server(
+                    model, "none", runs / "vllm_eval.log", token=token, timeout=3600
+                )
+            else:
+                r = httpx.post(
+                    f"{server.base_url}/bridge/reload",
+                    json={"path": str(model), "version": version},
+                    headers={"x-shop-r1-bridge-token": token},
+                    timeout=1800,
+                )
+                r.raise_for_status()
+            argv = [sys.executable, "-m", "env_server.evaluate", "--split", "validation"]
+            argv += ["--limit", str(samples), "--inference-url", server.base_url]
+            argv += ["--data-dir", str(DATA_DIR), "--tokenizer", str(model)]
+            argv += ["--max-prompt-tokens", str(MAX_PROMPT), "--max-tokens", str(MAX_TOKENS)]
+            argv += ["--out-dir", str(runs / f"eval_{label}")]
+            _run(argv, runs / f"eval_{label}.log")
     finally:
-        server.stop()
-    return json.loads((out / "metrics.json").read_text())
+        if server is not None:
+            server.stop()
+    for label in models:
+        out[label] = json.loads((runs / f"eval_{label}" / "metrics.json").read_text())
+    return out
 
 
 def _load_sampler(path: Path, stop: threading.Event) -> None:
@@ -193,9 +223,8 @@ def main() -> None:
         if not args.report_only:
             for m in methods:
                 train(m, args.steps, runs)
-        metrics = {"sft": evaluate("sft", SFT_MODEL_DIR, args.eval_samples, runs)}
-        for m in methods:
-            metrics[m] = evaluate(m, runs / m / "trainer", args.eval_samples, runs)
+        models = {"sft": SFT_MODEL_DIR, **{m: final_model(runs, m, args.steps) for m in methods}}
+        metrics = evaluate_all(models, args.eval_samples, runs)
     finally:
         stop.set()
     rows = summarise(metrics, runs)
