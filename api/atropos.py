@@ -97,7 +97,12 @@ def wandb_info(request: Request) -> dict[str, Any]:
 
 @router.get("/info")
 def info(request: Request) -> dict[str, int]:
-    reg = _book(request).registration() or {}
+    """The Atropos trainer's batch size and length limit; with no Atropos trainer registered,
+    the batch size (in sequences) a native trainer leases, so an unchanged atroposlib env that
+    leaves ``batch_size`` at -1 sizes its queue by the trainer actually training."""
+    reg = _book(request).registration()
+    if reg is None:
+        return {"batch_size": _store(request).native_batch_size(), "max_token_len": -1}
     return {"batch_size": reg.get("batch_size", -1), "max_token_len": reg.get("max_token_len", -1)}
 
 

@@ -31,6 +31,7 @@ from api.protocol import (
     PolicyVersionResponse,
     PushGroupsResponse,
     RegisterEnvResponse,
+    RejectResponse,
     ScoredGroup,
     SkipResponse,
     Status,
@@ -180,6 +181,12 @@ class ApiClient:
         """Mark a leased batch consumed but not trained (idempotent; see ``Store.skip``)."""
         r = self._request("POST", f"/batches/{batch_id}/skip")
         return SkipResponse.model_validate_json(r.content)
+
+    def reject(self, batch_id: str, reasons: dict[str, str]) -> RejectResponse:
+        """Refuse some groups of a leased batch (``{group_id: reason}``); idempotent."""
+        body = {"groups": [{"group_id": g, "reason": r} for g, r in reasons.items()]}
+        r = self._request("POST", f"/batches/{batch_id}/reject", body=body)
+        return RejectResponse.model_validate_json(r.content)
 
     def set_policy_version(self, version: int) -> PolicyVersionResponse:
         """Report the weight version now live; too-stale queued groups are dropped."""

@@ -21,7 +21,7 @@ CREATE TABLE IF NOT EXISTS groups (
     policy_version INTEGER NOT NULL,
     n_seqs INTEGER NOT NULL,
     n_tokens INTEGER NOT NULL,
-    state TEXT NOT NULL,                     -- buffered | queued | leased | acked | dropped | skipped
+    state TEXT NOT NULL,                     -- buffered|queued|leased|acked|dropped|skipped|rejected
     batch_id TEXT,                           -- last batch that leased it
     payload TEXT NOT NULL,                   -- the group's JSON ('' once acked or dropped)
     created REAL NOT NULL
@@ -51,6 +51,12 @@ CREATE TABLE IF NOT EXISTS batches (
 );
 CREATE INDEX IF NOT EXISTS batches_state ON batches (state, deadline);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS rejections (     -- why the trainer refused a group (state rejected)
+    group_id TEXT PRIMARY KEY,
+    batch_id TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    created REAL NOT NULL
+);
 """
 
 # Columns added after the first release: (table, column, declaration). A database written by

@@ -183,6 +183,23 @@ class SkipResponse(BaseModel):
     groups_skipped: int
 
 
+class Rejection(BaseModel):
+    group_id: str = Field(min_length=1, max_length=GROUP_ID_MAX)
+    reason: str = Field(min_length=1, max_length=2000, description="Why the trainer refuses it.")
+
+
+class RejectRequest(BaseModel):
+    groups: list[Rejection] = Field(min_length=1, max_length=100_000)
+
+
+class RejectResponse(BaseModel):
+    batch_id: str
+    groups_rejected: int = Field(description="Groups of this batch now `rejected` (or already).")
+    not_in_batch: list[str] = Field(
+        description="Group ids that are not this batch's (unknown, or leased again since)."
+    )
+
+
 class PolicyVersionRequest(BaseModel):
     version: int = Field(
         ge=0, le=VERSION_MAX, description="Weight version now live on the inference servers."
@@ -208,6 +225,9 @@ class EnvStatus(BaseModel):
     acked_groups: int
     dropped_groups: int = Field(description="Dropped for staleness (never served).")
     skipped_groups: int = Field(0, description="Served, but the trainer skipped the update.")
+    rejected_groups: int = Field(
+        0, description="Served, but refused by the trainer (a field it cannot honour)."
+    )
     duplicate_groups: int
     min_queued_version: int | None
     max_queued_version: int | None
@@ -225,6 +245,7 @@ class Status(BaseModel):
     expired_leases: int
     acked_batches: int
     skipped_batches: int = Field(0, description="Leased, not trained (non-finite gradient).")
+    rejected_groups: int = Field(0, description="Refused by the trainer, all envs.")
     dropped_groups: int
     ingest_groups_per_s: float = Field(description="Over the last `rate_window_s` seconds.")
     serve_groups_per_s: float = Field(description="Over the last `rate_window_s` seconds.")

@@ -27,6 +27,8 @@ from api.protocol import (
     PushGroupsResponse,
     RegisterEnvRequest,
     RegisterEnvResponse,
+    RejectRequest,
+    RejectResponse,
     SkipResponse,
     Status,
 )
@@ -134,6 +136,18 @@ def skip(batch_id: str, request: Request) -> SkipResponse:
     except UnknownBatch:
         raise HTTPException(404, f"unknown batch_id {batch_id!r}") from None
     return SkipResponse(batch_id=batch_id, status=status, groups_skipped=n)
+
+
+@router.post("/batches/{batch_id}/reject", response_model=RejectResponse, tags=["batches"])
+def reject(batch_id: str, body: RejectRequest, request: Request) -> RejectResponse:
+    """The trainer refuses some groups of a leased batch (a field it cannot honour, named in
+    the reason): they become `rejected` (kept, never served again); ack or skip the rest."""
+    reasons = {r.group_id: r.reason for r in body.groups}
+    try:
+        n, missing = store_of(request).reject(batch_id, reasons)
+    except UnknownBatch:
+        raise HTTPException(404, f"unknown batch_id {batch_id!r}") from None
+    return RejectResponse(batch_id=batch_id, groups_rejected=n, not_in_batch=missing)
 
 
 @router.post("/policy_version", response_model=PolicyVersionResponse, tags=["versions"])

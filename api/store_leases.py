@@ -197,6 +197,37 @@ class LeaseMixin:
         queue and not leased again are skipped (``skipped_late``)."""
         return self._close_batch(batch_id, "skipped", clear_payload=False)
 
+    def reject(self, batch_id: str, reasons: dict[str, str]) -> tuple[int, list[str]]:
+        """The trainer refuses some groups of a batch it leased (a field it cannot honour):
+        they go to ``rejected`` (payload kept, reason in the ``rejections`` table), are never
+        served again, and the rest of the batch is acked or skipped as usual. Idempotent.
+        Returns how many of them are now rejected and the ids that are not this batch's."""
+        now = self.clock()
+        with self._tx() as db:
+            if db.execute("SELECT 1 FROM batches WHERE batch_id=?", (batch_id,)).fetchone() is None:
+                raise UnknownBatch(batch_id)
+            done, missing = 0, []
+            for gid, reason in reasons.items():
+                row = db.execute(
+                    "SELECT state FROM groups WHERE group_id=? AND batch_id=?", (gid, batch_id)
+                ).fetchone()
+                if row is None or row[0] not in ("leased", "queued", "rejected"):
+                    missing.append(gid)  # unknown, leased again elsewhere, or acked/skipped
+                    continue
+                db.execute("UPDATE groups SET state='rejected' WHERE group_id=?", (gid,))
+                db.execute(
+                    "INSERT OR REPLACE INTO rejections(group_id, batch_id, reason, created) "
+                    "VALUES(?, ?, ?, ?)",
+                    (gid, batch_id, reason, now),
+                )
+                done += 1
+            return done, missing
+
+    def rejections(self) -> dict[str, str]:
+        """Every group the trainer refused, with its reason."""
+        with self._tx() as db:
+            return dict(db.execute("SELECT group_id, reason FROM rejections").fetchall())
+
     def _close_batch(self, batch_id: str, state: str, clear_payload: bool) -> tuple[str, int]:
         """Move a batch and its groups to the final ``state`` (``acked`` or ``skipped``). A
         batch already in either final state stays as it is (``already_<state>``); after an

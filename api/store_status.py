@@ -35,6 +35,11 @@ class StatusMixin:
     def _batch_sequences(self) -> int:
         return int(self._meta("batch_sequences", self.default_batch_sequences))
 
+    def native_batch_size(self) -> int:
+        """Sequences per batch the native trainer leases (from its last lease), -1 before one:
+        what Atropos's ``/info`` reports when no Atropos trainer registered."""
+        return int(self.get_meta("batch_sequences", -1))
+
     def _active_envs(self, db: sqlite3.Connection, now: float) -> dict[str, tuple[float, int]]:
         """Envs that count in the shares: connected and seen lately, or with queued data."""
         rows = db.execute(
@@ -111,6 +116,7 @@ class StatusMixin:
                         "acked_groups": c.get("acked", 0),
                         "dropped_groups": c.get("dropped", 0),
                         "skipped_groups": c.get("skipped", 0),
+                        "rejected_groups": c.get("rejected", 0),
                         "duplicate_groups": dups,
                         "min_queued_version": lo,
                         "max_queued_version": hi,
@@ -131,6 +137,7 @@ class StatusMixin:
                 "expired_leases": batch_counts.get("expired", 0),
                 "acked_batches": batch_counts.get("acked", 0),
                 "skipped_batches": batch_counts.get("skipped", 0),
+                "rejected_groups": sum(e["rejected_groups"] for e in envs),
                 "dropped_groups": sum(e["dropped_groups"] for e in envs),
                 "ingest_groups_per_s": self.ingest_rate.per_s(now),
                 "serve_groups_per_s": self.serve_rate.per_s(now),

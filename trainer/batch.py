@@ -1,5 +1,5 @@
-"""Scored groups (the data contract: docs/INTERFACES.md) -> padded tensors in token-budget
-micro-batches."""
+"""Scored groups (the data contract: docs/INTERFACES.md; Atropos fields:
+trainer/atropos_fields.py) -> padded tensors in token-budget micro-batches."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from trainer.atropos_fields import sequence_fields
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,18 @@ class SeqItem:
     """False when the sequence is over ``max_seq_len``: it still counts in its group's
     statistics (its score is real) but is left out of the loss rather than truncated, since a
     truncated context would no longer match the logprobs it was sampled with."""
+    advantages: list[float] | None = None
+    """An environment's own per-token advantages, aligned to ``tokens`` (Atropos
+    ``advantages``): they replace the group-normalised score on this sequence's tokens."""
+    ref_logprobs: list[float] | None = None
+    """An environment's reference logprobs, aligned to ``tokens`` (Atropos ``ref_logprobs``):
+    the KL's reference for this sequence, instead of the reference model's."""
+    logprobs_missing: bool = False
+    """The environment sent no inference logprobs (``logprobs`` are placeholders): the
+    trainer's own logprobs, computed before the step, stand in for them (on-policy)."""
+    zero_advantage: bool = False
+    """Atropos ``overrides[i].set_advantage_to_zero``: advantage 0 (it still counts in its
+    group's statistics)."""
 
 
 def _field(obj: Any, name: str, default: Any = None) -> Any:
@@ -41,19 +55,23 @@ def _field(obj: Any, name: str, default: Any = None) -> Any:
 
 
 def flatten_groups(groups: Sequence[Any], max_seq_len: int) -> tuple[list[SeqItem], int]:
-    """Validate and flatten groups (dicts or pydantic objects). Returns the items and the
-    number of sequences dropped as malformed (named in the log with their group id)."""
+    """Validate and flatten groups (dicts or pydantic objects), with the Atropos fields of
+    trainer/atropos_fields.py. Returns the items and the number of sequences dropped as
+    malformed (named in the log with their group id)."""
     items: list[SeqItem] = []
     dropped = 0
     for g_idx, group in enumerate(groups):
         version = int(_field(group, "policy_version", 0) or 0)
-        for seq in _field(group, "sequences", []):
+        seqs = list(_field(group, "sequences", []))
+        for seq, extra in zip(seqs, sequence_fields(group, len(seqs)), strict=True):
             tokens = list(_field(seq, "tokens", []))
             mask = list(_field(seq, "mask", []))
             logprobs = list(_field(seq, "logprobs", []))
             spans = _field(seq, "spans", None) or {}
             rationale = list(_field(spans, "rationale", None) or [0] * len(tokens))
+            per_token = [extra[k] for k in ("advantages", "ref_logprobs") if extra[k] is not None]
             lengths = {len(tokens), len(mask), len(logprobs), len(rationale)}
+            lengths |= {len(x) for x in per_token}
             if len(lengths) != 1 or len(tokens) < 2 or not any(mask):
                 log.warning(
                     "dropping a malformed sequence of group %s (lengths %s, %d masked)",
@@ -74,9 +92,17 @@ def flatten_groups(groups: Sequence[Any], max_seq_len: int) -> tuple[list[SeqIte
                     len(items),
                     version,
                     trainable=len(tokens) <= max_seq_len,
+                    advantages=_floats(extra["advantages"]),
+                    ref_logprobs=_floats(extra["ref_logprobs"]),
+                    logprobs_missing=extra["logprobs_missing"],
+                    zero_advantage=extra["zero_advantage"],
                 )
             )
     return items, dropped
+
+
+def _floats(values: Sequence[float] | None) -> list[float] | None:
+    return None if values is None else [float(x) for x in values]
 
 
 def micro_batches(items: list[SeqItem], max_tokens: int) -> list[list[SeqItem]]:
@@ -108,12 +134,22 @@ def collate(items: list[SeqItem], pad_id: int, device: torch.device) -> dict[str
             out[r, : len(row)] = torch.tensor(row, dtype=dtype)
         return out.to(device)
 
+    def flag(name: str) -> torch.Tensor:
+        return torch.tensor([bool(getattr(i, name)) for i in items], device=device)
+
     return {
         "tokens": pad([i.tokens for i in items], pad_id, torch.long),
         "attention": pad([[1] * len(i.tokens) for i in items], 0, torch.long),
         "mask": pad([i.mask for i in items], 0, torch.long),
         "logprobs": pad([i.logprobs for i in items], 0.0, torch.float32),
         "rationale": pad([i.rationale for i in items], 0, torch.long),
+        # Atropos fields (trainer/atropos_fields.py): per-token values and per-row flags
+        "advantages": pad([i.advantages or [] for i in items], 0.0, torch.float32),
+        "ref_logprobs": pad([i.ref_logprobs or [] for i in items], 0.0, torch.float32),
+        "has_advantages": torch.tensor([i.advantages is not None for i in items], device=device),
+        "has_ref": torch.tensor([i.ref_logprobs is not None for i in items], device=device),
+        "logprobs_missing": flag("logprobs_missing"),
+        "zero_advantage": flag("zero_advantage"),
     }
 
 

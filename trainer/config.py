@@ -266,8 +266,38 @@ class GrpoConfig(CommonConfig):
     tis_cap: float | None = None
     """Truncated importance weight cap for the inference/trainer mismatch; None = ratio taken
     directly against the inference logprobs."""
+    tis_level: Literal["token", "sequence"] = "token"
+    """With ``tis_cap``: truncate each token's trainer/inference weight (``token``) or one
+    weight per sequence, the product of its tokens' weights (``sequence``, TRL's
+    ``sequence_truncate``)."""
+    mismatch_mask_low: float | None = Field(None, gt=0, lt=1)
+    """ICEPOP / MIS masking: a token whose trainer/inference probability ratio is below this
+    (e.g. 0.5) gets no policy-gradient term (None: no lower bound)."""
+    mismatch_mask_high: float | None = Field(None, gt=1)
+    """ICEPOP / MIS masking: a token whose trainer/inference probability ratio is above this
+    (e.g. 2 or 5) gets no policy-gradient term (None: no upper bound)."""
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """``ppo``: the token-level clipped surrogate (GRPO, DAPO, Dr. GRPO). ``gspo``: one
+    importance ratio per sequence (geometric mean of its tokens' ratios), clipped (the paper:
+    ``clip_low 3e-4``, ``clip_high 4e-4``, ``loss_aggregation sequence``). ``cispo``: the
+    clipped, detached IS weight times A times log pi: no token's gradient is dropped
+    (MiniMax-M1; ScaleRL: ``clip_high`` up to 5, ``clip_low 1`` = no lower bound)."""
     kl_beta: float = 0.001
-    """Weight of the k3 KL to the reference (frozen initial model, or the base under LoRA)."""
+    """Weight of the KL to the reference (frozen initial model, or the base under LoRA; or an
+    environment's ``ref_logprobs``, see ``kl_reference``)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator in the loss: k1 = log pi - log ref, k2 = (log pi - log ref)^2 / 2,
+    k3 = exp(ref - pi) - (ref - pi) - 1 (verl's ``low_var_kl``)."""
+    kl_reference: Literal["model", "env"] = "model"
+    """Where the KL's reference logprobs come from. ``model``: the reference model, except for
+    sequences whose environment sent ``ref_logprobs`` (Atropos), which are used as sent.
+    ``env``: no reference model is built; every group must bring ``ref_logprobs`` when
+    ``kl_beta > 0`` (a group without is refused at lease time, naming the field)."""
+    atropos_metadata_keys: str = ""
+    """Comma-separated Atropos ``overrides`` / ``group_overrides`` keys (or ``ScoredData``
+    fields such as ``distill_logprobs``) that carry only metadata for this trainer. Any other
+    key the trainer does not apply is refused at lease time with an error naming it
+    (trainer/atropos_fields.py)."""
     self_certainty_alpha: float = 0.005
     """Weight of the self-certainty rationale reward added to each score before normalising."""
     adv_eps: float = 1e-6
@@ -295,6 +325,8 @@ class GrpoConfig(CommonConfig):
             self.clip_low = self.clip_high = self.clip_eps
         if self.tis_cap is not None and self.tis_cap < 1.0:
             raise ValueError("tis_cap must be >= 1 (a cap below 1 down-weights every token)")
+        if self.tis_level == "sequence" and self.tis_cap is None:
+            raise ValueError("tis_level sequence needs tis_cap (the truncation of its weight)")
         return self
 
     def inference_urls(self) -> list[str]:

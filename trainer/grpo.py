@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from trainer.atropos_fields import refuse
 from trainer.batch import _field, flatten_groups
 from trainer.config import GrpoConfig
 from trainer.dist_weights import SyncReplica, make_replica
@@ -55,7 +56,7 @@ def train(cfg: GrpoConfig) -> Run:
     replica: list[torch.nn.Module | None] = []  # rank 0's unsharded copy (trainer/dist_weights)
 
     def prepare(lm: LoadedModel, d: Dist | None) -> None:
-        if cfg.kl_beta > 0:
+        if cfg.kl_beta > 0 and cfg.kl_reference == "model":
             reference.append(Reference(lm))
         replica.append(make_replica(lm.model, d))
 
@@ -187,12 +188,15 @@ def _next_batch(run: Run, api: Any, weights: WeightSync | None) -> tuple[str, li
 
 
 def _lease_trainable(api: Any, cfg: GrpoConfig, weights: Any, state: Any) -> tuple[str, list]:
-    """Lease until a batch has a sequence to train; ack the ones that have none."""
+    """Lease until a batch has a sequence to train; ack the ones that have none. Groups the
+    trainer cannot train as sent (trainer/atropos_fields.py) are refused at the API with
+    their reason and left out; the rest of the batch trains."""
     while True:
         batch_id, leased = _lease(api, cfg, weights, state.policy_version)
         groups = _untrained(leased, state.recent_batches)
-        if not groups:  # trained and checkpointed before a crash; only the ack was lost
-            log.info("batch %s was already trained in this lineage; acking it", batch_id)
+        groups = refuse(api, cfg, batch_id, groups)
+        if not groups:  # trained and checkpointed before a crash (or refused): nothing to do
+            log.info("batch %s has nothing left to train; acking it", batch_id)
             api.ack(batch_id)
             continue
         items, _ = flatten_groups(groups, cfg.max_seq_len)

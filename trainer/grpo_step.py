@@ -16,7 +16,13 @@ from trainer.batch import SeqItem, micro_batches, tree_micro_batches
 from trainer.config import GrpoConfig
 from trainer.distributed import Work
 from trainer.forward import MicroBatch, prepare, stats_of
-from trainer.loss import group_advantages, policy_loss, self_certainty, shift_aligned
+from trainer.loss import (
+    group_advantages,
+    mismatch_kl,
+    policy_loss,
+    self_certainty,
+    shift_aligned,
+)
 from trainer.model import LoadedModel, Reference, autocast, vocab_size
 from trainer.optim import clip_and_step
 
@@ -49,37 +55,86 @@ def plan(ctx: StepContext, items: list[SeqItem]) -> list[MicroBatch]:
 @torch.no_grad()
 def _scoring_pass(ctx: StepContext, mbs: list[MicroBatch], n_items: int):
     """Per-item self-certainty, reference logprobs per micro-batch this rank trains, and
-    batch statistics (summed over ranks)."""
+    batch statistics (summed over ranks). Sequences whose environment sent no inference
+    logprobs get the trainer's own logprobs in their place here, before any update (on-policy:
+    trainer/atropos_fields.py); they are left out of the mismatch statistics."""
     lm, cfg = ctx.loaded, ctx.cfg
     certainty = torch.zeros(n_items)
     ref_lps: list[torch.Tensor | None] = []
-    ent_sum = tok_sum = mismatch_sum = 0.0
+    sums = dict.fromkeys(("ent", "tok", "mismatch", "k1", "k3", "mis_tok", "recomputed"), 0.0)
+    # The reference model runs unless every sequence of the step brought its own reference
+    # logprobs (decided for the whole step: under FSDP every rank must run the same passes).
+    model_ref = ctx.reference is not None and cfg.kl_beta > 0
+    model_ref = model_ref and not all(i.ref_logprobs is not None for mb in mbs for i in mb.items)
     lm.model.eval()  # no dropout while measuring
     for mb, real in ctx.work.split(mbs):
         batch = mb.batch
         with autocast(lm.device, lm.compute_dtype):
             stats = stats_of(lm.model, mb, cfg.temperature)
         ref_lp = None
-        if ctx.reference is not None and cfg.kl_beta > 0:
+        if model_ref:
             with ctx.reference.model() as ref, autocast(lm.device, lm.compute_dtype):
                 ref_lp = stats_of(ref, mb, cfg.temperature, with_entropy=False).logprobs
         if not real:  # a padding pass (other ranks have one more micro-batch)
             continue
+        if cfg.kl_beta > 0:
+            ref_lp = _with_env_ref(ref_lp, batch)
         ref_lps.append(ref_lp)
+        missing = batch["logprobs_missing"]
+        if bool(missing.any()):  # never trained on placeholder zeros
+            batch["logprobs"][missing, 1:] = stats.logprobs[missing].to(batch["logprobs"].dtype)
+            sums["recomputed"] += float(missing.sum())
         mask = shift_aligned(batch["mask"]).float()
         span = shift_aligned(batch["rationale"])
         sc = self_certainty(stats.entropy, span, vocab_size(lm.model))
         certainty[[i.index for i in mb.items]] = sc.cpu()
-        ent_sum += float((stats.entropy * mask).sum())
-        tok_sum += float(mask.sum())
+        sums["ent"] += float((stats.entropy * mask).sum())
+        sums["tok"] += float(mask.sum())
         inf_lp = shift_aligned(batch["logprobs"])
-        mismatch_sum += float(((stats.logprobs - inf_lp).abs() * mask).sum())
+        measured = mask * (~missing).float().unsqueeze(-1)
+        sums["mismatch"] += float(((stats.logprobs - inf_lp).abs() * measured).sum())
+        mis = mismatch_kl(stats.logprobs, inf_lp, measured)
+        sums["k1"] += mis["mismatch_k1"]
+        sums["k3"] += mis["mismatch_k3"]
+        sums["mis_tok"] += mis["mismatch_tokens"]
     lm.model.train()
     ctx.work.sum_tensor(certainty)  # each item is scored on exactly one rank
-    sums = ctx.work.sum({"ent": ent_sum, "tok": tok_sum, "mismatch": mismatch_sum})
-    tok = max(sums["tok"], 1.0)
-    stats = {"entropy": sums["ent"] / tok, "logprob_mismatch": sums["mismatch"] / tok}
+    sums = ctx.work.sum(sums)
+    tok, mis_tok = max(sums["tok"], 1.0), max(sums["mis_tok"], 1.0)
+    stats = {
+        "entropy": sums["ent"] / tok,
+        "logprob_mismatch": sums["mismatch"] / mis_tok,
+        "mismatch_kl": sums["k3"] / mis_tok,
+        "mismatch_kl_k1": sums["k1"] / mis_tok,
+        "recomputed_logprob_sequences": int(sums["recomputed"]),
+    }
     return certainty, ref_lps, stats
+
+
+def _with_env_ref(ref_lp: torch.Tensor | None, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The KL's reference per prediction: an environment's ``ref_logprobs`` where it sent
+    them, the reference model's elsewhere (``kl_reference: env`` refuses groups without)."""
+    has = batch["has_ref"]
+    env = shift_aligned(batch["ref_logprobs"])
+    if ref_lp is None:
+        if not bool(has.all()):
+            raise ValueError("a sequence has no reference logprobs and no reference model runs")
+        return env
+    return torch.where(has.unsqueeze(-1), env.to(ref_lp.dtype), ref_lp)
+
+
+def token_advantages(seq_adv: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-prediction advantages of a micro-batch's rows: the group advantage of each row,
+    replaced by the environment's own per-token advantages where it sent them (Atropos
+    ``advantages``), and 0 for rows with ``set_advantage_to_zero``. ``[B]`` when neither
+    applies (the same values, broadcast by the loss)."""
+    has, zero = batch["has_advantages"], batch["zero_advantage"]
+    if not bool(has.any() or zero.any()):
+        return seq_adv
+    env = shift_aligned(batch["advantages"]).to(seq_adv.device)
+    adv = seq_adv.unsqueeze(-1).expand_as(env)
+    adv = torch.where(has.unsqueeze(-1), env, adv)
+    return torch.where(zero.unsqueeze(-1), torch.zeros_like(adv), adv)
 
 
 def grpo_step(
@@ -120,7 +175,8 @@ def accumulate(
     trainable = [i for mb in mbs for i in mb.items]
     n_tokens = sum(sum(i.mask[1:]) for i in trainable)
     normaliser = float(n_tokens if cfg.loss_aggregation == "token" else len(trainable))
-    sums = dict.fromkeys(("kl", "clipped", "ratio", "iw", "iw_truncated", "tokens"), 0.0)
+    keys = ("kl", "clipped", "ratio", "iw", "iw_truncated", "tokens", "mismatch_masked")
+    sums = dict.fromkeys(keys, 0.0)
     loss_total = 0.0
     mine = ctx.work.split(mbs)
     real_refs = iter(ref_lps)
@@ -132,7 +188,7 @@ def accumulate(
         out = policy_loss(
             stats.logprobs,
             shift_aligned(batch["logprobs"]),
-            adv[[i.index for i in mb.items]].to(lm.device),
+            token_advantages(adv[[i.index for i in mb.items]].to(lm.device), batch),
             shift_aligned(batch["mask"]),
             normaliser=normaliser,
             clip_low=cfg.clip_low,
@@ -141,6 +197,11 @@ def accumulate(
             ref_logprobs=ref_lp,
             kl_beta=cfg.kl_beta,
             aggregation=cfg.loss_aggregation,
+            loss_type=cfg.policy_loss,
+            tis_level=cfg.tis_level,
+            mask_low=cfg.mismatch_mask_low,
+            mask_high=cfg.mismatch_mask_high,
+            kl_estimator=cfg.kl_estimator,
         )
         if not real:  # same collectives as the other ranks, no contribution
             (out.loss * 0.0).backward()
@@ -163,6 +224,9 @@ def accumulate(
         "ratio_mean": sums["ratio"] / tok,
         "iw_mean": sums["iw"] / tok,
         "iw_truncated_fraction": sums["iw_truncated"] / tok,
+        "mismatch_masked_fraction": sums["mismatch_masked"] / tok,
+        "env_advantage_sequences": sum(i.advantages is not None for i in items),
+        "env_ref_sequences": sum(i.ref_logprobs is not None for i in items),
         "tokens": int(sums["tokens"]),
         "sequences": len(items),
         "sequences_trained": len(trainable),

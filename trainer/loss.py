@@ -1,4 +1,5 @@
-"""GRPO maths: token statistics, advantages, self-certainty, the clipped policy loss, k3 KL.
+"""GRPO maths: token statistics, advantages, self-certainty, the policy losses (PPO clip,
+GSPO, CISPO; truncated / masked importance weights), k1/k2/k3 KL and the mismatch metric.
 
 Everything here is a pure function of tensors, runs on CPU (fp32) and CUDA (bf16 autocast
 upstream; every reduction here is done in fp32), and has no knowledge of the data source.
@@ -115,14 +116,54 @@ def group_advantages(
     return centred.float()
 
 
-def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    """Schulman's k3 estimator of KL(pi || ref) per token: exp(r) - r - 1 with r = ref - pi.
+KlEstimator = Literal["k1", "k2", "k3"]
+PolicyLossType = Literal["ppo", "gspo", "cispo"]
+IsLevel = Literal["token", "sequence"]
 
-    Unbiased for samples drawn from pi, always >= 0, and its gradient pulls pi towards ref.
-    ``exp(r)`` is taken of r clamped to +-LOG_RATIO_BOUND, so it cannot overflow.
+
+def kl_estimate(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KlEstimator = "k3"
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from tokens sampled by pi (Schulman's k1/k2/k3), with
+    d = log pi - log ref:
+
+    - ``k1 = d``: unbiased, negative on about half the tokens; as a loss its gradient is the
+      log-likelihood gradient scaled by 1 (it lowers the sampled tokens' probability).
+    - ``k2 = d**2 / 2``: biased, >= 0, low variance; gradient ``d * grad log pi``.
+    - ``k3 = exp(-d) + d - 1``: unbiased and >= 0 (verl's ``low_var_kl``); ``exp`` is taken of
+      ``-d`` clamped to +-LOG_RATIO_BOUND, so it cannot overflow.
     """
-    r = ref_logprobs - logprobs
-    return _safe_exp(r) - r - 1.0
+    d = logprobs - ref_logprobs
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return _safe_exp(-d) + d - 1.0
+    raise ValueError(f"unknown KL estimator {estimator!r} (k1, k2 or k3)")
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi || ref) per token: exp(r) - r - 1 with r = ref - pi."""
+    return kl_estimate(logprobs, ref_logprobs, "k3")
+
+
+def mismatch_kl(
+    trainer_logprobs: torch.Tensor, inference_logprobs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """How far the trainer's distribution is from the one that sampled: sums over the masked
+    tokens of two estimators of KL(pi_inference || pi_trainer) from the sampled tokens, with
+    r = pi_trainer / pi_inference: ``k1 = -log r`` and ``k3 = r - log r - 1`` (>= 0; verl's
+    ``rollout_corr/k3_kl``, prime-rl's ``mismatch_kl``), plus the token count. The caller
+    divides by the step's tokens (summed over ranks)."""
+    m = mask.to(torch.bool)
+    log_r = torch.where(m, trainer_logprobs.float() - inference_logprobs.float(), 0.0)
+    k3 = torch.where(m, _safe_exp(log_r) - log_r - 1.0, 0.0)
+    return {
+        "mismatch_k1": float(-log_r.sum()),
+        "mismatch_k3": float(k3.sum()),
+        "mismatch_tokens": float(m.sum()),
+    }
 
 
 @dataclass
@@ -133,7 +174,8 @@ class LossOutput:
     """Scalar to call ``backward()`` on; divided by the step's normaliser (see policy_loss)."""
     sums: dict[str, float]
     """Unnormalised sums over masked tokens: ``tokens``, ``clipped``, ``kl``, ``ratio``,
-    ``iw``, ``iw_truncated``; the caller divides by the step's token count."""
+    ``iw``, ``iw_truncated``, ``mismatch_masked``; the caller divides by the step's token
+    count."""
 
 
 def policy_loss(
@@ -149,28 +191,48 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_beta: float = 0.0,
     aggregation: Aggregation = "token",
+    loss_type: PolicyLossType = "ppo",
+    tis_level: IsLevel = "token",
+    mask_low: float | None = None,
+    mask_high: float | None = None,
+    kl_estimator: KlEstimator = "k3",
 ) -> LossOutput:
-    """PPO/GRPO clipped surrogate, correct for both signs of the advantage.
+    """The policy loss of one micro-batch (docs/TRAINER.md, "The maths", has the table).
 
-    Per token: ``-w * min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
-    + kl_beta * k3(pi, ref)``. With A > 0 the objective stops growing once ratio > 1 + clip_high;
-    with A < 0 it stops once ratio < 1 - clip_low (the ``min`` picks the pessimistic term in
-    both cases, which is where Atropos's example trainer goes wrong: it clamps the ratio before
-    multiplying, so negative advantages are clipped on the wrong side).
+    ``loss_type``:
+    - ``ppo`` (GRPO / DAPO / Dr. GRPO): per token ``-w * min(r A, clip(r, 1 - clip_low,
+      1 + clip_high) A)``, correct for both signs of A: with A > 0 the objective stops growing
+      once r > 1 + clip_high, with A < 0 once r < 1 - clip_low (the ``min`` picks the
+      pessimistic term; Atropos's example trainer clamps before multiplying, which clips
+      negative advantages on the wrong side).
+    - ``gspo`` (Qwen's GSPO, "GSPO-token" form): r is the sequence's ratio, the geometric mean
+      ``exp(mean_t log r_t)`` over its masked tokens, the same for each of its tokens, clipped
+      as in ``ppo``; its gradient flows through every token's own logprob. The paper averages
+      per sequence (``aggregation="sequence"``) with clip ranges of ~3e-4 / 4e-4.
+    - ``cispo`` (MiniMax-M1's CISPO): per token ``-w * sg(clip(r, 1 - clip_low, 1 + clip_high))
+      * A * log pi``: the IS weight is clipped and detached, so no token's gradient is dropped
+      (PPO's is zero once clipped). Its loss value includes ``log pi`` and is not comparable
+      with ``ppo``'s; its gradient equals ``ppo``'s wherever r is inside the clip range.
 
-    Importance ratios:
-    - ``tis_cap is None``: ratio = pi_theta / pi_inference -- the clip is taken directly
-      against the logprobs the inference server reported, w = 1.
-    - ``tis_cap = C``: decoupled form. ratio = pi_theta / pi_old with pi_old = the trainer's
-      own (detached) logprobs, and w = min(pi_old / pi_inference, C) is the truncated
-      importance weight that corrects the inference/trainer numerical mismatch without letting
-      a few tokens with tiny inference probability blow up the gradient.
+    Importance ratios, with ``pi_old`` the trainer's own (detached) logprobs:
+    - ``tis_cap is None``: r = pi / pi_inference, w = 1 (the clip is taken against the
+      logprobs the inference server reported).
+    - ``tis_cap = C``: decoupled: r = pi / pi_old, and w truncates the trainer/inference
+      weight pi_old / pi_inference at C: per token (``tis_level="token"``) or one weight per
+      sequence, the product of its tokens' weights (``"sequence"``, TRL's
+      ``sequence_truncate``).
+    - ``mask_low``/``mask_high`` (ICEPOP / MIS): a token whose trainer/inference ratio
+      pi_old / pi_inference lies outside [mask_low, mask_high] contributes no policy term
+      (its KL term stays); it still counts in the normaliser, as IcePop's objective does.
+
+    KL: ``kl_beta * kl_estimate(pi, ref, kl_estimator)`` per token (k1, k2 or k3).
 
     Every log ratio is clamped to +-``LOG_RATIO_BOUND`` before ``exp``, so a token the
     inference server gave a logprob of -1e4 (its stand-in for -inf) yields a finite loss and
     no gradient rather than an inf loss or a NaN gradient.
 
-    ``advantages`` is per sequence (``[B]``); ``logprobs``/``inference_logprobs``/``mask``/
+    ``advantages`` is per sequence (``[B]``) or per token (``[B, T]``, e.g. an environment's
+    own token-level advantages); ``logprobs``/``inference_logprobs``/``mask``/
     ``ref_logprobs`` are per prediction (``[B, T]``). ``normaliser`` makes gradient
     accumulation exact: the total number of masked tokens in the whole optimizer step
     (``aggregation="token"``) or the number of sequences in it (``"sequence"``: each sequence's
@@ -178,27 +240,50 @@ def policy_loss(
     """
     if normaliser <= 0:
         raise ValueError("normaliser must be > 0 (an optimizer step with no trainable tokens)")
+    if loss_type not in ("ppo", "gspo", "cispo"):
+        raise ValueError(f"unknown loss_type {loss_type!r} (ppo, gspo or cispo)")
     m = mask.to(torch.bool)
     mf = m.float()
     lp = logprobs.float()
+    zeros = torch.zeros_like(lp)
     inf_lp = torch.where(m, inference_logprobs.float(), lp.detach())  # masked: ratio exactly 1
+    behaviour = torch.where(m, lp.detach() - inf_lp, zeros)  # log(pi_old / pi_inference)
     if tis_cap is None:
-        old = inf_lp
-        iw = torch.ones_like(lp)
-        raw_iw = iw
+        old, raw_iw = inf_lp, torch.ones_like(lp)
+        iw = raw_iw
     else:
         old = lp.detach()
-        raw_iw = _safe_exp(old - inf_lp)
+        if tis_level == "sequence":
+            raw_iw = _safe_exp(behaviour.sum(-1, keepdim=True)).expand_as(lp)
+        else:
+            raw_iw = _safe_exp(behaviour)
         iw = raw_iw.clamp(max=tis_cap)
-    log_ratio = torch.where(m, lp - old, torch.zeros_like(lp))
+    keep = m
+    if mask_low is not None or mask_high is not None:
+        w = _safe_exp(behaviour)
+        outside = (w < mask_low) if mask_low is not None else torch.zeros_like(m)
+        if mask_high is not None:
+            outside = outside | (w > mask_high)
+        keep = m & ~outside
+    log_ratio = torch.where(m, lp - old, zeros)
+    if loss_type == "gspo":
+        seq = (log_ratio * mf).sum(-1, keepdim=True) / mf.sum(-1, keepdim=True).clamp_min(1.0)
+        log_ratio = torch.where(m, seq.detach() + lp - lp.detach(), zeros)
     ratio = _safe_exp(log_ratio)  # clamped in log space: see LOG_RATIO_BOUND
-    adv = advantages.float().unsqueeze(-1)
-    unclipped = ratio * adv
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
-    per_token = -iw * torch.minimum(unclipped, clipped)
-    kl = torch.zeros_like(lp)
+    adv = advantages.float()
+    adv = (adv.unsqueeze(-1) if adv.dim() == 1 else adv).expand_as(lp)
+    lo, hi = 1.0 - clip_low, 1.0 + clip_high
+    if loss_type == "cispo":
+        policy = -iw * ratio.detach().clamp(lo, hi) * adv * lp
+        is_clipped = (ratio < lo) | (ratio > hi)
+    else:
+        policy = -iw * torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)
+        # "clipped": the clipped branch is the one the min chose, and it is flat.
+        is_clipped = ((adv > 0) & (ratio > hi)) | ((adv < 0) & (ratio < lo))
+    per_token = torch.where(keep, policy, zeros)
+    kl = zeros
     if ref_logprobs is not None:
-        kl = torch.where(m, kl_k3(lp, ref_logprobs.float()), torch.zeros_like(lp))
+        kl = torch.where(m, kl_estimate(lp, ref_logprobs.float(), kl_estimator), zeros)
         per_token = per_token + kl_beta * kl
     per_token = per_token * mf
     if aggregation == "token":
@@ -208,8 +293,6 @@ def policy_loss(
         loss = per_seq.sum() / normaliser
     else:
         raise ValueError(f"unknown aggregation {aggregation!r}")
-    # A token is "clipped" when the clipped branch is the one the min chose and it is flat.
-    is_clipped = ((adv > 0) & (ratio > 1.0 + clip_high)) | ((adv < 0) & (ratio < 1.0 - clip_low))
     with torch.no_grad():
         sums = {
             "tokens": float(mf.sum()),
@@ -218,6 +301,7 @@ def policy_loss(
             "ratio": float((ratio * mf).sum()),
             "iw": float((raw_iw * mf).sum()),
             "iw_truncated": float(((raw_iw > tis_cap) & m).float().sum()) if tis_cap else 0.0,
+            "mismatch_masked": float((m & ~keep).float().sum()),
         }
     return LossOutput(loss=loss, sums=sums)
 

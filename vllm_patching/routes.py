@@ -1,4 +1,5 @@
-"""Endpoint plugin (``vllm.endpoint_plugins``): /bridge/* routes, token auth, version header.
+"""Endpoint plugin (``vllm.endpoint_plugins``): /bridge/* routes, token auth, version header,
+and Atropos's ``/generate`` (vllm_patching/generate.py).
 
 Loaded only in the API-server process, and only when VLLM_PLUGINS names it (serve.py sets
 that). Worker-side behaviour lives in the engines and in ``worker_ext.BridgeWorkerExtension``,
@@ -19,6 +20,8 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from vllm.logger import init_logger
 
+from vllm_patching.generate import api_keys
+from vllm_patching.generate import router as generate_router
 from vllm_patching.protocol import (
     PLUGIN_NAME,
     SETTINGS_ENV,
@@ -50,9 +53,12 @@ OPEN_POST_PATHS = frozenset(
         "/tokenize",
         "/detokenize",
         "/inference/v1/generate",
+        "/generate",  # Atropos's route (vllm_patching/generate.py)
     }
 )
-VERSIONED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/inference/v1/generate"})
+VERSIONED_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/generate"}
+)
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
@@ -69,6 +75,7 @@ class BridgeState:
         self.param_map: dict[str, Any] = {}
         self.tied_embeddings = False
         self.lock = asyncio.Lock()  # one server-orchestrated sync at a time
+        self.api_keys: list[bytes] = []  # vLLM's --api-key, hashed (guards /generate)
 
     async def refresh_version(self) -> None:
         if self.engine_client is not None:
@@ -108,6 +115,7 @@ class BridgeMiddleware:
                 await _deny(send)
                 return
         version = self.state.version
+        scope.setdefault("state", {})["weight_version"] = version  # a route may report it too
         status = 0
 
         async def send_with_version(message) -> None:
@@ -371,12 +379,14 @@ class BridgeEndpointPlugin:
             logger.warning("%s is not set: mutating routes are NOT protected", TOKEN_ENV)
         app.state.bridge = self.state
         app.include_router(router)
+        app.include_router(generate_router)
         app.add_middleware(BridgeMiddleware, state=self.state, token=token)
 
     async def init_state(self, engine_client, state, args: Namespace) -> None:
         st = self.state
         st.engine_client = engine_client
         st.args = args
+        st.api_keys = api_keys(args)
         if engine_client is None:
             return
         maps = await engine_client.collective_rpc("bridge_param_map")

@@ -304,3 +304,13 @@ def test_a_batch_whose_trainer_left_before_the_reply_is_served_again(client: Tes
     client.portal.call(client.app, scope, receive, send)
     assert sent[0]["status"] == 499
     assert tags(client.get("/batch").json()["batch"]) == [1]  # not lost
+
+
+def test_info_reports_the_native_trainers_batch_size(client: TestClient) -> None:
+    """No Atropos trainer registered: ``/info`` answers the batch size (sequences) the native
+    trainer leases, so an atroposlib env left at ``batch_size: -1`` sizes its queue by it."""
+    assert client.get("/info").json() == {"batch_size": -1, "max_token_len": -1}
+    assert client.post("/batches/lease", json={"max_sequences": 16}).status_code == 204
+    assert client.get("/info").json() == {"batch_size": 16, "max_token_len": -1}
+    client.post("/register", json=REG)  # an Atropos trainer's registration wins
+    assert client.get("/info").json() == {"batch_size": 8, "max_token_len": 512}
