@@ -10,6 +10,7 @@ from api import atropos, routes
 from api.atropos_book import AtroposBook
 from api.config import ApiConfig
 from api.guard import RequestGuard
+from api.storage import install as install_storage_errors
 from api.store import Store
 
 
@@ -25,6 +26,7 @@ def create_app(cfg: ApiConfig, store: Store | None = None) -> FastAPI:
             default_batch_sequences=cfg.default_batch_sequences,
             env_timeout_s=cfg.env_timeout_s,
             rate_window_s=cfg.rate_window_s,
+            min_free_bytes=int(cfg.min_free_mb * 2**20),
         )
     app = FastAPI(
         title="Shop-R1 batching API",
@@ -38,6 +40,7 @@ def create_app(cfg: ApiConfig, store: Store | None = None) -> FastAPI:
     app.include_router(routes.router)
     app.include_router(atropos.router)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    install_storage_errors(app, store.disk)  # a full disk: 507/503 with the reason, not 500
     # Outermost: nothing (docs included) is reachable without the token when one is set.
     app.add_middleware(RequestGuard, token=cfg.token, max_body_bytes=cfg.max_body_bytes)
     return app
