@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sqlite3
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -10,7 +12,7 @@ from api import atropos, routes
 from api.atropos_book import AtroposBook
 from api.config import ApiConfig
 from api.guard import RequestGuard
-from api.storage import install as install_storage_errors
+from api.storage import DiskGuard, StorageUnavailable
 from api.store import Store
 
 
@@ -55,3 +57,26 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
         for e in exc.errors()
     ]
     return JSONResponse({"detail": detail}, status_code=422)
+
+
+def install_storage_errors(app: FastAPI, guard: DiskGuard) -> None:
+    """Answer storage errors from any route with 507/503 and the reason (api/storage.py);
+    other SQLite errors stay 500s."""
+
+    def reply(err: StorageUnavailable) -> JSONResponse:
+        status, body, headers = guard.refusal(err)
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    async def unavailable(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StorageUnavailable)
+        return reply(exc)
+
+    async def sqlite_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, sqlite3.Error)
+        err = guard.from_sqlite(exc)
+        if err is None:
+            raise exc
+        return reply(err)
+
+    app.add_exception_handler(StorageUnavailable, unavailable)
+    app.add_exception_handler(sqlite3.Error, sqlite_error)

@@ -27,9 +27,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-
 log = logging.getLogger("api.storage")
 RETRY_AFTER_S = 5
 """What ``Retry-After`` says (seconds): the retry policy's longest backoff."""
@@ -153,29 +150,8 @@ class DiskGuard:
             "storage_refusals": self.refused,
         }
 
-    def answer(self, err: StorageUnavailable) -> JSONResponse:
+    def refusal(self, err: StorageUnavailable) -> tuple[int, dict[str, str], dict[str, str]]:
+        """(status, body, headers) of the reply to ``err``; counts it."""
         with self._lock:
             self.refused += 1
-        return JSONResponse(
-            {"detail": err.reason},
-            status_code=err.status,
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )
-
-
-def install(app: FastAPI, guard: DiskGuard) -> None:
-    """Answer storage errors from any route with 507/503 (other SQLite errors stay 500s)."""
-
-    async def unavailable(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, StorageUnavailable)
-        return guard.answer(exc)
-
-    async def sqlite_error(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, sqlite3.Error)
-        err = guard.from_sqlite(exc)
-        if err is None:
-            raise exc
-        return guard.answer(err)
-
-    app.add_exception_handler(StorageUnavailable, unavailable)
-    app.add_exception_handler(sqlite3.Error, sqlite_error)
+        return err.status, {"detail": err.reason}, {"Retry-After": str(RETRY_AFTER_S)}
