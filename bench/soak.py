@@ -253,7 +253,7 @@ def main() -> int:
     ap.add_argument("--disk-at", type=float, default=0.5, help="fraction of the run (0.5)")
     ap.add_argument("--disk-s", type=float, default=120.0, help="seconds the disk stays full")
     ap.add_argument("--disk-leave-mb", type=int, default=16, help="free MB while full (16)")
-    ap.add_argument("--disk-mb", type=int, default=2048, help="size of the data disk (2048)")
+    ap.add_argument("--disk-mb", type=int, default=512, help="data disk MB (tmpfs: RAM)")
     ap.add_argument("--preset", default="cpu-tiny")
     ap.add_argument("--seed", type=int, default=29)
     ap.add_argument("--run-dir", type=Path, default=None)

@@ -43,6 +43,8 @@ SLOW_FIRST = (
     "test_bridge_modes",
     "test_launch_fsdp",
     "test_fault_tolerance",
+    "test_checkpoint_faults",
+    "test_launch_oom",
     "test_trainer_fsdp",
     "test_atropos_compat",
     "test_smol_model",

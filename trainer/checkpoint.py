@@ -312,9 +312,22 @@ def save_final_model(save_path: str | Path, model: torch.nn.Module, tokenizer: A
         import copy
 
         to_save = copy.deepcopy(model).merge_and_unload()
-    to_save.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    _fsync_tree(tmp)
+
+    def write() -> None:
+        to_save.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        _fsync_tree(tmp)
+
+    try:
+        write()
+    except Exception as e:  # noqa: BLE001 - a full disk: the checkpoints are intact
+        shutil.rmtree(tmp, ignore_errors=True)
+        why = " ".join(f"{type(e).__name__}: {e}".split())[:500]
+        raise CheckpointWriteError(
+            f"the final model could not be written to {out} ({why}); the partial write was "
+            "removed and the checkpoints are intact: free space, then rerun with --resume "
+            "(it only writes the final model)."
+        ) from e
     for stale in out.iterdir():  # old weight shards the new save may not overwrite
         if stale.is_file() and (
             stale.suffix == ".safetensors" or stale.name.endswith(".safetensors.index.json")
