@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sqlite3
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -10,6 +12,7 @@ from api import atropos, routes
 from api.atropos_book import AtroposBook
 from api.config import ApiConfig
 from api.guard import RequestGuard
+from api.storage import DiskGuard, StorageUnavailable
 from api.store import Store
 
 
@@ -25,6 +28,7 @@ def create_app(cfg: ApiConfig, store: Store | None = None) -> FastAPI:
             default_batch_sequences=cfg.default_batch_sequences,
             env_timeout_s=cfg.env_timeout_s,
             rate_window_s=cfg.rate_window_s,
+            min_free_bytes=int(cfg.min_free_mb * 2**20),
         )
     app = FastAPI(
         title="Shop-R1 batching API",
@@ -38,6 +42,7 @@ def create_app(cfg: ApiConfig, store: Store | None = None) -> FastAPI:
     app.include_router(routes.router)
     app.include_router(atropos.router)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    install_storage_errors(app, store.disk)  # a full disk: 507/503 with the reason, not 500
     # Outermost: nothing (docs included) is reachable without the token when one is set.
     app.add_middleware(RequestGuard, token=cfg.token, max_body_bytes=cfg.max_body_bytes)
     return app
@@ -52,3 +57,26 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
         for e in exc.errors()
     ]
     return JSONResponse({"detail": detail}, status_code=422)
+
+
+def install_storage_errors(app: FastAPI, guard: DiskGuard) -> None:
+    """Answer storage errors from any route with 507/503 and the reason (api/storage.py);
+    other SQLite errors stay 500s."""
+
+    def reply(err: StorageUnavailable) -> JSONResponse:
+        status, body, headers = guard.refusal(err)
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    async def unavailable(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StorageUnavailable)
+        return reply(exc)
+
+    async def sqlite_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, sqlite3.Error)
+        err = guard.from_sqlite(exc)
+        if err is None:
+            raise exc
+        return reply(err)
+
+    app.add_exception_handler(StorageUnavailable, unavailable)
+    app.add_exception_handler(sqlite3.Error, sqlite_error)

@@ -2,8 +2,10 @@
 
 Every call has an explicit timeout. Transient failures are retried under the project's one
 retry policy (``api.retry``; docs/FAULT_TOLERANCE.md, "Retry policy"): a refused connection
-and 429/502/503/504 always (the request was not processed), and read timeouts, dropped
-connections or a 500 only for calls that are safe to repeat. All calls but ``lease`` are
+and 429/502/503/504/507 always (the request was not processed), and read timeouts, dropped
+connections or a 500 only for calls that are safe to repeat. A full disk at the API is a
+507 (or 503 for an I/O error) that names its cause: nothing was stored, so it is retried like
+a 503, each retry logged with the server's reason (docs/FAULT_TOLERANCE.md, "A full disk"). All calls but ``lease`` are
 idempotent on the server (``group_id`` dedup, ack of an acked batch is a no-op,
 registering/setting a version twice is the same as once); a replayed ``lease`` could lease a
 second batch while the first reply was lost, which loses nothing (the first lease expires and
@@ -110,8 +112,9 @@ class ApiClient:
             nonlocal tries
             tries += 1
             r = self._http.request(method, path, content=content, headers=headers, params=params)
-            if r.status_code >= 400:
-                raise httpx.HTTPStatusError(f"HTTP {r.status_code}", request=r.request, response=r)
+            if r.status_code >= 400:  # the server's reason goes into the retry log line
+                message = f"HTTP {r.status_code}: {_detail(r)}"
+                raise httpx.HTTPStatusError(message, request=r.request, response=r)
             return r
 
         def retryable(e: BaseException) -> bool:
@@ -199,6 +202,15 @@ class ApiClient:
     def health(self) -> bool:
         """True when the API answers ``/health``; raises ``ApiError`` when it cannot be reached."""
         return self._request("GET", "/health").status_code == 200
+
+
+def _detail(r: httpx.Response) -> str:
+    """The ``detail`` of an error reply (FastAPI's), else its first 300 characters."""
+    try:
+        detail = r.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = None
+    return str(detail if isinstance(detail, str) else r.text[:300])
 
 
 def _encode(body: Any) -> tuple[bytes | None, dict[str, str]]:

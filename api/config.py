@@ -38,6 +38,11 @@ class ApiConfig(BaseModel):
     )
     """Shared token required on every route when set (header `Authorization: Bearer <token>`
     or `X-API-Token`); default: $SHOP_R1_API_TOKEN."""
+    min_free_mb: float = Field(64.0, ge=0)
+    """Free space (MB) to keep on the database's filesystem: below it pushes are refused with
+    HTTP 507 (retryable, nothing stored) and /backpressure asks for 0 groups, while leases and
+    acks go on; pushes are taken again once space is back. 0: no reserve (a full disk is
+    still answered 507, by SQLite's own error)."""
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     """Largest accepted request body, after gzip decompression (larger: HTTP 413)."""
     max_staleness: int = Field(2, ge=0)

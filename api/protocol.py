@@ -250,6 +250,18 @@ class Status(BaseModel):
     ingest_groups_per_s: float = Field(description="Over the last `rate_window_s` seconds.")
     serve_groups_per_s: float = Field(description="Over the last `rate_window_s` seconds.")
     rate_window_s: float
+    storage_free_bytes: int | None = Field(
+        None, description="Free bytes on the database's filesystem (null: in memory)."
+    )
+    storage_reserve_bytes: int = Field(
+        0, description="Below this much free space pushes are refused (507; `min_free_mb`)."
+    )
+    storage_low: bool = Field(
+        False, description="Pushes are being refused: below the reserve, or the disk was full."
+    )
+    storage_refusals: int = Field(
+        0, description="Requests answered 507/503 (full disk, I/O error) since the API started."
+    )
 
 
 class Health(BaseModel):

@@ -38,8 +38,9 @@ NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 """Transport errors raised before the request left this process: always safe to send again."""
 OUR_BUG = (httpx.UnsupportedProtocol, httpx.LocalProtocolError)
 """Transport errors of a malformed request or URL: retrying cannot fix them."""
-NOT_PROCESSED = frozenset({429, 502, 503, 504})
-"""Statuses that say the request was not processed (rate limit, proxy, overload, restart)."""
+NOT_PROCESSED = frozenset({429, 502, 503, 504, 507})
+"""Statuses that say the request was not processed (rate limit, proxy, overload, restart, a
+full disk: our API rolls back before it answers 507, ``api.storage``)."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def is_transient(exc: BaseException, idempotent: bool = True) -> bool:
 
     A request that may have reached the server (a read timeout, a dropped connection, a 500)
     is only worth repeating when repeating it is harmless (``idempotent``); one that surely
-    did not (refused connection, 429/502/503/504) always is.
+    did not (refused connection, 429/502/503/504/507) always is.
     """
     if isinstance(exc, httpx.HTTPStatusError):
         code = exc.response.status_code

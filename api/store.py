@@ -34,6 +34,7 @@ from typing import Any
 
 from api.db import Readers, Synchronous, connect
 from api.protocol import ScoredGroup
+from api.storage import DiskGuard
 from api.store_buffer import AtroposBufferMixin
 from api.store_leases import LeasedBatch, LeaseMixin, UnknownBatch
 from api.store_status import StatusMixin, _Rate
@@ -87,6 +88,7 @@ class Store(LeaseMixin, StatusMixin, AtroposBufferMixin):
         env_timeout_s: float = 300.0,
         rate_window_s: float = 60.0,
         clock: Any = time.time,
+        min_free_bytes: int = 0,
     ) -> None:
         self.path = str(path)
         if self.path != ":memory:":
@@ -97,6 +99,8 @@ class Store(LeaseMixin, StatusMixin, AtroposBufferMixin):
         self.clock = clock
         self._lock = threading.RLock()
         self._db = connect(self.path, synchronous)
+        self.disk = DiskGuard(self.path, min_free_bytes)
+        """The free-space reserve below which pushes are refused (``api.storage``)."""
         self.readers = Readers(self.path)
         self._pending: list[_Pending] = []
         self._pending_lock = threading.Lock()
@@ -123,15 +127,27 @@ class Store(LeaseMixin, StatusMixin, AtroposBufferMixin):
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction, committed (durably) before the caller replies."""
+        """One write transaction, committed (durably) before the caller replies.
+
+        Whatever fails -- the body, or the ``COMMIT`` itself (a full disk) -- the transaction
+        is rolled back and the first error raised. SQLite may already have rolled back by
+        itself (``SQLITE_FULL``, ``SQLITE_IOERR``): then there is nothing left to roll back,
+        and the connection is ready for the next transaction either way."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
+                self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                self._rollback()
                 raise
-            self._db.execute("COMMIT")
+
+    def _rollback(self) -> None:
+        if self._db.in_transaction:
+            try:
+                self._db.execute("ROLLBACK")
+            except sqlite3.Error:  # pragma: no cover - the error being raised says more
+                pass
 
     # -- meta ----------------------------------------------------------------------------
 
@@ -229,6 +245,7 @@ class Store(LeaseMixin, StatusMixin, AtroposBufferMixin):
         another one holds the lock are committed together by the next holder, in one
         transaction (one fsync), each inside its own savepoint so that a failure fails only
         its own request."""
+        self.disk.check_push()  # below the reserve: 507 before anything is written
         mine = _Pending(rows)
         with self._pending_lock:
             self._pending.append(mine)
@@ -240,6 +257,7 @@ class Store(LeaseMixin, StatusMixin, AtroposBufferMixin):
         if mine.error is not None:
             raise mine.error
         assert mine.result is not None
+        self.disk.stored()
         return mine.result
 
     def _commit_pending(self, batch: list[_Pending]) -> None:
@@ -251,6 +269,8 @@ class Store(LeaseMixin, StatusMixin, AtroposBufferMixin):
                     try:
                         p.result = self._insert(db, p.rows, now)
                     except Exception as e:  # noqa: BLE001 -- handed to its own caller
+                        if not db.in_transaction:  # SQLite rolled back all (a full disk)
+                            raise
                         db.execute("ROLLBACK TO push")
                         p.error = e
                     db.execute("RELEASE push")

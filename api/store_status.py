@@ -8,6 +8,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from api.storage import is_storage_error
+
 
 @dataclass
 class _Rate:
@@ -59,14 +61,16 @@ class StatusMixin:
 
     def wanted(self, env: str) -> tuple[int, int]:
         """(groups ``env`` may push now, policy version). Keeps the queue within what the
-        trainer consumes before the data goes stale: ``(max_staleness + 1)`` batches."""
+        trainer consumes before the data goes stale: ``(max_staleness + 1)`` batches; none
+        while the disk is below the reserve (pushes would be refused, ``api.storage``)."""
         now = self.clock()
         with self._tx() as db:
             self._touch_env(db, env, 1)
             active = self._active_envs(db, now)
             queued = self._queued_seqs(db)
             version = int(self._meta("policy_version", 0))
-            return self._wanted(env, active, queued), version
+            wanted = 0 if self.disk.below_reserve() else self._wanted(env, active, queued)
+            return wanted, version
 
     def _wanted(
         self, env: str, active: dict[str, tuple[float, int]], queued: dict[str, int]
@@ -81,8 +85,14 @@ class StatusMixin:
 
     def status(self) -> dict[str, Any]:
         now = self.clock()
-        with self._tx() as db:  # a write tx: expire leases so the counts are current
-            self._expire_leases(db, now)
+        try:
+            with self._tx() as db:  # expire leases first, so the counts are current
+                self._expire_leases(db, now)
+        except sqlite3.Error as e:  # a full disk: report what is stored, leases as they are
+            if not is_storage_error(e):
+                raise
+        with self._lock:  # reads only; no writer runs meanwhile
+            db = self._db
             counts: dict[str, dict[str, int]] = {}
             for env, state, n, s in db.execute(
                 "SELECT env, state, COUNT(*), SUM(n_seqs) FROM groups GROUP BY env, state"
@@ -142,4 +152,5 @@ class StatusMixin:
                 "ingest_groups_per_s": self.ingest_rate.per_s(now),
                 "serve_groups_per_s": self.serve_rate.per_s(now),
                 "rate_window_s": self.ingest_rate.window,
+                **self.disk.status(),
             }

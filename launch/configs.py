@@ -142,8 +142,10 @@ def service_configs(
     single_copy: bool = False,
     env_args: str | None = None,
     trainer_args: str | None = None,
+    resume: bool = False,
 ) -> dict[str, Resolved]:
-    """The API's, the env's and the GRPO trainer's resolved configs (launch/configs.py)."""
+    """The API's, the env's and the GRPO trainer's resolved configs (launch/configs.py);
+    ``resume``: the trainer continues its checkpoints instead of starting over."""
     from api.config import ApiConfig
     from env_server.config import ALIASES as ENV_ALIASES
     from env_server.config import EnvConfig
@@ -166,7 +168,7 @@ def service_configs(
         "single_copy": single_copy,
         "inference_url": urls,
         "device": device,
-        "overwrite": True,
+        "resume" if resume else "overwrite": True,
     }
     return {
         "api": service_config(ApiConfig, "api", lay, api),

@@ -45,7 +45,6 @@ from launch.placement import (
 )
 from launch.prepare import context_warning, prepare_embedded
 from launch.presets import Preset, load_preset
-from launch.procs import tail
 from launch.report import build_report
 from launch.reward_curve import reward_curve
 from launch.run_all_config import RunAllConfig, layers, parse_args
@@ -212,6 +211,7 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
         single_copy=cfg.single_copy,
         env_args=cfg.env_args,
         trainer_args=cfg.trainer_args,
+        resume=cfg.resume,
     )
     env_cfg, steps = confs["env"].config, confs["trainer_grpo"].config.training_steps
     if preset.launch.build_embedded and model == preset.model:
@@ -256,9 +256,14 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     server = servers[0]  # the evaluations ask the first one
 
     samples = preset.launch.eval_samples if cfg.eval_samples is None else cfg.eval_samples
-    sft_metrics = (
-        evaluate("sft", server.base_url, samples, run_dir, model, env_cfg) if samples else None
-    )
+    done = run_dir / "eval_sft" / "metrics.json"
+    if samples and cfg.resume and done.exists():
+        print(f"[run_all] SFT evaluation: reusing {done} (--resume)", flush=True)
+        sft_metrics = json.loads(done.read_text())
+    else:
+        sft_metrics = (
+            evaluate("sft", server.base_url, samples, run_dir, model, env_cfg) if samples else None
+        )
 
     stack.start("env", [PY, "-m", "env_server", "--config", str(files["env"])], light)
     argv = trainer_argv(cfg, files["trainer_grpo"], token)
@@ -271,11 +276,8 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
         while trainer.alive():
             stack.check_alive("api", *vllm_names(cfg.num_inference_servers), "env")
             time.sleep(1.0)
-    if trainer.popen.returncode != 0:
-        raise ServiceFailed(
-            f"trainer exited with {trainer.popen.returncode}; read {trainer.log_path}:\n"
-            f"{tail(trainer.log_path, 20)}"
-        )
+    if trainer.popen.returncode != 0:  # why (an OOM kill, a full disk) and the figures
+        raise ServiceFailed(stack.died(trainer))
     stack.stop("env")  # no more rollouts: vLLM now serves the trainer's final weights
     versions = weight_versions(servers)
     (run_dir / "weight_versions.json").write_text(json.dumps(versions, indent=2) + "\n")
@@ -301,11 +303,41 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     return 0
 
 
+def resume_hint(run_dir: Path, argv: list[str]) -> str:
+    """How to continue this run: the same flags with ``--resume``, and what it will reuse."""
+    drop, rest, skip = ("--run-dir", "--resume"), [], False
+    for a in argv:
+        if skip or a in drop or a.startswith("--run-dir="):
+            skip = a == "--run-dir"
+            continue
+        rest.append(a)
+    ckpts = sorted((run_dir / "trainer" / "checkpoints").glob("step_*"))
+    where = (
+        f"the trainer continues from its last checkpoint ({ckpts[-1].name})"
+        if ckpts
+        else "GRPO starts over (it had no checkpoint yet)"
+    )
+    cmd = shlex.join(["launch/run_all.sh", "--resume", "--run-dir", str(run_dir), *rest])
+    return (
+        f"[run_all] to continue this run: {cmd}\n[run_all]   (the model, the dataset and the "
+        f"SFT checkpoint are reused, SFT is not redone; {where})"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    if cfg.resume and (cfg.run_dir is None or not cfg.run_dir.is_dir()):
+        print(
+            f"[run_all] FAILED: --resume continues a run: give its --run-dir "
+            f"({cfg.run_dir or 'none given'} is not a directory)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
     run_dir = cfg.run_dir or RUNS_DIR / datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    hint_argv = sys.argv[1:] if argv is None else argv
     stack = Stack(run_dir)
     # Ctrl-C and SIGTERM stop exactly what was started. SIGINT explicitly too: Python only
     # raises KeyboardInterrupt when SIGINT was not ignored at its start, and a parent that
@@ -317,9 +349,12 @@ def main(argv: list[str] | None = None) -> int:
             return launch(cfg, stack, run_dir)
     except ServiceFailed as e:
         print(f"[run_all] FAILED: {e}", file=sys.stderr, flush=True)
+        if not cfg.prepare_only:
+            print(resume_hint(run_dir, hint_argv), file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         print("[run_all] interrupted; stopping the services", file=sys.stderr, flush=True)
+        print(resume_hint(run_dir, hint_argv), file=sys.stderr, flush=True)
         return 130
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the shutdown finish

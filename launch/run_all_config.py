@@ -56,6 +56,13 @@ class RunAllConfig(BaseModel):
         "launch.eval_samples, 512 where it names none: ~±3 points).",
     )
     run_dir: Path | None = Field(None, description="Run directory (default runs/<timestamp>).")
+    resume: bool = Field(
+        False,
+        description="Continue the run in --run-dir (after a crash, an OOM kill, a full disk "
+        "or Ctrl-C): the same API database, the trainer from its last checkpoint; the model, "
+        "dataset and SFT checkpoint are reused (an unfinished SFT continues from its own "
+        "checkpoint), and so is a finished SFT evaluation. Give the run's other flags again.",
+    )
     api_port: int | None = Field(None, description="API port (default: a free one).")
     vllm_port: int | None = Field(
         None, description="Port of the first vLLM server (default: a free one; others: free)."

@@ -1,17 +1,21 @@
 """The processes ``launch/run_all.sh`` supervises: the services it keeps running (``Stack``,
 stopped in reverse start order, their PIDs in ``pids.json``) and the preparation and
 evaluation commands it runs in the foreground (``run_step``). Each is a ``ManagedProcess``
-(launch/procs.py): own process group, own log under the run directory.
+(launch/procs.py): own process group, own log under the run directory. Their memory is
+sampled while they run, so that a death says whether the kernel's OOM killer did it, with the
+figures (launch/exits.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 from launch import progress
+from launch.exits import MemoryWatch, explain
 from launch.follow import LogSource, Source
 from launch.procs import ManagedProcess, tail
 
@@ -29,22 +33,37 @@ class Stack:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self.procs: list[ManagedProcess] = []
+        self.watches: dict[int, MemoryWatch] = {}
 
     def add(self, proc: ManagedProcess) -> ManagedProcess:
         self.procs.append(proc)
+        self.watches[proc.pid] = MemoryWatch(proc.pid)
         self.write_pids()
         return proc
+
+    def sample(self) -> None:
+        """Note the memory of every running service (call it about once a second)."""
+        for p in self.procs:
+            if p.alive():
+                self.watches[p.pid].sample()
+
+    def died(self, p: ManagedProcess) -> str:
+        """What to tell the user about the service ``p`` that ended: its exit status, its
+        log, its last lines, and why (an OOM kill, a failed checkpoint write)."""
+        rc = p.popen.returncode if p.popen else None
+        why = explain(p.name, rc, p.log_path, self.watches.get(p.pid))
+        return f"{p.name} exited with {rc}; read {p.log_path}:\n{tail(p.log_path, 20)}" + (
+            f"\n{why}" if why else ""
+        )
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None):
         return self.add(ManagedProcess(name, argv, self.run_dir / f"{name}.log", env=env).start())
 
     def check_alive(self, *names: str) -> None:
+        self.sample()
         for p in self.procs:
             if p.name in names and not p.alive():
-                raise ServiceFailed(
-                    f"{p.name} died (exit {p.popen.returncode}); read {p.log_path}:\n"
-                    f"{tail(p.log_path, 20)}"
-                )
+                raise ServiceFailed(self.died(p))
 
     def stop(self, name: str) -> None:
         for p in self.procs:
@@ -78,13 +97,22 @@ def run_step(
     on the console as phase ``title`` (launch/progress.py; ``source``: its latest log line)."""
     print(f"[run_all] {name}: {' '.join(argv[1:])}  (log: {log})", flush=True)
     proc = ManagedProcess(name, argv, log, env=env).start()
+    watch = MemoryWatch(proc.pid)
     try:
         with progress.phase(title or name, source=source or LogSource(log)):
-            rc = proc.popen.wait()
+            while proc.popen.poll() is None:
+                watch.sample()
+                try:
+                    proc.popen.wait(timeout=1.0)
+                except subprocess.TimeoutExpired:
+                    pass
+            rc = proc.popen.returncode
     finally:
         proc.stop()
     if rc != 0:
-        raise ServiceFailed(f"{name} failed (exit {rc}); read {log}:\n{tail(log, 20)}")
+        why = explain(name, rc, log, watch)
+        why = f"\n{why}" if why else ""
+        raise ServiceFailed(f"{name} failed (exit {rc}); read {log}:\n{tail(log, 20)}{why}")
 
 
 def wait_http(proc: ManagedProcess, url: str, timeout: float) -> None:

@@ -44,6 +44,8 @@ SLOW_FIRST = (
     "test_launch_fsdp",
     "test_fault_tolerance",
     "test_atropos_e2e",
+    "test_checkpoint_faults",
+    "test_launch_oom",
     "test_trainer_fsdp",
     "test_atropos_compat",
     "test_atropos_generate",

@@ -13,6 +13,8 @@ import sys
 from settings.cli import report, resolve_args
 from trainer.config import SECTIONS, GrpoConfig, SftConfig, build_parser
 
+EXIT_CHECKPOINT_WRITE = 74
+"""Exit status when a checkpoint could not be written (sysexits' EX_IOERR): a full disk."""
 COMMANDS = {
     "sft": (SftConfig, "Supervised cold start on the Shop-R1 dataset."),
     "grpo": (GrpoConfig, "GRPO on scored groups leased from the batching API."),
@@ -40,16 +42,21 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging()
     logging.getLogger("trainer").info("%s config:\n%s", ns.command, report(resolved))
+    from trainer.checkpoint import CheckpointWriteError
     from trainer.distributed import shutdown
 
-    if ns.command == "sft":
-        from trainer.sft import train as train_sft
+    try:
+        if ns.command == "sft":
+            from trainer.sft import train as train_sft
 
-        run = train_sft(cfg)
-    else:
-        from trainer.grpo import train as train_grpo
+            run = train_sft(cfg)
+        else:
+            from trainer.grpo import train as train_grpo
 
-        run = train_grpo(cfg)
+            run = train_grpo(cfg)
+    except CheckpointWriteError as e:  # a full disk: say so plainly, no traceback to read
+        logging.getLogger("trainer").error("STOPPED: %s", e)
+        return EXIT_CHECKPOINT_WRITE
     shutdown(run.dist)  # under torchrun: leave the process group cleanly
     return 0
 

@@ -8,17 +8,25 @@ Layout of ``<save_path>/checkpoints/step_000042/``:
 - ``<name>.pt``: the ``state_dict()`` of each extra stateful part (e.g. ``gail.pt``, the GAIL
   discriminator of trainer/gail/), see ``save_checkpoint(extra_state=...)``.
 
-A checkpoint is built in a temporary sibling directory and renamed into place, so a
-``step_*`` directory is always complete: a kill at any moment leaves either the previous
-checkpoint or the new one, never a half-written one the resume would trust.
+A checkpoint is built in a temporary sibling directory, fsynced (files and directories) and
+renamed into place, so a ``step_*`` directory is always complete: a kill at any moment leaves
+either the previous checkpoint or the new one, never a half-written one the resume would
+trust. Pruning renames an old checkpoint aside before deleting it, so a kill mid-delete leaves
+no half-deleted ``step_*`` either; ``clean_partial`` removes what a killed write or prune left
+behind (``.tmp-*``, ``.trash-*``) and puts back a checkpoint a kill caught mid-replacement.
+A write that fails (a full disk) removes its partial files and raises ``CheckpointWriteError``
+naming the free space, the size the last checkpoint took and the checkpoint that is still
+intact (docs/FAULT_TOLERANCE.md, "A full disk at the trainer").
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +35,14 @@ import torch
 from safetensors.torch import load_file
 
 PREFIX = "step_"
+PARTIAL = (".tmp-", ".trash-", ".old-")
+"""Name prefixes of what a write or prune in progress holds (never a checkpoint to resume)."""
+log = logging.getLogger(__name__)
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a file-size limit, an I/O error).
+    The partial write was removed; the previous checkpoint is untouched."""
 
 
 @dataclass
@@ -80,10 +96,106 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _fsync_tree(path: Path) -> None:
+    """fsync every file under ``path``, then every directory (deepest first), ``path`` too."""
     for p in path.rglob("*"):
         if p.is_file():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
+    dirs = sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
+    for d in [*dirs, path]:
+        _fsync_dir(d)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` durable (a rename in it survives power loss)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (0 if it does not exist)."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MB"
+
+
+def write_failed(root: Path, final: Path, tmp: Path, error: BaseException) -> CheckpointWriteError:
+    """Remove the partial write ``tmp`` and say what failed, how much space there is and
+    which checkpoint is still intact (the error to raise)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    previous = [p for p in list_checkpoints(root.parent) if p != final]
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = -1
+    last = previous[-1] if previous else None
+    need = f"the last checkpoint took {_mb(tree_bytes(last))}; " if last else ""
+    kept = (
+        f"The previous checkpoint, {last.name}, is intact: restart with --resume once there is "
+        f"space, and the run continues from it exactly."
+        if last
+        else "There is no earlier checkpoint: a restart starts from the beginning."
+    )
+    why = " ".join(f"{type(error).__name__}: {error}".split())[:500]
+    return CheckpointWriteError(
+        f"checkpoint {final.name} could not be written to {root} ({why}). "
+        f"{_mb(free) if free >= 0 else 'unknown space'} free there now; {need}the partial write "
+        f"was removed. {kept} Free space on that filesystem (or lower --keep-checkpoints, or "
+        "choose another --save-path)."
+    )
+
+
+def write_or_clean(root: Path, final: Path, tmp: Path, write: Callable[[], None]) -> None:
+    """``write()`` into ``tmp``; any failure removes ``tmp`` and raises
+    ``CheckpointWriteError`` (see ``write_failed``)."""
+    try:
+        write()
+    except Exception as e:  # noqa: BLE001 - OSError, torch's RuntimeError, SafetensorError
+        raise write_failed(root, final, tmp, e) from e
+
+
+def clean_partial(save_path: str | Path) -> list[str]:
+    """Remove what a killed checkpoint write or prune left under ``<save_path>/checkpoints``
+    (``.tmp-*``: half-written; ``.trash-*``: being deleted), and rename back a checkpoint a
+    kill caught mid-replacement (``.old-step_N-*`` with no ``step_N``: it was complete).
+    Returns what was done, one line each. Call it only while no trainer writes there."""
+    root = checkpoints_dir(save_path)
+    done: list[str] = []
+    if not root.is_dir():
+        return done
+    for p in sorted(root.iterdir()):
+        if not p.name.startswith(PARTIAL):
+            continue
+        if p.name.startswith(".old-"):
+            name = p.name[len(".old-") :].rsplit("-", 1)[0]
+            if not (root / name).exists():
+                p.rename(root / name)
+                done.append(f"restored {name} (a kill interrupted its replacement)")
+                continue
+        shutil.rmtree(p, ignore_errors=True)
+        done.append(f"removed {p.name} (left by an interrupted checkpoint write or prune)")
+    return done
+
+
+def missing_parts(path: Path) -> list[str]:
+    """What checkpoint ``path`` lacks to be resumed ([]: complete): the trainer state, the
+    weights, the optimizer (``optimizer.pt`` or DCP's ``dcp/.metadata``), scheduler, RNG."""
+    missing = []
+    try:
+        json.loads((path / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        missing.append("trainer_state.json")
+    if not any((path / "model").glob("*.safetensors")):
+        missing.append("model/*.safetensors")
+    if not ((path / "optimizer.pt").is_file() or (path / "dcp" / ".metadata").is_file()):
+        missing.append("optimizer.pt (or dcp/.metadata)")
+    missing += [f for f in ("scheduler.pt", "rng.pt") if not (path / f).is_file()]
+    return missing
 
 
 def save_checkpoint(
@@ -103,33 +215,42 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{state.step:06d}"
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    model.save_pretrained(tmp / "model", safe_serialization=True)
-    tokenizer.save_pretrained(tmp / "model")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save(_rng_state(), tmp / "rng.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
-    for name, obj in (extra_state or {}).items():
-        torch.save(obj.state_dict(), tmp / f"{name}.pt")
+
+    def write() -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        model.save_pretrained(tmp / "model", safe_serialization=True)
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(_rng_state(), tmp / "rng.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=1))
+        for name, obj in (extra_state or {}).items():
+            torch.save(obj.state_dict(), tmp / f"{name}.pt")
+        _fsync_tree(tmp)  # an error here (EIO, ENOSPC on some filesystems) is a write error
+
+    write_or_clean(root, final, tmp, write)
     return publish(tmp, final, save_path, keep)
 
 
 def publish(tmp: Path, final: Path, save_path: str | Path, keep: int) -> Path:
-    """fsync the complete checkpoint ``tmp``, rename it to ``final`` (replacing a checkpoint
-    of the same step) and prune ``save_path`` to the newest ``keep``."""
+    """Rename the complete, fsynced checkpoint ``tmp`` to ``final`` (replacing a checkpoint of
+    the same step), make the rename durable, and prune ``save_path`` to the newest ``keep``
+    (each one renamed aside first, so no half-deleted ``step_*`` is ever seen)."""
     root = final.parent
-    _fsync_tree(tmp)
     if final.exists():  # same step saved again (e.g. end of run right after a periodic save)
         old = root / f".old-{final.name}-{os.getpid()}"
         final.rename(old)
         tmp.rename(final)
+        _fsync_dir(root)
         shutil.rmtree(old)
     else:
         tmp.rename(final)
+        _fsync_dir(root)
     for stale in list_checkpoints(save_path)[:-keep]:
-        shutil.rmtree(stale, ignore_errors=True)
+        trash = root / f".trash-{stale.name}-{os.getpid()}"
+        stale.rename(trash)
+        shutil.rmtree(trash, ignore_errors=True)
     return final
 
 
@@ -191,9 +312,22 @@ def save_final_model(save_path: str | Path, model: torch.nn.Module, tokenizer: A
         import copy
 
         to_save = copy.deepcopy(model).merge_and_unload()
-    to_save.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    _fsync_tree(tmp)
+
+    def write() -> None:
+        to_save.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        _fsync_tree(tmp)
+
+    try:
+        write()
+    except Exception as e:  # noqa: BLE001 - a full disk: the checkpoints are intact
+        shutil.rmtree(tmp, ignore_errors=True)
+        why = " ".join(f"{type(e).__name__}: {e}".split())[:500]
+        raise CheckpointWriteError(
+            f"the final model could not be written to {out} ({why}); the partial write was "
+            "removed and the checkpoints are intact: free space, then rerun with --resume "
+            "(it only writes the final model)."
+        ) from e
     for stale in out.iterdir():  # old weight shards the new save may not overwrite
         if stale.is_file() and (
             stale.suffix == ".safetensors" or stale.name.endswith(".safetensors.index.json")

@@ -38,12 +38,16 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trainer.checkpoint import (
     PREFIX,
+    CheckpointWriteError,
     TrainerState,
+    _fsync_tree,
     _rng_state,
     _set_rng_state,
     checkpoints_dir,
     load_checkpoint,
     publish,
+    write_failed,
+    write_or_clean,
 )
 from trainer.distributed import Dist
 from trainer.model import LoadedModel, load_model
@@ -110,7 +114,12 @@ def save_sharded(
     d: Dist,
     keep: int = 2,
 ) -> Path:
-    """Write checkpoint ``step_<state.step>`` from every rank (a collective); returns it."""
+    """Write checkpoint ``step_<state.step>`` from every rank (a collective); returns it.
+
+    A write that fails on any rank (a full disk) fails on every rank: DCP's own save gathers
+    every rank's outcome, and the ranks agree on the rest over the control group before rank
+    0 publishes. Rank 0 then removes the partial directory and every rank raises
+    ``CheckpointWriteError``; the previous checkpoint is untouched."""
     root = checkpoints_dir(save_path)
     final = root / f"{PREFIX}{state.step:06d}"
     tmp = root / f".tmp-{final.name}-sharded"
@@ -118,16 +127,27 @@ def save_sharded(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     d.barrier()
-    dcp.save(_state(model, optimizer), checkpoint_id=str(tmp / DCP_DIR))
-    export_hf(model, tokenizer, tmp / "model", d)
-    torch.save(_rng_state(), tmp / f"rng_rank{d.rank}.pt")
-    if d.is_main:
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(_rng_state(), tmp / "rng.pt")
-        meta = {**asdict(state), "world_size": d.world_size}
-        (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=1))
-    d.barrier()  # every rank's shards are on disk
-    if d.is_main:
+    error: BaseException | None = None
+    try:
+        dcp.save(_state(model, optimizer), checkpoint_id=str(tmp / DCP_DIR))
+        export_hf(model, tokenizer, tmp / "model", d)
+        torch.save(_rng_state(), tmp / f"rng_rank{d.rank}.pt")
+        if d.is_main:
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            torch.save(_rng_state(), tmp / "rng.pt")
+            meta = {**asdict(state), "world_size": d.world_size}
+            (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=1))
+    except Exception as e:  # noqa: BLE001 - OSError, DCP's CheckpointException, ...
+        error = e
+    failed = [
+        f for f in d.gather_objects(None if error is None else f"rank {d.rank}: {error}") if f
+    ]
+    if failed:  # every rank knows: rank 0 removes the partial write and says why, for all
+        cause = error or RuntimeError("; ".join(failed))
+        why = str(write_failed(root, final, tmp, cause)) if d.is_main else None
+        raise CheckpointWriteError(d.broadcast(why)) from error
+    if d.is_main:  # every rank's files are there: make them durable, then publish
+        write_or_clean(root, final, tmp, lambda: _fsync_tree(tmp))
         publish(tmp, final, save_path, keep)
     d.barrier()  # nobody goes on (e.g. acks) before the checkpoint exists
     return final

@@ -70,6 +70,12 @@ class Dist:
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]  # type: ignore[return-value]
 
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank (over the control group)."""
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.control)
+        return out
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """In-place sum over ranks of a CPU tensor (statistics, not gradients)."""
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.control)

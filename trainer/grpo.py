@@ -30,6 +30,7 @@ import torch
 
 from trainer.atropos_fields import refuse
 from trainer.batch import _field, flatten_groups
+from trainer.checkpoint import CheckpointWriteError
 from trainer.config import GrpoConfig
 from trainer.dist_weights import SyncReplica, make_replica
 from trainer.distributed import Dist, Work, launched_by_torchrun
@@ -119,7 +120,14 @@ def train(cfg: GrpoConfig) -> Run:
             pending_acks.append(batch_id)
             t2 = time.monotonic()
             if state.step % cfg.save_every == 0 or state.step == cfg.training_steps:
-                run.checkpoint()  # every rank: its shards (trainer/dist_checkpoint.py)
+                try:
+                    run.checkpoint()  # every rank: its shards (trainer/dist_checkpoint.py)
+                except CheckpointWriteError as e:  # a full disk: exit loudly, ack nothing
+                    raise CheckpointWriteError(
+                        f"{e} None of the {len(pending_acks)} batch(es) trained since the last "
+                        f"checkpoint was acked ({', '.join(pending_acks)}): each is leased "
+                        f"again once its lease expires (--lease-seconds {cfg.lease_seconds:g})."
+                    ) from e
                 for done in pending_acks if main else []:  # durable now: the API may forget
                     api.ack(done)
                 pending_acks.clear()

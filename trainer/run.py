@@ -19,8 +19,11 @@ import torch
 from trainer.checkpoint import (
     TrainerState,
     checkpoints_dir,
+    clean_partial,
     latest_checkpoint,
+    list_checkpoints,
     load_weights,
+    missing_parts,
     save_checkpoint,
 )
 from trainer.config import CommonConfig
@@ -151,9 +154,13 @@ def _checkpoint_to_resume(cfg: CommonConfig, d: Dist | None) -> Path | None:
 def _decide_resume(cfg: CommonConfig) -> Path | None:
     save_path = Path(cfg.save_path)
     if cfg.resume:  # --resume / --resume-from-checkpoint latest|PATH (trainer/resume.py)
+        for line in clean_partial(save_path):  # what a kill mid-write or mid-prune left
+            log.warning("checkpoints: %s", line)
         resumed_from = resume_checkpoint(cfg)
         if resumed_from is None:
             log.warning("--resume: no checkpoint under %s yet; starting fresh", save_path)
+        elif missing := missing_parts(resumed_from):
+            raise SystemExit(_incomplete(resumed_from, missing))
         return resumed_from
     if cfg.overwrite:
         shutil.rmtree(checkpoints_dir(save_path), ignore_errors=True)
@@ -163,6 +170,18 @@ def _decide_resume(cfg: CommonConfig) -> Path | None:
             "--overwrite to start over, or another --save-path (refusing to mix two runs in one lineage)"
         )
     return None
+
+
+def _incomplete(path: Path, missing: list[str]) -> str:
+    """Why a checkpoint cannot be resumed, and what to do about it."""
+    older = [p for p in list_checkpoints(path.parent.parent) if p.name < path.name]
+    before = f"the one before it, {older[-1].name}" if older else "the start"
+    return (
+        f"error: checkpoint {path} is incomplete (missing {', '.join(missing)}). This trainer "
+        "publishes a checkpoint only once every file is written and fsynced, so it was damaged "
+        f"after it was written. Move it out of {path.parent} to resume from {before}; the "
+        "batches acked since then are then not trained again."
+    )
 
 
 def _control_timeout(cfg: CommonConfig) -> float:

@@ -1,0 +1,145 @@
+"""The trainer's checkpoints under faults, end to end: ``python -m trainer grpo`` against a real
+API and a real patched vLLM server (bridge mode ``none``), on fabricated groups that every run
+trains in the same order (bench/trainer_faults.py), compared with an uninterrupted run.
+
+- **A full checkpoint disk**: the checkpoints' filesystem (a small tmpfs; where mounting is
+  not allowed, the trainer's ``RLIMIT_FSIZE``) fills up after step 2. The next checkpoint
+  fails loudly (exit 74, one ``STOPPED:`` line naming the free space, the last checkpoint's
+  size, the intact previous checkpoint and the unacked batch), leaves no partial files; the
+  previous checkpoint is complete and holds the uninterrupted run's weights; the API acked
+  nothing of the failed step (the batch is leased, then leased again). After the space
+  returns, ``--resume`` continues from it and ends with the uninterrupted run's weights,
+  every batch trained once.
+- **A torn checkpoint**: SIGKILL at a random point inside a checkpoint write (CI: 2 trials in
+  one process, 1 at 2 ranks with DCP, a random rank or the whole group killed; the full count,
+  20 each, is ``python bench/torn_checkpoint.py``, docs/FAULT_TOLERANCE.md). After every
+  kill each published checkpoint is complete and the newest equals the uninterrupted run's
+  at its step; the resumed run starts from it; at the end every acked batch was trained once
+  and the weights equal the uninterrupted run's (bitwise in one process; within 1e-5 at 2
+  ranks, whose sums run in another order than the one-process reference's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import re
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from bench.small_disk import SmallDisk, limit_file_size
+from bench.trainer_faults import (
+    TOKEN,
+    Lineage,
+    exactly_once,
+    fabricate_groups,
+    max_diff,
+    reference,
+    torn_run,
+)
+from launch.procs import tail
+from launch.vllm_server import start_bridge_server
+
+pytestmark = pytest.mark.integration
+STEPS = 6
+TRIALS = {1: 2, 2: 1}
+"""Kills per CI run, by trainer processes (bench/torn_checkpoint.py runs 20 each)."""
+
+
+@dataclass
+class Services:
+    model: Path
+    vllm_url: str
+    groups: list[dict]
+    ref: Lineage
+    window_s: float
+    root: Path
+
+
+@pytest.fixture(scope="module")
+def services(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
+    """One vLLM server (mode none) for every run, and the uninterrupted reference run."""
+    root = tmp_path_factory.mktemp("ckpt_faults")
+    server = start_bridge_server(
+        tiny_model_dir, "none", root / "vllm.log", token=TOKEN, timeout=1800
+    )  # a loaded 2-core box takes minutes
+    ref = None
+    try:
+        groups = fabricate_groups(tiny_model_dir, STEPS + 4)
+        ref = Lineage(root, "reference", tiny_model_dir, server.base_url, groups, STEPS, keep=STEPS)
+        window = reference(ref)
+        yield Services(tiny_model_dir, server.base_url, groups, ref, window, root)
+    finally:
+        if ref is not None:
+            ref.stop()
+        server.stop()
+
+
+def test_a_full_checkpoint_disk_stops_the_trainer_and_resume_continues_exactly(
+    services: Services, tmp_path: Path
+) -> None:
+    s = services
+    lin = Lineage(tmp_path, "disk", s.model, s.vllm_url, s.groups, STEPS)
+    disk = SmallDisk(lin.save / "checkpoints", 160 << 20) if SmallDisk.can_mount() else None
+    try:
+        with disk or contextlib.nullcontext():
+            proc = lin.start_trainer(resume=False)
+            deadline = time.monotonic() + 600
+            while not any(r["step"] == 2 for r in lin.metrics()):  # step 2 done and synced
+                assert proc.alive() and time.monotonic() < deadline, tail(proc.log_path, 40)
+                time.sleep(0.02)
+            os.kill(proc.pid, signal.SIGSTOP)  # fill the disk before step 3's checkpoint
+            if disk:
+                disk.fill(leave=8 << 20)  # a checkpoint of the tiny model takes ~45 MB
+            else:
+                limit_file_size(proc.pid, 4 << 20)  # below its 15 MB weights file
+            os.kill(proc.pid, signal.SIGCONT)
+            assert proc.wait_exit() == 74, tail(proc.log_path, 60)  # EX_IOERR, not a crash
+            proc.stop()
+            log = proc.log_path.read_text()
+            stop = [line for line in log.splitlines() if "STOPPED: checkpoint" in line]
+            assert len(stop) == 1 and "Traceback" not in log, log[-4000:]
+            failed = int(re.search(r"checkpoint step_(\d+) could not be written", stop[0])[1])
+            why = "No space left on device" if disk else "File too large"
+            assert why in stop[0] and f"step_{failed - 1:06d}, is intact" in stop[0], stop[0]
+            assert "None of the 1 batch(es) trained since the last checkpoint was acked" in stop[0]
+            assert lin.complete_steps()[-1] == failed - 1  # nothing half-written is left
+            leftovers = [p.name for p in (lin.save / "checkpoints").iterdir()]
+            assert not [n for n in leftovers if n.startswith(".tmp")], leftovers
+            assert max_diff(lin.checkpoint(failed - 1), s.ref.checkpoint(failed - 1)) == 0.0
+            states = dict(lin.query("SELECT state, COUNT(*) FROM batches GROUP BY state"))
+            assert states == {"acked": failed - 1, "leased": 1}, states  # nothing acked for it
+            if disk:
+                disk.release()  # the space is back (the trainer's new process: no limit)
+            proc = lin.start_trainer(resume=True)
+            assert lin.resumed_step(proc) == failed - 1
+            assert proc.wait_exit() == 0, tail(proc.log_path, 60)
+            proc.stop()
+            counts = exactly_once(lin, s.ref, tol=0.0)
+        assert counts["batches_expired"] == 1  # the failed step's lease, leased again
+        print(f"CKPT_DISK_FULL failed at step {failed}: {stop[0][:400]} | {counts}")
+    finally:
+        lin.stop()
+
+
+@pytest.mark.parametrize("procs", [1, 2], ids=["one_process", "two_ranks_dcp"])
+def test_sigkill_inside_checkpoint_writes_resumes_exactly(
+    services: Services, tmp_path: Path, procs: int
+) -> None:
+    s = services
+    lin = Lineage(tmp_path, f"torn{procs}", s.model, s.vllm_url, s.groups, STEPS, procs)
+    try:
+        window = max(0.2, procs * s.window_s)  # a sharded write takes longer
+        out = torn_run(lin, s.ref, random.Random(29 + procs), TRIALS[procs], window, 1e-5)
+        if procs == 1:
+            assert out["final_max_weight_diff"] == 0.0  # bitwise the uninterrupted run
+        assert all(t["resumed_at"] == t["last_complete"] for t in out["trials"])
+        print(f"TORN_CHECKPOINT procs={procs} {out}")
+    finally:
+        lin.stop()
