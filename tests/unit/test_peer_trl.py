@@ -1,0 +1,247 @@
+"""bench/peer_trl.py's pure parts: TRL's side gets the env's prompts token for token and the
+env's reward score for score; its GRPOConfig keywords are the preset's settings; TRL's
+requirements are checked against the venv; the rates, wall-time picks and paired
+comparisons are right on hand-made timelines; the table renders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.peer_trl_data import ShopR1Reward, prompt_text, rows_in_env_order, trl_rows
+from bench.peer_trl_report import (
+    OURS_PARTS,
+    TRL_PARTS,
+    at_wall_time,
+    breakdown,
+    compare,
+    elapsed,
+    markdown,
+    steady_rate,
+    timeline,
+)
+from bench.peer_trl_settings import (
+    NOT_MATCHED,
+    matched,
+    requirement_problems,
+    resolve,
+    run_all_argv,
+    trl_args,
+)
+from env_server.data.dataset import build_dataset
+from env_server.inference import Completion, CompletionBatch
+from env_server.prompts import format_target
+from env_server.reward import RewardConfig
+from env_server.rollout import build_group, prompt_ids
+from env_server.service import cycle_rows
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    return build_dataset(num_sessions=40, seed=0)["train"].to_list()
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _same_prompts(tok, rows: list[dict]) -> None:
+    for budget in (928, 512):  # 512: the oldest pages dropped to fit
+        for row in rows[:12]:
+            text = prompt_text(row, tok, budget, False)
+            ids = prompt_ids(row, tok, budget, False)
+            assert list(tok(text=[text])["input_ids"][0]) == ids  # GRPOTrainer's own call
+            assert len(ids) <= budget
+    out = trl_rows(rows[:3], tok, 928, False)
+    assert [r["gold"] for r in out] == [r["action"] for r in rows[:3]]
+    assert [(r["session_id"], r["step"]) for r in out] == [
+        (str(r["session_id"]), r["step"]) for r in rows[:3]
+    ]
+
+
+def test_trl_prompts_are_the_envs_token_for_token(tiny_model_dir: Path, rows: list[dict]) -> None:
+    _same_prompts(_tokenizer(tiny_model_dir), rows)
+
+
+@pytest.mark.smol
+def test_trl_prompts_are_the_envs_on_smollm2(smol_model_dir: Path, rows: list[dict]) -> None:
+    _same_prompts(_tokenizer(smol_model_dir), rows)
+
+
+def test_reward_wrapper_scores_as_the_env(tiny_model_dir: Path, rows: list[dict]) -> None:
+    tok = _tokenizer(tiny_model_dir)
+    reward = RewardConfig.variant("no_dars")
+    fn = ShopR1Reward(reward)
+    for row in rows[:6]:
+        gold = json.loads(row["action"])
+        wrong = (
+            {"type": "terminate"} if gold["type"] != "terminate" else {"type": "click", "name": "x"}
+        )
+        texts = [
+            format_target(row["rationale"], gold),
+            format_target("I looked around.", wrong),
+            "not json at all",
+        ]
+        prompt = prompt_ids(row, tok, 928, False)
+        ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+        comps = [Completion(t, i, [-1.0] * len(i), "stop") for t, i in zip(texts, ids, strict=True)]
+        group = build_group(row, CompletionBatch(prompt, comps, 0), tok, reward, 0)
+        env_scores = [s["score"] for s in group["sequences"]]
+        assert fn(["p"] * 3, texts, [row["action"]] * 3) == env_scores
+        assert env_scores[0] > env_scores[2] == 0.0
+    assert fn.__name__ == "shop_r1"
+
+
+def test_rows_come_in_the_envs_order(tmp_path: Path) -> None:
+    from env_server.data.dataset import load_or_build
+
+    train = load_or_build(tmp_path / "data", 20, 0)["train"].to_list()
+    n = len(train) + 7  # into the second epoch
+    got = rows_in_env_order(tmp_path / "data", 20, 0, n)
+    order = cycle_rows(train, 0)
+    assert got == [next(order) for _ in range(n)]
+    first = got[: len(train)]
+    key = lambda r: (r["session_id"], r["step"])  # noqa: E731
+    assert sorted(map(key, first)) == sorted(map(key, train))  # one epoch = each row once
+
+
+@pytest.mark.parametrize("preset", ["cpu-smol", "cpu-tiny"])
+def test_trl_config_holds_the_presets_settings(preset: str, tmp_path: Path) -> None:
+    argv = run_all_argv(preset, tmp_path / "ours", 6, 2, 9)
+    assert "--eval-samples" in argv and argv[argv.index("--eval-samples") + 1] == "0"
+    plan = resolve(argv, 2)
+    g, env = plan.grpo, plan.env
+    assert (plan.steps, g.save_every, g.keep_checkpoints) == (6, 2, 9)
+    assert g.self_certainty_alpha == 0.0 and env.reward_variant == "no_dars"
+    kw = trl_args(plan, tmp_path / "trl", bf16=True)
+    assert kw["per_device_train_batch_size"] == g.batch_size == plan.batch_size
+    assert kw["num_generations"] == env.group_size
+    assert kw["per_device_train_batch_size"] // kw["num_generations"] == plan.prompts_per_step
+    assert kw["learning_rate"] == g.lr and kw["beta"] == g.kl_beta
+    assert kw["temperature"] == env.temperature == g.temperature
+    assert kw["max_completion_length"] == env.max_tokens
+    assert kw["loss_type"] == "dr_grpo" and kw["scale_rewards"] == "none"
+    assert kw["lr_scheduler_type"] == "constant" and kw["max_steps"] == 6
+    assert kw["save_steps"] == 2 and kw["gradient_checkpointing"] is False
+    assert kw["bf16"] is True and kw["num_iterations"] == kw["steps_per_generation"] == 1
+    m = matched(plan)
+    assert m["samples_per_step"] == plan.batch_size and m["reward"] == "no_dars"
+    assert "self_certainty" in NOT_MATCHED and "loss_normaliser" in NOT_MATCHED
+
+
+def test_requirements_are_checked_against_the_venv() -> None:
+    meta = "\n".join(
+        [
+            "Name: trl",
+            "Requires-Dist: packaging>20.0",
+            "Requires-Dist: numpy<1.0",
+            "Requires-Dist: surely-not-installed-pkg>=1",
+            'Requires-Dist: also-not-installed>=1; extra == "vllm"',
+        ]
+    )
+    problems = requirement_problems(meta)
+    assert len(problems) == 2
+    assert any("numpy<1.0" in p and "installed" in p for p in problems)
+    assert any("surely-not-installed-pkg" in p and "not installed" in p for p in problems)
+
+
+def _rows(ends: list[float], ckpt: list[float], other: float = 10.0) -> list[dict]:
+    return [
+        {"step": i + 1, "time": e, "wait_s": 0.0, "step_s": other, "checkpoint_s": c, "sync_s": 0}
+        for i, (e, c) in enumerate(zip(ends, ckpt, strict=True))
+    ]
+
+
+def test_steady_rate_and_breakdown() -> None:
+    tl = timeline(_rows([110.0, 122.0, 137.0], [0.0, 2.0, 5.0]), OURS_PARTS)
+    r = steady_rate(tl, 8)
+    assert r["samples"] == 16 and r["seconds"] == 27.0 and r["checkpoint_seconds"] == 7.0
+    assert r["samples_per_min"] == pytest.approx(16 / 27 * 60)
+    assert r["samples_per_min_without_checkpoints"] == pytest.approx(16 / 20 * 60)
+    bd = breakdown(tl, OURS_PARTS)
+    assert bd["checkpoint"] == 3.5 and bd["trainer compute"] == 10.0 and bd["total"] == 13.5
+    assert elapsed(tl) == {0: 0.0, 1: 10.0, 2: 22.0, 3: 37.0}  # step 1 began at 100
+    with pytest.raises(ValueError):
+        steady_rate(tl[:1], 8)
+
+
+def test_skipped_updates_are_not_steps() -> None:
+    rows = _rows([110.0, 122.0], [0.0, 0.0])
+    rows.insert(1, {"step": 1, "time": 115.0, "skipped_update": True})
+    assert [e["step"] for e in timeline(rows, OURS_PARTS)] == [1, 2]
+
+
+def test_wall_time_picks_the_latest_checkpoint_written_by_then() -> None:
+    times = {0: 0.0, 2: 50.0, 4: 100.0, 6: 150.0}
+    assert at_wall_time(times, [2, 4, 6], 120.0) == 4
+    assert at_wall_time(times, [2, 4, 6], 150.0) == 6
+    assert at_wall_time(times, [2, 4, 6], 40.0) == 0  # nothing yet: the start model
+
+
+def test_paired_comparison_is_ours_minus_trl() -> None:
+    trl = {"exact": [0, 0, 1, 0], "reward": [1.0, 2.0, 3.0, 4.0], "train_reward": [0, 0, 0, 0]}
+    ours = {"exact": [1, 0, 1, 0], "reward": [2.0, 3.0, 4.0, 5.0], "train_reward": [1, 1, 1, 1]}
+    c = compare(trl, ours)
+    assert c["exact"]["diff"] == 0.25 and c["reward"]["diff"] == 1.0
+    assert c["reward"]["se"] == 0.0 and c["exact"]["se"] == pytest.approx(0.25)
+
+
+def test_markdown_names_the_box_and_the_smoke_label() -> None:
+    tl_o = timeline(_rows([110.0, 120.0], [0.0, 1.0]), OURS_PARTS)
+    trl_rows_ = [
+        {"step": i, "time": t, **dict.fromkeys(TRL_PARTS, 1.0)} for i, t in ((1, 200.0), (2, 230.0))
+    ]
+    tl_t = timeline(trl_rows_, TRL_PARTS)
+    side = lambda tl, parts: {  # noqa: E731
+        "rate": steady_rate(tl, 8),
+        "breakdown": breakdown(tl, parts),
+    }
+    zero = {"diff": 0.0, "se": 0.0}
+    vec = {"exact": 0.1, "reward": 1.0, "train_reward": 0.5, "n": 4}
+    res = {
+        "smoke": True,
+        "preset": "cpu-tiny",
+        "trl_version": "1.16.0",
+        "steps": 2,
+        "command": "bench/peer_trl.py --smoke",
+        "machine": {"cpu": "Some CPU", "cpus": 2, "loadavg": [1.0], "time_utc": "now"},
+        "settings": {
+            "model": "/m/tiny",
+            "prompts_per_step": 2,
+            "group_size": 4,
+            "samples_per_step": 8,
+            "lr": 1e-4,
+            "advantages": "Dr. GRPO",
+            "kl_beta": 0.0,
+            "temperature": 0.7,
+            "max_tokens": 96,
+            "reward": "no_dars",
+        },
+        "not_matched": NOT_MATCHED,
+        "ours": side(tl_o, OURS_PARTS),
+        "trl": side(tl_t, TRL_PARTS),
+        "eval": {
+            "rows": 4,
+            "sft": vec,
+            "comparisons": [
+                {
+                    "point": "16 samples",
+                    "samples_ours": 16,
+                    "samples_trl": 16,
+                    "ours": vec,
+                    "trl": vec,
+                    "diff": dict.fromkeys(("exact", "reward", "train_reward"), zero),
+                }
+            ],
+        },
+    }
+    md = markdown(res)
+    assert md.startswith("# GRPO: this stack vs TRL 1.16.0")
+    assert "SMOKE TEST" in md and "Some CPU" in md and "| 16 samples | 16 / 16 |" in md
+    assert "3.00x" in md  # 8 samples in 10 s vs 8 in 30 s
