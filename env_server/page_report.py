@@ -210,9 +210,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = load_or_build(args.data_dir, args.num_sessions)[args.split].to_list()[: args.limit]
     if args.oracle:
         print(format_oracle(oracle_policies(rows)), end="\n\n")
-    for path in args.predictions:
-        print(format_breakdown(str(path), prediction_breakdown(rows, read_predictions(path, rows))))
+    runs = {str(path): read_predictions(path, rows) for path in args.predictions}
+    for label, completions in runs.items():
+        print(format_breakdown(label, prediction_breakdown(rows, completions)))
         print()
+    if len(runs) > 1:  # side by side on the same rows
+        print(compare_pages(rows, runs))
 
 
 if __name__ == "__main__":

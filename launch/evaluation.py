@@ -47,3 +47,18 @@ def evaluate(
     env = {**os.environ, **light_env()}
     run_step(f"eval_{label}", argv, log, env, f"evaluate {label.upper()}", eval_source(log))
     return json.loads((out / "metrics.json").read_text())
+
+
+def pages_table(run_dir: Path, samples: int, env_cfg: Any) -> str:
+    """Exact match per page kind of the SFT and the RL evaluation on the same test rows, and
+    the share of results-page clicks that name an element on the page (markdown)."""
+    from env_server.data.dataset import load_or_build
+    from env_server.evaluate import read_predictions
+    from env_server.page_report import compare_pages
+
+    rows = load_or_build(Path(env_cfg.data_dir))["test"].to_list()[:samples]
+    runs = {
+        label.upper(): read_predictions(run_dir / f"eval_{label}" / "predictions.jsonl", rows)
+        for label in ("sft", "rl")
+    }
+    return compare_pages(rows, runs)

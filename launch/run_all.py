@@ -35,7 +35,7 @@ from launch.configs import (
     write_vllm_config,
 )
 from launch.eval_table import eval_table
-from launch.evaluation import evaluate
+from launch.evaluation import evaluate, pages_table
 from launch.follow import LogSource, grpo_source
 from launch.placement import (
     Placement,
@@ -296,6 +296,8 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
             f"(weight version {health.get('weight_version')}, mode {cfg.weight_bridge_mode})."
         )
         table = eval_table(sft_metrics, rl_metrics, note)
+        table += "\nPer page kind (`python -m env_server.page_report`):\n\n"
+        table += pages_table(run_dir, samples, env_cfg) + "\n"
         (run_dir / "eval.md").write_text(table)
         print(table, flush=True)
     print(f"[run_all] reward curve: {run_dir / 'reward_curve.png'}", flush=True)

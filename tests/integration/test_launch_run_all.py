@@ -157,6 +157,11 @@ def test_run_all_two_inference_servers(
     for label in ("exact match", "type accuracy", "macro-F1", "format rate", "mean reward"):
         assert f"| {label}" in table
     assert f"weight version {STEPS}" in table  # RL = the trainer's final weights
+    pages = table.split("Per page kind", 1)[1]  # the same 4 rows, page by page
+    counts = [
+        int(r.split("|")[2]) for r in pages.splitlines() if r.startswith("| ") and "rows" not in r
+    ]
+    assert sum(counts) == 4 and "Results-page clicks that name an element" in pages, pages
     for split in ("sft", "rl"):
         assert json.loads((run_dir / f"eval_{split}" / "metrics.json").read_text())["n"] == 4
     assert (run_dir / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
