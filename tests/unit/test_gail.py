@@ -4,7 +4,6 @@ state round-trips through a checkpoint file, and its config reads GAIL_* variabl
 from __future__ import annotations
 
 import random
-import time
 import uuid
 from pathlib import Path
 
@@ -52,14 +51,10 @@ def test_discriminator_learns_to_separate_two_sets(tokenizer) -> None:
     test_pos = [human(random.Random(1000 + i)) for i in range(64)]
     test_neg = [policy(random.Random(2000 + i)) for i in range(64)]
     before = balanced_accuracy(disc.score(test_pos), disc.score(test_neg))
-    t0 = time.monotonic()
-    for _ in range(15):
+    for _ in range(15):  # ~1 s on an idle 2-core CPU (docs/GAIL.md; timed in no test)
         disc.update([human(rng) for _ in range(8)], [policy(rng) for _ in range(16)])
-    seconds = time.monotonic() - t0
     after = balanced_accuracy(disc.score(test_pos), disc.score(test_neg))
     assert after > 0.9, (before, after)
-    # ~1 s on an idle 2-core CPU (docs/GAIL.md); the bound only catches a pathological slowdown
-    assert seconds < 60, f"15 updates took {seconds:.1f}s"
 
 
 def _groups(tokenizer, n: int, with_gold: bool = True) -> list[dict]:
