@@ -94,7 +94,7 @@ def _graph(top_only: bool) -> dict[str, set[str]]:
 def test_the_graph_sees_imports() -> None:
     """A guard against a reader that finds nothing: known edges are there."""
     graph = _graph(top_only=False)
-    assert "launch.procs" in graph["launch.run_all"]
+    assert "launch.supervisor" in graph["launch.run_all"]
     assert "trainer.rollout_log" in graph["trainer.grpo"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
