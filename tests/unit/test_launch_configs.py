@@ -139,7 +139,7 @@ def test_the_resolved_files_are_what_the_services_parse(tmp_path: Path) -> None:
     path = write_service_config(tmp_path, "trainer_sft", sft)
     parsed = _trainer("sft", ["--config", str(path)])
     assert parsed == sft.config and parsed.training_steps == 3 and parsed.num_sessions == 200
-    assert parsed.precision == "auto" and parsed.eval_generate == 0 and parsed.overwrite
+    assert parsed.precision == "fp32" and parsed.eval_generate == 0 and parsed.overwrite
     # vLLM: the preset's and the recipe's options, read in place by the server's own parser
     vllm = write_vllm_config(lay, tmp_path)
     values = yaml.safe_load(vllm.read_text())
