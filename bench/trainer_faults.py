@@ -230,9 +230,17 @@ def kill_inside_write(
     until every process of the group is gone, and say where the kill landed."""
     root = lin.save / "checkpoints"
     deadline = time.monotonic() + WAIT_S
+    # what the previous kill left (a 2-rank write's ``.tmp-step_N-sharded`` has no PID in its
+    # name) is not this process's write: ignored until the resume's clean-up removes it
+    stale = {p.name for p in root.iterdir()} if root.is_dir() else set()
     while True:
         names = [p for p in root.iterdir()] if root.is_dir() else []
-        writing = [p for p in names if p.name.startswith(".tmp-step_") and step_of(p) >= min_step]
+        stale &= {p.name for p in names}
+        writing = [
+            p
+            for p in names
+            if p.name.startswith(".tmp-step_") and step_of(p) >= min_step and p.name not in stale
+        ]
         if writing:
             break
         assert proc.alive(), f"{proc.name} exited before step {min_step}:\n{tail(proc.log_path)}"
