@@ -178,7 +178,9 @@ def audit(stack, lineage: Lineage, final_step: int) -> dict:
     from safetensors.torch import load_file
 
     pushed = [json.loads(x) for x in stack.env_metrics.read_text().splitlines() if x.strip()]
-    pushed_ids = {r["group_id"] for r in pushed if r.get("kind") == "group"}
+    records = [r for r in pushed if r.get("kind") == "group"]
+    # the env records every group it scored; a constant group it dropped was never pushed
+    pushed_ids = {r["group_id"] for r in records if r.get("pushed", True)}
     with sqlite3.connect(f"file:{stack.db}?mode=ro", uri=True) as db:
         groups = dict(db.execute("SELECT group_id, state FROM groups").fetchall())
         batches = dict(db.execute("SELECT batch_id, state FROM batches").fetchall())
@@ -197,6 +199,7 @@ def audit(stack, lineage: Lineage, final_step: int) -> dict:
         "lineage_complete": steps == list(range(1, final_step + 1)),
         "lineage_forks": lineage.forks,
         "groups_acknowledged_to_env": len(pushed_ids),
+        "groups_dropped_by_env": len(records) - len(pushed_ids),
         "groups_lost": len(pushed_ids - set(groups)),
         "groups_in_db": len(groups),
         "groups_by_state": dict(Counter(groups.values())),
