@@ -51,20 +51,30 @@ class Node:
 
 @dataclass
 class SiblingSet:
-    """The children of one node (or the roots), attended to in one batched call per layer.
+    """The children of one node (or the roots): their attention plan for each layer.
 
-    Their tokens are contiguous in the packed row (``[lo, lo + sum of lengths)``), child after
-    child, so concatenating the sets' outputs in order gives the packed row's order."""
+    Their tokens are contiguous in the packed row, child after child. A child longer than its
+    ancestors attends *alone*: its ancestors' tokens and its own as one causal sequence (the
+    kernel skips the masked half, and no padding; the ancestors' own rows are computed again
+    and dropped, which costs less than the masked half). The others are *batched*: one call
+    for all of them, padded to the longest, with an explicit mask (every ancestor + causal
+    within the child), which is the cheaper plan when a long prompt has short completions."""
 
     ancestors: torch.Tensor
     """Packed positions of every ancestor token, oldest first (``[A]``; empty for roots)."""
     queries: torch.Tensor
-    """``[S, n_max]`` packed positions of each child's tokens, padded with the set's first."""
+    """``[S, n_max]`` packed positions of each batched child's tokens, padded with its last
+    (``[0, 0]`` when no child is batched)."""
     mask: torch.Tensor | None
     """``[S, 1, n_max, A + n_max]`` bool: all ancestors + causal within the child; None when
-    one root attends to itself only (plain causal attention)."""
+    the batched children are roots of one length (plain causal attention)."""
     valid: torch.Tensor
     """Flat indices into ``[S * n_max]`` of the real (unpadded) query rows, in packed order."""
+    alone: list[torch.Tensor] = field(default_factory=list)
+    """Per child attended alone, the packed positions of its ancestors and then its own
+    tokens (``[A + n]``); its output rows are the last ``n``."""
+    alone_lengths: list[int] = field(default_factory=list)
+    """``n`` of each ``alone`` child."""
 
 
 @dataclass
@@ -80,6 +90,9 @@ class PackedTree:
     """Per sequence, the packed position of each of its tokens (``[len]``)."""
     lengths: list[int]
     nodes: list[Node] = field(repr=False)
+    order: torch.Tensor = field(repr=False)
+    """Where each packed position's row is in the concatenated outputs of the sets' calls
+    (batched children first, then those alone, set after set)."""
 
     @property
     def packed_tokens(self) -> int:
@@ -95,7 +108,12 @@ class PackedTree:
         def move(s: SiblingSet) -> SiblingSet:
             mask = None if s.mask is None else s.mask.to(device)
             return SiblingSet(
-                s.ancestors.to(device), s.queries.to(device), mask, s.valid.to(device)
+                s.ancestors.to(device),
+                s.queries.to(device),
+                mask,
+                s.valid.to(device),
+                [a.to(device) for a in s.alone],
+                s.alone_lengths,
             )
 
         return PackedTree(
@@ -105,6 +123,7 @@ class PackedTree:
             [t.to(device) for t in self.token_index],
             self.lengths,
             self.nodes,
+            self.order.to(device),
         )
 
 
@@ -195,6 +214,10 @@ def pack(seqs: Sequence[Sequence[int]], min_shared: int = MIN_SHARED_TOKENS) -> 
         torch.cat([torch.arange(nodes[i].offset, nodes[i].offset + nodes[i].length) for i in p])
         for p in paths(nodes, len(seqs))
     ]
+    rows = []  # the packed position of each output row, in the order the calls produce them
+    for s in sets:
+        rows.append(s.queries.reshape(-1)[s.valid])
+        rows.extend(a[len(a) - n :] for a, n in zip(s.alone, s.alone_lengths, strict=True))
     return PackedTree(
         torch.tensor([ids], dtype=torch.long),
         torch.tensor([positions], dtype=torch.long),
@@ -202,6 +225,7 @@ def pack(seqs: Sequence[Sequence[int]], min_shared: int = MIN_SHARED_TOKENS) -> 
         token_index,
         [len(s) for s in seqs],
         nodes,
+        torch.argsort(torch.cat(rows)),
     )
 
 
@@ -215,6 +239,22 @@ def _sibling_set(nodes: Sequence[Node], parent: int, kids: list[int]) -> Sibling
         torch.arange(nodes[i].offset, nodes[i].offset + nodes[i].length) for i in reversed(chain)
     ]
     anc = torch.cat(ancestors) if ancestors else torch.zeros(0, dtype=torch.long)
+    # Alone: (A + n)^2 / 2 score entries, causal; batched: n * (A + n) (the mask has no
+    # skippable half) plus the padding. Alone wins when n > A (every root: A = 0).
+    alone = [i for i in kids if nodes[i].length > len(anc)]
+    batched = [i for i in kids if nodes[i].length <= len(anc)]
+    own = [torch.arange(nodes[i].offset, nodes[i].offset + nodes[i].length) for i in alone]
+    plan = _batched(anc, nodes, batched)
+    return SiblingSet(anc, *plan, [torch.cat([anc, o]) for o in own], [len(o) for o in own])
+
+
+def _batched(
+    anc: torch.Tensor, nodes: Sequence[Node], kids: list[int]
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``queries``, ``mask`` and ``valid`` of the children attended in one padded call."""
+    if not kids:
+        empty = torch.zeros(0, dtype=torch.long)
+        return torch.zeros(0, 0, dtype=torch.long), None, empty
     lengths = torch.tensor([nodes[i].length for i in kids])
     offsets = torch.tensor([nodes[i].offset for i in kids])
     n_max = int(lengths.max())
@@ -227,4 +267,4 @@ def _sibling_set(nodes: Sequence[Node], parent: int, kids: list[int]) -> Sibling
         own = (steps[None, :] <= steps[:, None])[None] & real[:, None, :]  # [S, n_max, n_max]
         seen = torch.ones(len(kids), n_max, len(anc), dtype=torch.bool)
         mask = torch.cat([seen, own], dim=-1).unsqueeze(1)
-    return SiblingSet(anc, queries, mask, valid)
+    return queries, mask, valid

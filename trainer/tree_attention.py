@@ -3,10 +3,11 @@ function, and the token statistics of a packed micro-batch.
 
 ``enable(model)`` registers ``prefix_tree:<kernel>`` with transformers' ``AttentionInterface``
 and points the model at it. A forward given ``prefix_tree=<PackedTree>`` (transformers passes
-extra keyword arguments down to the attention function) attends sibling set by sibling set:
-the children of one node are batched, their queries see every ancestor token and their own
-tokens causally, with PyTorch SDPA (its fused CPU flash kernel, or CUDA's memory-efficient
-kernel with the mask; a set that is one root uses plain causal attention). Every other call
+extra keyword arguments down to the attention function) attends sibling set by sibling set,
+with PyTorch SDPA (its fused CPU flash kernel, or CUDA's memory-efficient kernel with a mask):
+each child's queries see every ancestor token and their own tokens causally, batched with a
+mask or alone as one causal sequence, whichever costs less (trainer/prefix_tree.py
+``SiblingSet``). Every other call
 (generation, evaluation, the padded path) goes to the kernel the model was loaded with,
 unchanged. The attention FLOPs are those of the tree, not of the padded rows: a completion's
 queries meet the prompt's keys once each, and the prompt is computed once.
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.loss import TokenStats
-from trainer.prefix_tree import PackedTree
+from trainer.prefix_tree import PackedTree, SiblingSet
 
 PREFIX = "prefix_tree:"
 SUPPORTED_KERNELS = ("sdpa", "flash_attention_2")
@@ -50,31 +51,53 @@ def _tree_attention(
     if kwargs.get("sliding_window"):
         raise ValueError("prefix-tree packing does not support sliding-window attention")
     q, k, v = query[0], key[0], value[0]
-    heads, head_dim = q.shape[0], q.shape[-1]
-    rep = heads // k.shape[0]
+    rep = q.shape[0] // k.shape[0]
     pieces = []
     for s in prefix_tree.sets:
-        n_sets, n_max = s.queries.shape
-        qs = q[:, s.queries].transpose(0, 1)  # [S, H, n, D]
-        ks, vs = k[:, s.queries], v[:, s.queries]  # [H_kv, S, n, D]
-        if len(s.ancestors):
-            shape = (-1, n_sets, -1, -1)
-            ks = torch.cat([k[:, s.ancestors].unsqueeze(1).expand(shape), ks], dim=2)
-            vs = torch.cat([v[:, s.ancestors].unsqueeze(1).expand(shape), vs], dim=2)
-        ks, vs = ks.transpose(0, 1), vs.transpose(0, 1)  # [S, H_kv, A + n, D]
-        if rep > 1:
-            ks, vs = ks.repeat_interleave(rep, dim=1), vs.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(
-            qs,
-            ks,
-            vs,
-            attn_mask=s.mask,
-            dropout_p=dropout,
-            is_causal=s.mask is None,
-            scale=scaling,
-        )
-        pieces.append(out.transpose(1, 2).reshape(n_sets * n_max, heads, head_dim)[s.valid])
-    return torch.cat(pieces).unsqueeze(0), None
+        if s.queries.numel():
+            pieces.append(_batched(q, k, v, s, rep, dropout, scaling))
+        for pos, n in zip(s.alone, s.alone_lengths, strict=True):
+            ks, vs = k[None, :, pos], v[None, :, pos]  # [1, H_kv, A + n, D]: 4-d for the kernels
+            if rep > 1:
+                ks, vs = ks.repeat_interleave(rep, dim=1), vs.repeat_interleave(rep, dim=1)
+            out = F.scaled_dot_product_attention(
+                q[None, :, pos], ks, vs, dropout_p=dropout, is_causal=True, scale=scaling
+            )
+            pieces.append(out[0, :, len(pos) - n :].transpose(0, 1))
+    return torch.cat(pieces)[prefix_tree.order].unsqueeze(0), None
+
+
+def _batched(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    s: SiblingSet,
+    rep: int,
+    dropout: float,
+    scaling: float | None,
+) -> torch.Tensor:
+    """The batched children of ``s`` in one padded call -> ``[rows, H, D]``."""
+    heads, head_dim = q.shape[0], q.shape[-1]
+    n_sets, n_max = s.queries.shape
+    qs = q[:, s.queries].transpose(0, 1)  # [S, H, n, D]
+    ks, vs = k[:, s.queries], v[:, s.queries]  # [H_kv, S, n, D]
+    if len(s.ancestors):
+        shape = (-1, n_sets, -1, -1)
+        ks = torch.cat([k[:, s.ancestors].unsqueeze(1).expand(shape), ks], dim=2)
+        vs = torch.cat([v[:, s.ancestors].unsqueeze(1).expand(shape), vs], dim=2)
+    ks, vs = ks.transpose(0, 1), vs.transpose(0, 1)  # [S, H_kv, A + n, D]
+    if rep > 1:
+        ks, vs = ks.repeat_interleave(rep, dim=1), vs.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(
+        qs,
+        ks,
+        vs,
+        attn_mask=s.mask,
+        dropout_p=dropout,
+        is_causal=s.mask is None,
+        scale=scaling,
+    )
+    return out.transpose(1, 2).reshape(n_sets * n_max, heads, head_dim)[s.valid]
 
 
 def _dispatch(base: str):

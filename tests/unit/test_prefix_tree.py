@@ -43,9 +43,27 @@ def assert_rebuilds(seqs: list[list[int]], min_shared: int = 4) -> None:
         assert pos[index].tolist() == list(range(len(s)))
         covered[index] = True
     assert covered.all()  # every packed token belongs to some sequence
-    # the sibling sets' queries cover the packed row once, in order
-    order = torch.cat([s.queries.reshape(-1)[s.valid] for s in tree.sets])
-    assert order.tolist() == list(range(tree.packed_tokens))
+    # the sets' calls produce a row for every packed position once; ``order`` puts them back
+    rows = []
+    for st in tree.sets:
+        rows.append(st.queries.reshape(-1)[st.valid])
+        for a, n in zip(st.alone, st.alone_lengths, strict=True):
+            assert a[: len(a) - n].tolist() == st.ancestors.tolist()
+            rows.append(a[len(a) - n :])
+    assert torch.cat(rows)[tree.order].tolist() == list(range(tree.packed_tokens))
+
+
+def test_a_child_longer_than_its_ancestors_attends_alone() -> None:
+    """Short completions of a long prompt share one masked call; a long continuation of a
+    short prefix is one causal call over prefix + itself (no padding, half the scores)."""
+    prompt = list(range(100, 140))
+    seqs = [prompt + [1, 2], prompt + [3] * 50, prompt + [4, 5, 6]]
+    tree = pack(seqs, min_shared=16)
+    root, kids = tree.sets
+    assert root.alone_lengths == [40] and root.queries.numel() == 0  # a root: causal alone
+    assert kids.alone_lengths == [50] and kids.queries.shape == (2, 3)
+    assert kids.mask is not None and kids.mask.shape == (2, 1, 3, 43)
+    assert_rebuilds(seqs)
 
 
 def test_a_group_computes_its_prompt_once() -> None:
