@@ -64,11 +64,7 @@ def _run(name: str, argv: list[str], log: Path, env: dict[str, str] | None = Non
 
     print(f"[peer_trl] {name}: {shlex.join(argv)}  (log: {log})", flush=True)
     t0 = time.time()
-    proc = ManagedProcess(name, argv, log, env=env).start()
-    try:
-        rc = proc.wait_exit(stall=3600, limit=24 * 3600)
-    finally:
-        proc.stop()
+    rc = ManagedProcess(name, argv, log, env=env).run_to_exit(stall=3600, limit=24 * 3600)
     if rc != 0:
         raise SystemExit(f"[peer_trl] {name} failed (exit {rc}); read {log}")
     return t0

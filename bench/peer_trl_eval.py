@@ -139,18 +139,15 @@ def evaluate_points(
                     raise ValueError("the start model must be evaluated before any reload")
                 out = work / p.label
                 print(f"[peer_trl] evaluating {p.label} ({served}) on {rows} rows", flush=True)
-                proc = ManagedProcess(
+                log = work / f"{p.label}.log"
+                rc = ManagedProcess(
                     f"eval-{p.label}",
                     eval_argv(env, server.base_url, model, rows, out),
-                    work / f"{p.label}.log",
+                    log,
                     env={**os.environ, **light_env()},
-                ).start()
-                try:
-                    rc = proc.wait_exit(stall=1800, limit=6 * 3600)
-                finally:
-                    proc.stop()
+                ).run_to_exit(stall=1800, limit=6 * 3600)
                 if rc != 0:
-                    raise RuntimeError(f"evaluation of {p.label} failed; read {proc.log_path}")
+                    raise RuntimeError(f"evaluation of {p.label} failed; read {log}")
         finally:
             server.stop()
     return {p.label: json.loads((work / p.label / "metrics.json").read_text()) for p in points}

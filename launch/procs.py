@@ -124,6 +124,16 @@ class ManagedProcess:
             time.sleep(0.5)
         return int(self.popen.returncode)
 
+    def run_to_exit(self, stall: float = 600.0, limit: float = 3600.0) -> int:
+        """Start, wait for the exit (:meth:`wait_exit`'s ``stall`` and ``limit``) and stop the
+        process group whatever happens (a timeout or an interrupt leaves nothing behind); the
+        exit code."""
+        self.start()
+        try:
+            return self.wait_exit(stall=stall, limit=limit)
+        finally:
+            self.stop()
+
     def wait_http(self, url: str, timeout: float = 300.0, interval: float = 0.5) -> None:
         """Wait until ``url`` answers 200, failing early (with the log tail) if we die.
 

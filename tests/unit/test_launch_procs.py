@@ -1,4 +1,4 @@
-"""ManagedProcess.wait_exit: waits while the process makes progress (its log grows), gives
+"""ManagedProcess.wait_exit (and run_to_exit, which also stops it): waits while the process makes progress (its log grows), gives
 up with the log's tail when it does not, and returns the exit code otherwise."""
 
 from __future__ import annotations
@@ -43,3 +43,13 @@ def test_a_process_that_keeps_logging_hits_the_backstop(tmp_path: Path) -> None:
             proc.wait_exit(stall=60.0, limit=2.0)
     finally:
         proc.stop()
+
+
+def test_run_to_exit_returns_the_code_and_stops_a_stuck_process(tmp_path: Path) -> None:
+    done = ManagedProcess("ok", [sys.executable, "-c", "raise SystemExit(5)"], tmp_path / "a.log")
+    assert done.run_to_exit(stall=120) == 5
+    code = "import time; print('started', flush=True); time.sleep(600)"
+    stuck = ManagedProcess("stuck", [sys.executable, "-u", "-c", code], tmp_path / "b.log")
+    with pytest.raises(TimeoutError, match="log did not grow"):
+        stuck.run_to_exit(stall=1.0)
+    assert not stuck.alive()  # stopped by its PID on the way out, nothing left behind
