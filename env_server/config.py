@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from env_server.reward import RewardConfig, RewardSpec
 from settings import cli
@@ -105,7 +105,9 @@ class EnvConfig(BaseModel):
     """Give up after this many rollouts in a row fail with a non-transient error."""
     eval_every_groups: int = Field(0, ge=0)
     """Evaluate greedily on the validation split every N pushed groups (0: never)."""
-    eval_samples: int = Field(64, ge=1)
+    eval_samples: int = Field(
+        64, ge=1, validation_alias=AliasChoices("eval_samples", "max_eval_samples")
+    )
     """Validation steps per periodic evaluation (also ``--max-eval-samples``)."""
     metrics_path: Path | None = None
     """JSONL file for group statistics and evaluation results (default: log only)."""
