@@ -28,7 +28,6 @@ trains on sequences of 1024 tokens (``SftConfig.max_seq_len``), so a 928-token p
 sequences puts the model on positions it never saw (measured on the 450-step tiny SFT model,
 512 test rows: valid format 85.5% and mean reward 6.5 at a 1536-token budget vs 98.0% and
 45.7 at 928). Hub models with a long trained context get more (the GPU recipes use 3072)."""
-ALIASES = {"eval_samples": ["--max-eval-samples"]}
 
 
 class EnvConfig(BaseModel):
@@ -134,14 +133,14 @@ class EnvConfig(BaseModel):
 def build_parser() -> argparse.ArgumentParser:
     """``--recipe``/``--config``/``--print-config`` and one flag per :class:`EnvConfig` field."""
     ap = argparse.ArgumentParser(prog="python -m env_server", description=EnvConfig.__doc__)
-    add_config_flags(ap, EnvConfig, aliases=ALIASES)
+    add_config_flags(ap, EnvConfig)
     return ap
 
 
 def resolve_config(argv: list[str] | None = None) -> cli.Resolved:
     """Recipe (shared keys + ``env:``) < --config < env vars < flags, validated (a bad value
     exits with a clear message; ``--print-config`` prints the result and exits)."""
-    return cli.parse(EnvConfig, argv, prog="python -m env_server", section="env", aliases=ALIASES)
+    return cli.parse(EnvConfig, argv, prog="python -m env_server", section="env")
 
 
 def parse_config(argv: list[str] | None = None) -> EnvConfig:

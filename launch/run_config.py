@@ -231,3 +231,17 @@ def resolve_run(
     layers += [("environment", expand(env, SHORTCUTS)), ("launcher", dict(wiring or {}))]
     layers.append(("flag", expand(cli, SHORTCUTS)))
     return resolve(RunConfig, layers)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
+    """launch/run_all.sh's command line resolved (no launcher decisions yet); a bad value or a
+    bad ``NUM_INFERENCE_NODES`` exits with a clear message."""
+    import sys
+
+    from launch.placement import PlacementError
+
+    try:
+        return resolve_run(sys.argv[1:] if argv is None else argv).config
+    except PlacementError as e:
+        print(f"launch/run_all.sh: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -153,11 +153,10 @@ def parse(
     *,
     prog: str,
     section: str,
-    aliases: Mapping[str, Sequence[str]] | None = None,
 ) -> Resolved:
     """Parser + resolution for a single-command service; ``--print-config`` prints and exits."""
     parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
-    add_config_flags(parser, cls, aliases=aliases)
+    add_config_flags(parser, cls)
     ns = parser.parse_args(argv)
     resolved = resolve_args(cls, ns, section)
     if getattr(ns, "print_config", False):
@@ -172,10 +171,9 @@ def parse_config(
     *,
     prog: str,
     section: str,
-    aliases: Mapping[str, Sequence[str]] | None = None,
 ) -> M:
     """:func:`parse`, config only."""
-    return parse(cls, argv, prog=prog, section=section, aliases=aliases).config
+    return parse(cls, argv, prog=prog, section=section).config
 
 
 # ----------------------------------------------------------------------------- reporting

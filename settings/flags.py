@@ -5,8 +5,9 @@ default; ``bool`` -> ``--x/--no-x``; ``list`` -> ``--x A,B`` (or ``--x A --x B``
 flags (``--gail.use``, ``--gail.beta 0.1``). ``dict`` fields and fields marked
 :func:`recipe_only` are set in recipes and config files only. A field reads an environment
 variable when declared with :func:`from_env` (or when it belongs to a nested
-``pydantic_settings.BaseSettings`` with an ``env_prefix``). Extra spellings of a flag
-(``aliases``, e.g. Atropos' ``--kl-coef``) are listed in ``--help`` beside it.
+``pydantic_settings.BaseSettings`` with an ``env_prefix``). A field's declared aliases
+(``validation_alias=AliasChoices(...)``, e.g. Atropos' ``--kl-coef``) are extra spellings of
+its flag, listed in ``--help`` beside it.
 
 How the flags layer over recipes and config files: ``settings.cli``. Imports neither torch nor
 any service package.
@@ -17,11 +18,11 @@ from __future__ import annotations
 import argparse
 import os
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, Field, create_model
+from pydantic import BaseModel, Field, create_model
 from pydantic_settings import CliSettingsSource
 
 from settings.recipe import model_type, unwrap
@@ -56,21 +57,17 @@ def _flaggable(info: Any) -> bool:
     return _extra(info).get("cli") is not False and not is_dict
 
 
-def _flag_model(
-    cls: type[BaseModel], aliases: Mapping[str, Sequence[str]], prefix: str = ""
-) -> type[BaseModel]:
+def _flag_model(cls: type[BaseModel]) -> type[BaseModel]:
     """``cls`` reduced to the fields that get a flag (nested models recursively), each with
     its description, default and extra spellings; only its shape is used (no validation)."""
     fields: dict[str, Any] = {}
     for name, info in cls.model_fields.items():
         if not _flaggable(info):
             continue
-        dotted = prefix + name
         annotation = info.annotation
         sub = model_type(annotation)
         if sub is not None:
-            annotation = _flag_model(sub, aliases, dotted + ".")
-        names = [a.lstrip("-").replace("-", "_") for a in aliases.get(dotted, ())]
+            annotation = _flag_model(sub)
         default: dict[str, Any] = {"default": info.default}
         if info.default_factory is not None:  # help says "computed" (a secret stays unread)
             default = {"default_factory": info.default_factory} if sub else {"default": COMPUTED}
@@ -79,7 +76,7 @@ def _flag_model(
             Field(
                 **default,
                 description=info.description,
-                validation_alias=AliasChoices(name, *names) if names else None,
+                validation_alias=info.validation_alias,
             ),
         )
     return create_model(f"{cls.__name__}Flags", __doc__=cls.__doc__, **fields)
@@ -92,13 +89,9 @@ def add_config_flags(
     parser: argparse.ArgumentParser,
     cls: type[BaseModel],
     *,
-    aliases: Mapping[str, Sequence[str]] | None = None,
     files: bool = True,
 ) -> None:
-    """``--recipe``, ``--config``, ``--print-config`` and one flag per field of ``cls``.
-
-    ``aliases`` maps a dotted field name to extra flag spellings (``{"kl_beta": ["--kl-coef"]}``).
-    """
+    """``--recipe``, ``--config``, ``--print-config`` and one flag per field of ``cls``."""
     if files:
         parser.add_argument(
             "--recipe",
@@ -122,7 +115,7 @@ def add_config_flags(
         )
     before = {a.dest for a in parser._actions}
     source = CliSettingsSource(
-        _flag_model(cls, aliases or {}),
+        _flag_model(cls),
         root_parser=parser,
         cli_kebab_case=True,
         cli_implicit_flags=True,
@@ -181,19 +174,6 @@ def _none_words(cls: type[BaseModel], values: dict[str, Any]) -> dict[str, Any]:
             value = None
         out[key] = value
     return out
-
-
-def flags_of(
-    cls: type[BaseModel],
-    argv: Sequence[str],
-    *,
-    prog: str = "flags",
-    aliases: Mapping[str, Sequence[str]] | None = None,
-) -> dict[str, Any]:
-    """The field values a list of ``cls``'s flags sets (``--env-args`` of the launcher)."""
-    parser = argparse.ArgumentParser(prog=prog, add_help=False)
-    add_config_flags(parser, cls, aliases=aliases, files=False)
-    return flag_values(cls, parser.parse_args(list(argv)))
 
 
 # ----------------------------------------------------------------------------- env vars

@@ -18,14 +18,6 @@ from settings.paths import DATA_DIR, RUNS_DIR, SFT_MODEL_DIR, TINY_MODEL_DIR
 from settings.ports import API_URL, HOST, VLLM_PORT
 from trainer.gail import GailConfig
 
-ALIASES = {
-    "max_eval_samples": ["--max-eval-examples"],
-    # Atropos' example-trainer spellings (docs/TRAINER.md), listed in --help beside ours
-    "max_seq_len": ["--seq-len"],
-    "kl_beta": ["--kl-coef"],
-    "save_every": ["--checkpoint-interval"],
-}
-
 
 class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
@@ -255,8 +247,11 @@ class GrpoConfig(CommonConfig):
         None, exclude=True, json_schema_extra=from_env("SHOP_R1_BRIDGE_TOKEN")
     )
     """Shared token for the vLLM server's /bridge routes (default: $SHOP_R1_BRIDGE_TOKEN)."""
-    vllm_restart_interval: int = 1
-    """Mode ``none``: reload weights from the saved checkpoint every N steps."""
+    reload_every: int = Field(
+        1, ge=1, validation_alias=AliasChoices("reload_every", "vllm_restart_interval")
+    )
+    """Mode ``none``: reload weights from the saved checkpoint every N steps (Atropos:
+    ``--vllm-restart-interval``)."""
     temperature: float = 1.0
     """Sampling temperature the completions were drawn with; divides the trainer's logits."""
     clip_low: float = 0.2
@@ -345,7 +340,7 @@ SECTIONS: dict[type[_Config], str] = {SftConfig: "trainer.sft", GrpoConfig: "tra
 def build_parser(cls: type[_Config], parser: argparse.ArgumentParser) -> None:
     """``--recipe``/``--config``/``--print-config`` and one ``--kebab-case`` flag per field, its
     help = the field's docstring (``settings.flags.add_config_flags``)."""
-    add_config_flags(parser, cls, aliases=ALIASES)
+    add_config_flags(parser, cls)
 
 
 def config_from_args(cls: type[C], ns: argparse.Namespace) -> C:

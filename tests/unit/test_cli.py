@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from settings import cli, flags
@@ -45,8 +45,8 @@ class Demo(BaseModel):
     """Write event files."""
     urls: list[str] = []
     """Servers."""
-    cap: float | None = None
-    """Optional cap."""
+    cap: float | None = Field(None, validation_alias=AliasChoices("cap", "max_cap"))
+    """Optional cap (also ``--max-cap``)."""
     token: str | None = Field(None, json_schema_extra=flags.from_env("DEMO_TOKEN"))
     """Secret token."""
     table: dict[str, float] = {}
@@ -57,7 +57,7 @@ class Demo(BaseModel):
 
 def _parse(argv: list[str], environ: dict[str, str] | None = None) -> cli.Resolved:
     parser = argparse.ArgumentParser()
-    flags.add_config_flags(parser, Demo, aliases={"cap": ["--max-cap"]})
+    flags.add_config_flags(parser, Demo)
     ns = parser.parse_args(argv)
     return cli.resolve(
         Demo,
