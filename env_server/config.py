@@ -16,7 +16,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from env_server.reward import RewardConfig, RewardSpec
 from settings import cli
-from settings.flags import add_config_flags, from_env, recipe_only
+from settings.flags import add_config_flags, from_env
 from settings.paths import DATA_DIR
 from settings.ports import API_URL, VLLM_URL
 
@@ -82,7 +82,7 @@ class EnvConfig(BaseModel):
     reward_variant: Literal["full", "binary", "no_dars", "no_format"] = "full"
     """Reward preset: the paper's reward or one of its ablations (the same ablations ship as
     recipes; a recipe's ``rewards:`` section is the general form)."""
-    reward: RewardConfig | None = Field(None, json_schema_extra=recipe_only())
+    reward: RewardConfig | None = None
     """Flat form of every Table-1 constant (recipe/config only); overrides ``reward_variant``."""
     rewards: RewardSpec | None = None
     """The reward as registry entries with weights (a recipe's ``rewards:`` section;

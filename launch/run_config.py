@@ -7,7 +7,7 @@ and lies under it); environment variables ``SHOP_R1_<SECTION>__<FIELD>``; the co
 dotted path (``--trainer.grpo.lr 1e-5``). Precedence, lowest first: field defaults < file(s) <
 environment < command line (settings/layers.py). The launcher's options are also taken
 without ``launch.`` (``--run-dir``), and the top-level shortcuts (``--model``,
-``--training-steps``, ``--weight-bridge-mode``, ...: ``SHORTCUTS``) fill the fields they stand
+``--training-steps``, ``--weight-bridge-mode``, ...: ``settings.layers.SHORTCUTS``) fill the fields they stand
 for. ``--env-args``/``--trainer-args`` are dotted overrides of ``env.``/``trainer.grpo.``.
 """
 
@@ -24,36 +24,12 @@ from pydantic import BaseModel, ConfigDict, Field, FilePath
 from api.config import ApiConfig
 from env_server.config import EnvConfig
 from launch.launch_config import LaunchConfig
-from settings.layers import Resolved, cli_source, env_layer, expand, none_words, resolve
+from settings.flags import none_words
+from settings.layers import SHORTCUTS, Resolved, cli_source, env_layer, expand, resolve
 from settings.paths import PRESETS_DIR
 from settings.recipe import RecipeError, load_recipe
 from trainer.config import GrpoConfig, SftConfig
 
-SHORTCUTS: dict[str, tuple[str, ...]] = {
-    "model": ("trainer.sft.model_name", "trainer.grpo.model_name", "env.tokenizer", "vllm.model"),
-    "seed": ("trainer.sft.seed", "trainer.grpo.seed", "env.seed", "vllm.seed"),
-    "output_dir": (
-        "trainer.sft.save_path",
-        "trainer.grpo.save_path",
-        "api.db_path={}/api.sqlite",
-        "env.metrics_path={}/env_metrics.jsonl",
-        "vllm.bridge_config={}/vllm_bridge_config.json",
-    ),
-    "data.dir": ("trainer.sft.data_dir", "env.data_dir"),
-    "data.num_sessions": ("trainer.sft.num_sessions", "env.num_sessions"),
-    "rewards": ("env.rewards",),
-    "weight_bridge_mode": ("trainer.grpo.weight_bridge_mode", "vllm.weight_bridge_mode"),
-    "single_copy": ("trainer.grpo.single_copy", "vllm.single_copy"),
-    "logging.wandb_project": ("trainer.sft.wandb_project", "trainer.grpo.wandb_project"),
-    "logging.tensorboard": ("trainer.sft.tensorboard", "trainer.grpo.tensorboard"),
-    "logging.log_level": ("api.log_level",),
-    "training_steps": ("trainer.grpo.training_steps",),
-    "sft_steps": ("trainer.sft.training_steps",),
-    "num_sessions": ("trainer.sft.num_sessions", "env.num_sessions"),
-    "keep_constant_groups": ("env.drop_constant_groups=not",),
-}
-"""Top-level keys and the fields they fill (``field={}/file``: a file in that directory;
-``=not``: negated). The section's own value in the same layer wins over the shortcut."""
 Mode = Literal["shared_vllm", "lora_only", "none"]
 
 

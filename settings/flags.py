@@ -2,8 +2,7 @@
 CLI source builds one ``--kebab-case`` flag per field, its help = the field's docstring and
 default; ``bool`` -> ``--x/--no-x``; ``list`` -> ``--x A,B`` (or ``--x A --x B``); ``Literal``
 -> choices; an optional field takes ``none``/``null`` for None; a nested model gets dotted
-flags (``--gail.use``, ``--gail.beta 0.1``). ``dict`` fields and fields marked
-:func:`recipe_only` are set in recipes and config files only. A field reads an environment
+flags (``--gail.use``, ``--gail.beta 0.1``). A ``dict`` field takes JSON. A field reads an environment
 variable when declared with :func:`from_env` (or when it belongs to a nested
 ``pydantic_settings.BaseSettings`` with an ``env_prefix``). A field's declared aliases
 (``validation_alias=AliasChoices(...)``, e.g. Atropos' ``--kl-coef``) are extra spellings of
@@ -22,13 +21,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, create_model
+from pydantic import BaseModel
 from pydantic_settings import CliSettingsSource
 
 from settings.recipe import model_type, unwrap
 
 NONE_WORDS = ("none", "null")
-COMPUTED = "computed"
 _SOURCES = "_settings_cli_sources"
 """Namespace attribute holding, per config class, the CLI source and the dests it added."""
 
@@ -41,45 +39,9 @@ def from_env(name: str, **extra: Any) -> dict[str, Any]:
     return {"env": name, **extra}
 
 
-def recipe_only(**extra: Any) -> dict[str, Any]:
-    """``json_schema_extra`` of a field that gets no flag (set it in a recipe)."""
-    return {"cli": False, **extra}
-
-
 def _extra(info: Any) -> dict[str, Any]:
     extra = info.json_schema_extra
     return extra if isinstance(extra, dict) else {}
-
-
-def _flaggable(info: Any) -> bool:
-    inner, _ = unwrap(info.annotation)
-    is_dict = inner is dict or getattr(inner, "__origin__", None) is dict
-    return _extra(info).get("cli") is not False and not is_dict
-
-
-def _flag_model(cls: type[BaseModel]) -> type[BaseModel]:
-    """``cls`` reduced to the fields that get a flag (nested models recursively), each with
-    its description, default and extra spellings; only its shape is used (no validation)."""
-    fields: dict[str, Any] = {}
-    for name, info in cls.model_fields.items():
-        if not _flaggable(info):
-            continue
-        annotation = info.annotation
-        sub = model_type(annotation)
-        if sub is not None:
-            annotation = _flag_model(sub)
-        default: dict[str, Any] = {"default": info.default}
-        if info.default_factory is not None:  # help says "computed" (a secret stays unread)
-            default = {"default_factory": info.default_factory} if sub else {"default": COMPUTED}
-        fields[name] = (
-            annotation,
-            Field(
-                **default,
-                description=info.description,
-                validation_alias=info.validation_alias,
-            ),
-        )
-    return create_model(f"{cls.__name__}Flags", __doc__=cls.__doc__, **fields)
 
 
 # ----------------------------------------------------------------------------- flags
@@ -115,7 +77,7 @@ def add_config_flags(
         )
     before = {a.dest for a in parser._actions}
     source = CliSettingsSource(
-        _flag_model(cls),
+        cls,
         root_parser=parser,
         cli_kebab_case=True,
         cli_implicit_flags=True,
@@ -160,16 +122,16 @@ def flag_values(cls: type[BaseModel], ns: argparse.Namespace) -> dict[str, Any]:
     """The flags actually given, as a nested dict of field values (``none`` -> None)."""
     source, dests = getattr(ns, _SOURCES)[cls]
     given = argparse.Namespace(**{d: v for d, v in vars(ns).items() if d in dests})
-    return _none_words(cls, source(parsed_args=given)())
+    return none_words(cls, source(parsed_args=given)())
 
 
-def _none_words(cls: type[BaseModel], values: dict[str, Any]) -> dict[str, Any]:
+def none_words(cls: type[BaseModel], values: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in values.items():
         info = cls.model_fields.get(key)
         sub = model_type(info.annotation) if info is not None else None
         if sub is not None and isinstance(value, dict):
-            value = _none_words(sub, value)
+            value = none_words(sub, value)
         elif info is not None and unwrap(info.annotation)[1] and str(value).lower() in NONE_WORDS:
             value = None
         out[key] = value

@@ -4,8 +4,9 @@ service's section), lowest first: field defaults < file < environment < command 
 own sources: ``SHOP_R1_<SECTION>__<FIELD>`` variables (plus the names a field declares with
 ``settings.flags.from_env``) and dotted ``--section.field value`` flags.
 
-Each layer is a nested mapping; top-level shortcut keys (``SHORTCUTS``) fill the fields they
-stand for inside their own layer, where it does not set them itself. Imports neither torch nor
+Each layer is a nested mapping; top-level shortcut keys (:data:`SHORTCUTS`) fill the fields
+they stand for inside their own layer, where it does not set them itself. A service started
+on its own reads its section the same way (``settings.cli``). Imports neither torch nor
 any service package.
 """
 
@@ -19,12 +20,38 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import CliSettingsSource, EnvSettingsSource
 
-from settings.flags import NONE_WORDS, env_names
-from settings.recipe import RecipeError, model_type, unwrap
+from settings.flags import env_names
+from settings.recipe import RecipeError, model_type
 
 M = TypeVar("M", bound=BaseModel)
 ENV_PREFIX = "SHOP_R1_"
 Layer = tuple[str, Mapping[str, Any]]
+
+SHORTCUTS: dict[str, tuple[str, ...]] = {
+    "model": ("trainer.sft.model_name", "trainer.grpo.model_name", "env.tokenizer", "vllm.model"),
+    "seed": ("trainer.sft.seed", "trainer.grpo.seed", "env.seed", "vllm.seed"),
+    "output_dir": (
+        "trainer.sft.save_path",
+        "trainer.grpo.save_path",
+        "api.db_path={}/api.sqlite",
+        "env.metrics_path={}/env_metrics.jsonl",
+        "vllm.bridge_config={}/vllm_bridge_config.json",
+    ),
+    "data.dir": ("trainer.sft.data_dir", "env.data_dir"),
+    "data.num_sessions": ("trainer.sft.num_sessions", "env.num_sessions"),
+    "rewards": ("env.rewards",),
+    "weight_bridge_mode": ("trainer.grpo.weight_bridge_mode", "vllm.weight_bridge_mode"),
+    "single_copy": ("trainer.grpo.single_copy", "vllm.single_copy"),
+    "logging.wandb_project": ("trainer.sft.wandb_project", "trainer.grpo.wandb_project"),
+    "logging.tensorboard": ("trainer.sft.tensorboard", "trainer.grpo.tensorboard"),
+    "logging.log_level": ("api.log_level",),
+    "training_steps": ("trainer.grpo.training_steps",),
+    "sft_steps": ("trainer.sft.training_steps",),
+    "num_sessions": ("trainer.sft.num_sessions", "env.num_sessions"),
+    "keep_constant_groups": ("env.drop_constant_groups=not",),
+}
+"""Top-level keys and the fields they fill (``field={}/file``: a file in that directory;
+``=not``: negated). The section's own value in the same layer wins over the shortcut."""
 
 
 @dataclass
@@ -55,7 +82,11 @@ def _setdefault(d: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, last = dotted.split(".")
     for p in parents:
         d = d.setdefault(p, {})
-    d.setdefault(last, value)
+    if last not in d:  # first: a shortcut's vLLM argument goes before the section's own
+        items = list(d.items())
+        d.clear()
+        d[last] = value
+        d.update(items)
 
 
 def snake(value: Any, key: str = "") -> Any:
@@ -73,7 +104,7 @@ def expand(layer: Mapping[str, Any], shortcuts: Mapping[str, Sequence[str]]) -> 
     if isinstance(trainer, dict):
         common = {k: v for k, v in trainer.items() if k not in ("sft", "grpo")}
         out["trainer"] = {c: {**common, **(trainer.get(c) or {})} for c in ("sft", "grpo")}
-    for key, targets in shortcuts.items():
+    for key, targets in reversed(shortcuts.items()):
         given, value = _get(out, key)
         for target in targets if given else ():
             path, _, template = target.partition("=")
@@ -146,20 +177,6 @@ def cli_source(cls: type[BaseModel], argv: Sequence[str] | None, **kw: Any) -> C
         cli_parse_none_str="null",
         **kw,
     )
-
-
-def none_words(cls: type[BaseModel] | None, values: Mapping[str, Any]) -> dict[str, Any]:
-    """``none``/``null`` given to an optional field -> None (nested models recursively)."""
-    out: dict[str, Any] = {}
-    for key, value in values.items():
-        info = cls.model_fields.get(key) if cls is not None else None
-        sub = model_type(info.annotation) if info is not None else None
-        if isinstance(value, Mapping):
-            value = none_words(sub, value)
-        elif info is not None and unwrap(info.annotation)[1] and str(value).lower() in NONE_WORDS:
-            value = None
-        out[key] = value
-    return out
 
 
 def env_layer(

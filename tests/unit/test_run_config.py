@@ -5,18 +5,20 @@ same section values as each service's own resolution (settings/cli.py)."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
 from api.config import ApiConfig
-from env_server.config import EnvConfig
-from launch.run_config import SHORTCUTS, RunConfig, resolve_run
-from settings.cli import resolve as service_resolve
-from settings.layers import env_layer, expand, resolve
+from api.config import parse_config as parse_api
+from env_server.config import parse_config as parse_env
+from launch.run_config import RunConfig, resolve_run
+from settings.layers import SHORTCUTS, env_layer, expand, resolve
 from settings.paths import REPO_ROOT
-from settings.recipe import load_recipe, section_values
-from trainer.config import GrpoConfig, SftConfig
+from settings.recipe import load_recipe
+from trainer.config import GrpoConfig, SftConfig, build_parser, config_from_args
+from vllm_patching.serve import build, recipe_argv
 
 pytestmark = pytest.mark.unit
 RECIPES = sorted((REPO_ROOT / "recipes").rglob("*.yaml"))
@@ -29,19 +31,20 @@ def _file(path: Path) -> RunConfig:
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: str(p.relative_to(REPO_ROOT)))
-def test_every_recipe_loads_into_the_sections_each_service_resolves(recipe: Path) -> None:
+def test_every_recipe_loads_into_the_sections_each_service_parses(recipe: Path) -> None:
+    """The launcher's RunConfig and each service started on its own (``--recipe``) read the
+    same values from a file."""
     cfg = _file(recipe)
-    for cls, section in (
-        (ApiConfig, "api"),
-        (EnvConfig, "env"),
-        (SftConfig, "trainer.sft"),
-        (GrpoConfig, "trainer.grpo"),
-    ):
-        got = cfg.api if section == "api" else cfg.env if section == "env" else None
-        got = got or getattr(cfg.trainer, section.split(".")[1])
-        assert got == service_resolve(cls, section=section, recipe=recipe).config, section
-    old_vllm = section_values(load_recipe(recipe), "vllm", None, recipe)
-    assert cfg.vllm.model_dump(exclude_none=True) == old_vllm
+    assert parse_api(["--recipe", str(recipe)]) == cfg.api
+    assert parse_env(["--recipe", str(recipe)]) == cfg.env
+    for command, cls in (("sft", SftConfig), ("grpo", GrpoConfig)):
+        parser = argparse.ArgumentParser()
+        build_parser(cls, parser)
+        got = config_from_args(cls, parser.parse_args(["--recipe", str(recipe)]))
+        assert got == getattr(cfg.trainer, command), command
+    assert recipe_argv(recipe)[:2] == ["--model", cfg.vllm.model]
+    settings, _, _ = build(["--recipe", str(recipe), "--bridge-device", "cpu"])
+    assert settings.mode == (cfg.vllm.weight_bridge_mode or "shared_vllm")
 
 
 def test_precedence_defaults_file_environment_command_line(tmp_path: Path) -> None:
