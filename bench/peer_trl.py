@@ -278,10 +278,11 @@ def main() -> None:
 
 def _prepare(plan: Any, work: Path) -> None:
     """The preset's model, dataset and SFT start, built if missing (run_all --prepare-only)."""
-    from launch.presets import load_preset
+    from launch.configs import preset_model
+    from launch.run_config import parse_args
 
-    preset = load_preset(plan.preset)
-    if preset.launch.build_embedded and plan.model == preset.model:
+    cfg = parse_args(["--preset", plan.preset])
+    if cfg.launch.build_embedded and plan.model == preset_model(cfg):
         argv = ["--preset", plan.preset, "--prepare-only", "--run-dir", str(work / "prepare")]
         _run("prepare", [sys.executable, "-m", "launch.run_all", *argv], work / "prepare.log")
     elif not Path(plan.model).exists():

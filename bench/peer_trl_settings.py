@@ -105,28 +105,15 @@ def run_all_argv(
 
 def resolve(argv: list[str], save_every: int) -> Plan:
     """The env's and the trainer's configs as run_all resolves them from ``argv``."""
-    from launch.configs import run_model, service_configs
-    from launch.presets import load_preset
-    from launch.run_all_config import layers, parse_args
+    from launch.configs import resolve_for_run
+    from launch.run_config import parse_args
 
-    cfg = parse_args(argv)
-    preset = load_preset(cfg.preset)
-    lay = layers(cfg, preset)
-    model = run_model(lay, cfg.model)
-    run_dir = cfg.run_dir or Path("runs/peer_trl")
-    confs = service_configs(
-        lay,
-        model,
-        "http://127.0.0.1:1",
-        ["http://127.0.0.1:2"],
-        run_dir / "trainer",
-        run_dir,
-        preset.launch.trainer_device,
-        weight_bridge_mode=cfg.weight_bridge_mode,
-        env_args=cfg.env_args,
-        trainer_args=cfg.trainer_args,
-    )
-    env, grpo = confs["env"].config, confs["trainer_grpo"].config
+    first = parse_args(argv)
+    run_dir = first.launch.run_dir or Path("runs/peer_trl")
+    urls = ["http://127.0.0.1:2"]
+    device = first.launch.trainer_device
+    cfg = resolve_for_run(argv, "http://127.0.0.1:1", urls, run_dir, device).config
+    env, grpo, model = cfg.env, cfg.trainer.grpo, str(cfg.model)
     if grpo.batch_size % env.group_size:
         raise ValueError(f"batch_size {grpo.batch_size} is not whole groups of {env.group_size}")
     if abs(grpo.temperature - env.temperature) > 1e-9:
@@ -135,17 +122,15 @@ def resolve(argv: list[str], save_every: int) -> Plan:
             "TRL has one temperature for both"
         )
     steps = grpo.training_steps
-    return Plan(cfg.preset, model, steps, save_every, argv, env, grpo, preset.launch.eval_samples)
+    return Plan(cfg.preset, model, steps, save_every, argv, env, grpo, cfg.launch.eval_samples)
 
 
 def write_vllm(plan: Plan, run_dir: Path) -> Path:
     """``<run_dir>/config/vllm.yaml``: the vLLM options run_all gives the run's servers."""
-    from launch.configs import write_vllm_config
-    from launch.presets import load_preset
-    from launch.run_all_config import layers, parse_args
+    from launch.configs import vllm_values, write_config
+    from launch.run_config import parse_args
 
-    cfg = parse_args(plan.run_all_argv)
-    return write_vllm_config(layers(cfg, load_preset(cfg.preset)), run_dir)
+    return write_config(run_dir, "vllm", vllm_values(parse_args(plan.run_all_argv)))
 
 
 def _schedule(grpo: Any) -> dict[str, Any]:

@@ -20,10 +20,8 @@ from pathlib import Path
 import httpx
 
 from bench.small_disk import SmallDisk
-from launch.configs import run_model, service_configs, write_service_config, write_vllm_config
-from launch.presets import load_preset
+from launch.configs import resolve_for_run, write_service_configs
 from launch.procs import ManagedProcess
-from launch.run_all_config import RunAllConfig, layers
 from launch.threads import available_cores, plan_threads
 from launch.vllm_server import BridgeServer, server_env, spawn_bridge_server
 from settings.ports import free_port
@@ -40,22 +38,23 @@ class SoakStack:
         self.data.mkdir(parents=True, exist_ok=True)
         if self.disk is not None:
             self.disk.__enter__()
-        cfg = RunAllConfig(preset=preset, run_dir=run_dir)
-        lay = layers(cfg, load_preset(preset))
-        self.model = run_model(lay)
         self.api_url = f"http://127.0.0.1:{free_port()}"
         self.vllm_port = free_port()
         self.vllm_url = f"http://127.0.0.1:{self.vllm_port}"
         self.save = self.data / "trainer"
-        confs = service_configs(
-            lay, self.model, self.api_url, [self.vllm_url], self.save, run_dir, "cpu"
-        )
-        confs["api"].config.db_path = self.data / "api.sqlite"
-        confs["trainer_grpo"].config.training_steps = training_steps
-        self.files = {n: write_service_config(run_dir, n, r) for n, r in confs.items()}
-        self.files["vllm"] = write_vllm_config(lay, run_dir)
-        self.env_metrics = Path(confs["env"].config.metrics_path)
-        self.db = Path(confs["api"].config.db_path)
+        argv = ["--preset", preset, "--run-dir", str(run_dir)]
+        argv += [
+            "--training-steps",
+            str(training_steps),
+            "--trainer.grpo.save-path",
+            str(self.save),
+        ]
+        argv += ["--api.db-path", str(self.data / "api.sqlite")]
+        resolved = resolve_for_run(argv, self.api_url, [self.vllm_url], run_dir, "cpu")
+        self.model = str(resolved.config.model)
+        self.files = write_service_configs(run_dir, resolved)
+        self.env_metrics = Path(resolved.config.env.metrics_path)
+        self.db = Path(resolved.config.api.db_path)
         self.token = secrets.token_hex(16)
         self.threads = plan_threads(available_cores(), 1, "cpu")
         self.procs: dict[str, ManagedProcess] = {}

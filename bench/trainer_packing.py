@@ -45,9 +45,10 @@ def _rss_mib() -> float:
 
 
 def _preset(name: str) -> dict[str, Any]:
-    from launch.presets import load_preset
+    from settings.paths import PRESETS_DIR
+    from settings.recipe import load_recipe
 
-    return load_preset(name).recipe
+    return load_recipe(PRESETS_DIR / f"{name}.yaml")
 
 
 def real_prompts(tokenizer: Any, n: int, max_tokens: int, seed: int) -> list[list[int]]:

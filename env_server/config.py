@@ -12,11 +12,11 @@ import os
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from env_server.reward import RewardConfig, RewardSpec
 from settings import cli
-from settings.flags import add_config_flags, from_env, recipe_only
+from settings.flags import add_config_flags, from_env
 from settings.paths import DATA_DIR
 from settings.ports import API_URL, VLLM_URL
 
@@ -28,7 +28,6 @@ trains on sequences of 1024 tokens (``SftConfig.max_seq_len``), so a 928-token p
 sequences puts the model on positions it never saw (measured on the 450-step tiny SFT model,
 512 test rows: valid format 85.5% and mean reward 6.5 at a 1536-token budget vs 98.0% and
 45.7 at 928). Hub models with a long trained context get more (the GPU recipes use 3072)."""
-ALIASES = {"eval_samples": ["--max-eval-samples"]}
 
 
 class EnvConfig(BaseModel):
@@ -83,7 +82,7 @@ class EnvConfig(BaseModel):
     reward_variant: Literal["full", "binary", "no_dars", "no_format"] = "full"
     """Reward preset: the paper's reward or one of its ablations (the same ablations ship as
     recipes; a recipe's ``rewards:`` section is the general form)."""
-    reward: RewardConfig | None = Field(None, json_schema_extra=recipe_only())
+    reward: RewardConfig | None = None
     """Flat form of every Table-1 constant (recipe/config only); overrides ``reward_variant``."""
     rewards: RewardSpec | None = None
     """The reward as registry entries with weights (a recipe's ``rewards:`` section;
@@ -105,7 +104,9 @@ class EnvConfig(BaseModel):
     """Give up after this many rollouts in a row fail with a non-transient error."""
     eval_every_groups: int = Field(0, ge=0)
     """Evaluate greedily on the validation split every N pushed groups (0: never)."""
-    eval_samples: int = Field(64, ge=1)
+    eval_samples: int = Field(
+        64, ge=1, validation_alias=AliasChoices("eval_samples", "max_eval_samples")
+    )
     """Validation steps per periodic evaluation (also ``--max-eval-samples``)."""
     metrics_path: Path | None = None
     """JSONL file for group statistics and evaluation results (default: log only)."""
@@ -132,14 +133,14 @@ class EnvConfig(BaseModel):
 def build_parser() -> argparse.ArgumentParser:
     """``--recipe``/``--config``/``--print-config`` and one flag per :class:`EnvConfig` field."""
     ap = argparse.ArgumentParser(prog="python -m env_server", description=EnvConfig.__doc__)
-    add_config_flags(ap, EnvConfig, aliases=ALIASES)
+    add_config_flags(ap, EnvConfig)
     return ap
 
 
 def resolve_config(argv: list[str] | None = None) -> cli.Resolved:
     """Recipe (shared keys + ``env:``) < --config < env vars < flags, validated (a bad value
     exits with a clear message; ``--print-config`` prints the result and exits)."""
-    return cli.parse(EnvConfig, argv, prog="python -m env_server", section="env", aliases=ALIASES)
+    return cli.parse(EnvConfig, argv, prog="python -m env_server", section="env")
 
 
 def parse_config(argv: list[str] | None = None) -> EnvConfig:

@@ -310,6 +310,21 @@ async def _predict_with_model(args: argparse.Namespace, rows: list[dict[str, Any
         await client.aclose()
 
 
+def _env_defaults(argv: list[str] | None) -> dict[str, Any]:
+    """The rollouts' dataset and budgets from ``--env-config`` (the env's resolved section),
+    so an evaluation measures what the run trains on."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--env-config", type=Path, default=None)
+    path = pre.parse_known_args(argv)[0].env_config
+    if path is None:
+        return {}
+    from env_server.config import parse_config
+
+    env = parse_config(["--config", str(path)])
+    keys = ("data_dir", "tokenizer", "max_prompt_tokens", "max_tokens")
+    return {k: getattr(env, k) for k in keys}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from env_server.config import DEFAULT_MAX_PROMPT_TOKENS
     from env_server.data.dataset import load_or_build
@@ -357,6 +372,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     ap.add_argument("--max-attempts", type=int, default=5, help="tries per request")
     ap.add_argument("--out-dir", type=Path, default=Path("runs/eval"), help="where outputs go")
+    ap.add_argument(
+        "--env-config",
+        type=Path,
+        default=None,
+        help="the env service's config file (<run>/config/env.yaml): its data_dir, tokenizer, "
+        "max_prompt_tokens and max_tokens are the defaults (flags win)",
+    )
+    ap.set_defaults(**_env_defaults(argv))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise

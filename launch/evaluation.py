@@ -8,48 +8,28 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
+from env_server.config import EnvConfig
 from launch.follow import eval_source
 from launch.supervisor import PY, run_step
 from launch.threads import light_env
 
 
-def evaluate(
-    label: str, vllm_url: str, samples: int, run_dir: Path, model: str, env_cfg: Any
-) -> dict:
-    """Evaluate ``samples`` test steps greedily on ``vllm_url`` (tokenizer: ``model``) into
-    ``run_dir/eval_<label>/`` with the rollouts' budgets and dataset (``env_cfg``, the env
-    service's resolved config); return its ``metrics.json``."""
+def evaluate(label: str, vllm_url: str, samples: int, run_dir: Path, env_file: Path) -> dict:
+    """Evaluate ``samples`` test steps greedily on ``vllm_url`` into ``run_dir/eval_<label>/``
+    with the rollouts' tokenizer, budgets and dataset (``env_file``: the env service's
+    config, ``<run>/config/env.yaml``); return its ``metrics.json``."""
     out = run_dir / f"eval_{label}"
-    argv = [
-        PY,
-        "-m",
-        "env_server.evaluate",
-        "--split",
-        "test",
-        "--limit",
-        str(samples),
-        "--inference-url",
-        vllm_url,
-        "--data-dir",
-        str(env_cfg.data_dir),
-        "--tokenizer",
-        model,
-        "--max-prompt-tokens",
-        str(env_cfg.max_prompt_tokens),
-        "--max-tokens",
-        str(env_cfg.max_tokens),
-        "--out-dir",
-        str(out),
-    ]
+    argv = [PY, "-m", "env_server.evaluate", "--env-config", str(env_file)]
+    argv += ["--split", "test", "--limit", str(samples), "--inference-url", vllm_url]
+    argv += ["--out-dir", str(out)]
     log = run_dir / f"eval_{label}.log"
     env = {**os.environ, **light_env()}
     run_step(f"eval_{label}", argv, log, env, f"evaluate {label.upper()}", eval_source(log))
     return json.loads((out / "metrics.json").read_text())
 
 
-def pages_table(run_dir: Path, samples: int, env_cfg: Any) -> str:
+def pages_table(run_dir: Path, samples: int, env_cfg: EnvConfig) -> str:
     """Exact match per page kind of the SFT and the RL evaluation on the same test rows, and
     the share of results-page clicks that name an element on the page (markdown)."""
     from env_server.data.dataset import load_or_build

@@ -9,36 +9,33 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from launch.configs import Layers, sft_config, write_service_config
+from launch.configs import write_service_config
 from launch.follow import sft_source
 from launch.supervisor import PY, run_step
+from settings.layers import Resolved
 from settings.paths import DATA_DIR
 
 
-def prepare_embedded(
-    lay: Layers, run_dir: Path, num_sessions: int | None = None, sft_steps: int | None = None
-) -> None:
-    """The preset's base model (the tiny model, or SmolLM2 for cpu-smol), the dataset and the
-    SFT cold start, each only if missing. ``num_sessions``: sessions to simulate for the
-    dataset (default: settings.paths.NUM_SESSIONS); ``sft_steps``: shown as the SFT's total
-    (the steps themselves are in its resolved config, ``<run>/config/trainer_sft.yaml``)."""
-    launch_cfg = lay.preset.launch
-    base, sft_dir = Path(launch_cfg.base_model), Path(lay.preset.model)
+def prepare_embedded(resolved: Resolved, run_dir: Path) -> None:
+    """The preset's base model (the tiny model, or SmolLM2 for cpu-smol), the dataset (with
+    the env's ``num_sessions``) and the SFT cold start (``trainer.sft``, whose ``save_path``
+    the launcher set to the preset's model), each only if missing."""
+    cfg = resolved.config
+    launch_cfg, sft = cfg.launch, resolved.section("trainer.sft")
+    base, sft_dir = Path(launch_cfg.base_model), Path(sft.config.save_path)
     if not (base / "config.json").exists():
         name = launch_cfg.build_module.rsplit(".", 1)[-1]
         argv = [PY, "-m", launch_cfg.build_module, "--out", str(base)]
         run_step(name, argv, run_dir / f"{name}.log", title=f"build {name.replace('_', ' ')}")
     if not (DATA_DIR / "test.jsonl").exists():
         argv = [PY, "-m", "env_server.data", "build", "--out", str(DATA_DIR)]
-        if num_sessions:
-            argv += ["--num-sessions", str(num_sessions)]
+        if cfg.env.num_sessions:
+            argv += ["--num-sessions", str(cfg.env.num_sessions)]
         run_step("dataset", argv, run_dir / "dataset.log", title="build dataset")
     if not (sft_dir / "model.safetensors").exists():
-        # An interrupted SFT left checkpoints: continue it rather than start over.
-        resume = (sft_dir / "checkpoints").is_dir()
-        path = write_service_config(run_dir, "trainer_sft", sft_config(lay, sft_dir, resume))
+        path = write_service_config(run_dir, "trainer_sft", sft)
         argv = [PY, "-m", "trainer", "sft", "--config", str(path)]
-        source = sft_source(sft_dir, sft_steps)
+        source = sft_source(sft_dir, sft.config.training_steps)
         run_step("sft", argv, run_dir / "sft.log", title="SFT", source=source)
 
 

@@ -28,12 +28,7 @@ from pathlib import Path
 import httpx
 
 from launch import progress
-from launch.configs import (
-    run_model,
-    service_configs,
-    write_service_config,
-    write_vllm_config,
-)
+from launch.configs import preset_model, resolve_for_run, write_service_configs
 from launch.eval_table import eval_table
 from launch.evaluation import evaluate, pages_table
 from launch.follow import LogSource, grpo_source
@@ -44,10 +39,9 @@ from launch.placement import (
     visible_gpus,
 )
 from launch.prepare import context_warning, prepare_embedded
-from launch.presets import Preset, load_preset
 from launch.report import build_report
 from launch.reward_curve import reward_curve
-from launch.run_all_config import RunAllConfig, layers, parse_args
+from launch.run_config import RunConfig, parse_args
 from launch.supervisor import PY, ServiceFailed, Stack, wait_http
 from launch.threads import ThreadPlan, available_cores, plan_threads
 from launch.trainer_node import launcher_argv, publish_trainer_argv
@@ -65,10 +59,11 @@ def vllm_names(n: int) -> list[str]:
     return ["vllm"] + [f"vllm{i}" for i in range(1, n)]
 
 
-def placement(cfg: RunAllConfig, preset: Preset) -> Placement:
+def placement(cfg: RunConfig) -> Placement:
     """Devices of every process (launch/placement.py); fails before anything starts."""
-    device = preset.launch.trainer_device
-    gpus = [g.strip() for g in cfg.gpus.split(",") if g.strip()] if cfg.gpus else None
+    lc = cfg.launch
+    device = lc.trainer_device
+    gpus = [g.strip() for g in lc.gpus.split(",") if g.strip()] if lc.gpus else None
     if device == "cuda" and gpus is None:
         gpus = visible_gpus()
     try:
@@ -76,21 +71,23 @@ def placement(cfg: RunAllConfig, preset: Preset) -> Placement:
             device,
             cfg.weight_bridge_mode,
             cfg.single_copy,
-            cfg.num_inference_servers,
-            cfg.tensor_parallel_size,
+            lc.num_inference_servers,
+            lc.tensor_parallel_size,
             gpus or [],
-            cfg.trainer_procs,
+            lc.trainer_procs,
         )
     except PlacementError as e:
         raise ServiceFailed(f"cannot place the processes of preset {cfg.preset}: {e}") from e
 
 
-def vllm_extra(cfg: RunAllConfig) -> list[str]:
+def vllm_extra(cfg: RunConfig) -> list[str]:
     """Flags every vLLM server gets after its config file (they win over it)."""
     extra: list[str] = []
-    if cfg.tensor_parallel_size > 1:
-        extra += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
-    return extra + shlex.split(cfg.vllm_args or "")  # last: vLLM takes the last value of a flag
+    if cfg.launch.tensor_parallel_size > 1:
+        extra += ["--tensor-parallel-size", str(cfg.launch.tensor_parallel_size)]
+    return extra + shlex.split(
+        cfg.launch.vllm_args or ""
+    )  # last: vLLM takes the last value of a flag
 
 
 def trainer_env(place: Placement) -> dict[str, str]:
@@ -102,15 +99,17 @@ def trainer_env(place: Placement) -> dict[str, str]:
     return env
 
 
-def trainer_launcher(cfg: RunAllConfig, environ: dict[str, str] | None = None) -> list[str]:
+def trainer_launcher(cfg: RunConfig, environ: dict[str, str] | None = None) -> list[str]:
     """``python``, or torchrun for ``--trainer-procs N`` / several nodes (launch/trainer_node.py)."""
     try:
-        return launcher_argv(PY, cfg.trainer_procs, os.environ if environ is None else environ)
+        return launcher_argv(
+            PY, cfg.launch.trainer_procs, os.environ if environ is None else environ
+        )
     except ValueError as e:
         raise ServiceFailed(str(e)) from e
 
 
-def trainer_argv(cfg: RunAllConfig, config: Path, token: str) -> list[str]:
+def trainer_argv(cfg: RunConfig, config: Path, token: str) -> list[str]:
     """``python -m trainer grpo --config <run>/config/trainer_grpo.yaml`` (under torchrun for
     several ranks); the bridge token on the command line, never in the file."""
     return [
@@ -126,7 +125,7 @@ def trainer_argv(cfg: RunAllConfig, config: Path, token: str) -> list[str]:
 
 
 def start_vllm_servers(
-    cfg: RunAllConfig,
+    cfg: RunConfig,
     ports: list[int],
     config: Path,
     place: Placement,
@@ -142,7 +141,7 @@ def start_vllm_servers(
 
     device = "cuda" if place.trainer_device.startswith("cuda") else "cpu"
     servers = []
-    for i, name in enumerate(vllm_names(cfg.num_inference_servers)):
+    for i, name in enumerate(vllm_names(cfg.launch.num_inference_servers)):
         port = ports[i]
         env = server_env(token, device, place.server_gpus[i])
         env.update(threads.for_server(i) if threads else {})
@@ -154,7 +153,7 @@ def start_vllm_servers(
             single_copy=cfg.single_copy,
             extra=["--config", str(config), *vllm_extra(cfg)],
             port=port,
-            timeout=cfg.health_timeout,
+            timeout=cfg.launch.health_timeout,
             env=env,
             name=name,
         )
@@ -162,7 +161,7 @@ def start_vllm_servers(
         servers.append(server)
     for server, gpu_ids in zip(servers, place.server_gpus, strict=True):
         try:
-            server.wait(cfg.health_timeout)
+            server.wait(cfg.launch.health_timeout)
         except (RuntimeError, TimeoutError) as e:
             raise ServiceFailed(f"{server.proc.name} did not come up: {e}") from e
         gpus = f" on GPU {','.join(gpu_ids)}" if gpu_ids else ""
@@ -185,58 +184,43 @@ def weight_versions(servers: list[BridgeServer]) -> dict[str, str | None]:
     return out
 
 
-def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
-    preset = load_preset(cfg.preset)
-    lay = layers(cfg, preset)
-    model = run_model(lay, cfg.model)
-    place = placement(cfg, preset)
+def launch(argv: list[str], cfg: RunConfig, stack: Stack, run_dir: Path) -> int:
+    lc = cfg.launch
+    place = placement(cfg)
     device = "cuda" if place.trainer_device.startswith("cuda") else "cpu"
-    threads = plan_threads(available_cores(), cfg.num_inference_servers, device)
+    threads = plan_threads(available_cores(), lc.num_inference_servers, device)
     light = {**os.environ, **threads.light_env}
-    api_url = f"http://127.0.0.1:{cfg.api_port or free_port()}"
-    ports = [cfg.vllm_port or free_port()]
-    ports += [free_port() for _ in range(cfg.num_inference_servers - 1)]
+    api_url = f"http://127.0.0.1:{lc.api_port or free_port()}"
+    ports = [lc.vllm_port or free_port()]
+    ports += [free_port() for _ in range(lc.num_inference_servers - 1)]
     urls = [f"http://127.0.0.1:{port}" for port in ports]
-    save = run_dir / "trainer"
-    # every config resolved (and checked) before anything starts
-    confs = service_configs(
-        lay,
-        model,
-        api_url,
-        urls,
-        save,
-        run_dir,
-        place.trainer_device,
-        weight_bridge_mode=cfg.weight_bridge_mode,
-        single_copy=cfg.single_copy,
-        env_args=cfg.env_args,
-        trainer_args=cfg.trainer_args,
-        resume=cfg.resume,
-    )
-    env_cfg, steps = confs["env"].config, confs["trainer_grpo"].config.training_steps
-    if preset.launch.build_embedded and model == preset.model:
-        prepare_embedded(lay, run_dir, env_cfg.num_sessions, cfg.sft_steps)
+    # the run's config resolved once, with the launcher's decisions, before anything starts
+    resolved = resolve_for_run(argv, api_url, urls, run_dir, place.trainer_device)
+    cfg = resolved.config
+    model, save = str(cfg.model), Path(cfg.trainer.grpo.save_path)
+    env_cfg, steps = cfg.env, cfg.trainer.grpo.training_steps
+    if lc.build_embedded and model == preset_model(cfg):
+        prepare_embedded(resolved, run_dir)
     budget = (env_cfg.max_prompt_tokens, env_cfg.max_tokens)
     if (warning := context_warning(model, *budget)) is not None:
         print(f"[run_all] WARNING: {warning}", flush=True)
-    if cfg.prepare_only:
+    if lc.prepare_only:
         print(f"[run_all] prepared {model}", flush=True)
         return 0
-    files = {name: write_service_config(run_dir, name, r) for name, r in confs.items()}
-    files["vllm"] = write_vllm_config(lay, run_dir)
+    files = write_service_configs(run_dir, resolved)
     print(
-        f"[run_all] configs: {run_dir / 'config'} (preset {preset.name}"
+        f"[run_all] configs: {run_dir / 'config'} (preset {cfg.preset}"
         f"{f', recipe {cfg.recipe}' if cfg.recipe else ''})",
         flush=True,
     )
     token = secrets.token_hex(16)
-    names = ["api", *vllm_names(cfg.num_inference_servers), "env", "trainer"]
+    names = ["api", *vllm_names(lc.num_inference_servers), "env", "trainer"]
     logs = " ".join(str(run_dir / f"{n}.log") for n in names)
     print(f"[run_all] run dir {run_dir}\n[run_all] follow it: tail -f {logs}", flush=True)
     print(f"[run_all] {threads.describe()} (launch/threads.py)", flush=True)
 
     vllm_log = LogSource(run_dir / "vllm.log")  # what the first server is doing
-    services = progress.phase("start API + vLLM", 1 + cfg.num_inference_servers, "up", vllm_log)
+    services = progress.phase("start API + vLLM", 1 + lc.num_inference_servers, "up", vllm_log)
     services.start()
     api = stack.start("api", [PY, "-m", "api", "--config", str(files["api"])], light)
     wait_http(api, f"{api_url}/health", 60)
@@ -244,7 +228,7 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     services.advance()
 
     print(
-        f"[run_all] starting {cfg.num_inference_servers} vLLM server(s) "
+        f"[run_all] starting {lc.num_inference_servers} vLLM server(s) "
         f"({cfg.weight_bridge_mode}{', single copy' if cfg.single_copy else ''}) on {model}...",
         flush=True,
     )
@@ -255,14 +239,14 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     services.finish()
     server = servers[0]  # the evaluations ask the first one
 
-    samples = preset.launch.eval_samples if cfg.eval_samples is None else cfg.eval_samples
+    samples = lc.eval_samples
     done = run_dir / "eval_sft" / "metrics.json"
-    if samples and cfg.resume and done.exists():
+    if samples and lc.resume and done.exists():
         print(f"[run_all] SFT evaluation: reusing {done} (--resume)", flush=True)
         sft_metrics = json.loads(done.read_text())
     else:
         sft_metrics = (
-            evaluate("sft", server.base_url, samples, run_dir, model, env_cfg) if samples else None
+            evaluate("sft", server.base_url, samples, run_dir, files["env"]) if samples else None
         )
 
     stack.start("env", [PY, "-m", "env_server", "--config", str(files["env"])], light)
@@ -274,7 +258,7 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     print(f"[run_all] env + trainer{where} started; training {steps} steps", flush=True)
     with progress.phase("GRPO", steps, "steps", grpo_source(save, steps)):
         while trainer.alive():
-            stack.check_alive("api", *vllm_names(cfg.num_inference_servers), "env")
+            stack.check_alive("api", *vllm_names(lc.num_inference_servers), "env")
             time.sleep(1.0)
     if trainer.popen.returncode != 0:  # why (an OOM kill, a full disk) and the figures
         raise ServiceFailed(stack.died(trainer))
@@ -289,7 +273,7 @@ def launch(cfg: RunAllConfig, stack: Stack, run_dir: Path) -> int:
     reward_curve(save / "metrics.jsonl", run_dir / "reward_curve.png")
     if sft_metrics is not None:
         health = httpx.get(f"{server.base_url}/bridge/health", timeout=10).json()
-        rl_metrics = evaluate("rl", server.base_url, samples, run_dir, model, env_cfg)
+        rl_metrics = evaluate("rl", server.base_url, samples, run_dir, files["env"])
         note = (
             f"{samples} test steps, greedy. SFT = {model}; RL = the trainer's final "
             f"weights ({save}) as served by vLLM after the last sync "
@@ -327,19 +311,21 @@ def resume_hint(run_dir: Path, argv: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     cfg = parse_args(argv)
-    if cfg.resume and (cfg.run_dir is None or not cfg.run_dir.is_dir()):
+    lc = cfg.launch
+    if lc.resume and (lc.run_dir is None or not lc.run_dir.is_dir()):
         print(
             f"[run_all] FAILED: --resume continues a run: give its --run-dir "
-            f"({cfg.run_dir or 'none given'} is not a directory)",
+            f"({lc.run_dir or 'none given'} is not a directory)",
             file=sys.stderr,
             flush=True,
         )
         return 2
-    run_dir = cfg.run_dir or RUNS_DIR / datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = lc.run_dir or RUNS_DIR / datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    hint_argv = sys.argv[1:] if argv is None else argv
+    hint_argv = argv
     stack = Stack(run_dir)
     # Ctrl-C and SIGTERM stop exactly what was started. SIGINT explicitly too: Python only
     # raises KeyboardInterrupt when SIGINT was not ignored at its start, and a parent that
@@ -348,10 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _raise_interrupt)
     try:
         with progress.session():
-            return launch(cfg, stack, run_dir)
+            return launch(argv, cfg, stack, run_dir)
     except ServiceFailed as e:
         print(f"[run_all] FAILED: {e}", file=sys.stderr, flush=True)
-        if not cfg.prepare_only:
+        if not lc.prepare_only:
             print(resume_hint(run_dir, hint_argv), file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:

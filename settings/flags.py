@@ -2,11 +2,11 @@
 CLI source builds one ``--kebab-case`` flag per field, its help = the field's docstring and
 default; ``bool`` -> ``--x/--no-x``; ``list`` -> ``--x A,B`` (or ``--x A --x B``); ``Literal``
 -> choices; an optional field takes ``none``/``null`` for None; a nested model gets dotted
-flags (``--gail.use``, ``--gail.beta 0.1``). ``dict`` fields and fields marked
-:func:`recipe_only` are set in recipes and config files only. A field reads an environment
+flags (``--gail.use``, ``--gail.beta 0.1``). A ``dict`` field takes JSON. A field reads an environment
 variable when declared with :func:`from_env` (or when it belongs to a nested
-``pydantic_settings.BaseSettings`` with an ``env_prefix``). Extra spellings of a flag
-(``aliases``, e.g. Atropos' ``--kl-coef``) are listed in ``--help`` beside it.
+``pydantic_settings.BaseSettings`` with an ``env_prefix``). A field's declared aliases
+(``validation_alias=AliasChoices(...)``, e.g. Atropos' ``--kl-coef``) are extra spellings of
+its flag, listed in ``--help`` beside it.
 
 How the flags layer over recipes and config files: ``settings.cli``. Imports neither torch nor
 any service package.
@@ -17,17 +17,16 @@ from __future__ import annotations
 import argparse
 import os
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, Field, create_model
+from pydantic import BaseModel
 from pydantic_settings import CliSettingsSource
 
 from settings.recipe import model_type, unwrap
 
 NONE_WORDS = ("none", "null")
-COMPUTED = "computed"
 _SOURCES = "_settings_cli_sources"
 """Namespace attribute holding, per config class, the CLI source and the dests it added."""
 
@@ -40,49 +39,9 @@ def from_env(name: str, **extra: Any) -> dict[str, Any]:
     return {"env": name, **extra}
 
 
-def recipe_only(**extra: Any) -> dict[str, Any]:
-    """``json_schema_extra`` of a field that gets no flag (set it in a recipe)."""
-    return {"cli": False, **extra}
-
-
 def _extra(info: Any) -> dict[str, Any]:
     extra = info.json_schema_extra
     return extra if isinstance(extra, dict) else {}
-
-
-def _flaggable(info: Any) -> bool:
-    inner, _ = unwrap(info.annotation)
-    is_dict = inner is dict or getattr(inner, "__origin__", None) is dict
-    return _extra(info).get("cli") is not False and not is_dict
-
-
-def _flag_model(
-    cls: type[BaseModel], aliases: Mapping[str, Sequence[str]], prefix: str = ""
-) -> type[BaseModel]:
-    """``cls`` reduced to the fields that get a flag (nested models recursively), each with
-    its description, default and extra spellings; only its shape is used (no validation)."""
-    fields: dict[str, Any] = {}
-    for name, info in cls.model_fields.items():
-        if not _flaggable(info):
-            continue
-        dotted = prefix + name
-        annotation = info.annotation
-        sub = model_type(annotation)
-        if sub is not None:
-            annotation = _flag_model(sub, aliases, dotted + ".")
-        names = [a.lstrip("-").replace("-", "_") for a in aliases.get(dotted, ())]
-        default: dict[str, Any] = {"default": info.default}
-        if info.default_factory is not None:  # help says "computed" (a secret stays unread)
-            default = {"default_factory": info.default_factory} if sub else {"default": COMPUTED}
-        fields[name] = (
-            annotation,
-            Field(
-                **default,
-                description=info.description,
-                validation_alias=AliasChoices(name, *names) if names else None,
-            ),
-        )
-    return create_model(f"{cls.__name__}Flags", __doc__=cls.__doc__, **fields)
 
 
 # ----------------------------------------------------------------------------- flags
@@ -92,13 +51,9 @@ def add_config_flags(
     parser: argparse.ArgumentParser,
     cls: type[BaseModel],
     *,
-    aliases: Mapping[str, Sequence[str]] | None = None,
     files: bool = True,
 ) -> None:
-    """``--recipe``, ``--config``, ``--print-config`` and one flag per field of ``cls``.
-
-    ``aliases`` maps a dotted field name to extra flag spellings (``{"kl_beta": ["--kl-coef"]}``).
-    """
+    """``--recipe``, ``--config``, ``--print-config`` and one flag per field of ``cls``."""
     if files:
         parser.add_argument(
             "--recipe",
@@ -122,7 +77,7 @@ def add_config_flags(
         )
     before = {a.dest for a in parser._actions}
     source = CliSettingsSource(
-        _flag_model(cls, aliases or {}),
+        cls,
         root_parser=parser,
         cli_kebab_case=True,
         cli_implicit_flags=True,
@@ -167,33 +122,20 @@ def flag_values(cls: type[BaseModel], ns: argparse.Namespace) -> dict[str, Any]:
     """The flags actually given, as a nested dict of field values (``none`` -> None)."""
     source, dests = getattr(ns, _SOURCES)[cls]
     given = argparse.Namespace(**{d: v for d, v in vars(ns).items() if d in dests})
-    return _none_words(cls, source(parsed_args=given)())
+    return none_words(cls, source(parsed_args=given)())
 
 
-def _none_words(cls: type[BaseModel], values: dict[str, Any]) -> dict[str, Any]:
+def none_words(cls: type[BaseModel], values: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in values.items():
         info = cls.model_fields.get(key)
         sub = model_type(info.annotation) if info is not None else None
         if sub is not None and isinstance(value, dict):
-            value = _none_words(sub, value)
+            value = none_words(sub, value)
         elif info is not None and unwrap(info.annotation)[1] and str(value).lower() in NONE_WORDS:
             value = None
         out[key] = value
     return out
-
-
-def flags_of(
-    cls: type[BaseModel],
-    argv: Sequence[str],
-    *,
-    prog: str = "flags",
-    aliases: Mapping[str, Sequence[str]] | None = None,
-) -> dict[str, Any]:
-    """The field values a list of ``cls``'s flags sets (``--env-args`` of the launcher)."""
-    parser = argparse.ArgumentParser(prog=prog, add_help=False)
-    add_config_flags(parser, cls, aliases=aliases, files=False)
-    return flag_values(cls, parser.parse_args(list(argv)))
 
 
 # ----------------------------------------------------------------------------- env vars

@@ -1,9 +1,9 @@
 """Recipes: one YAML file that configures every service of a run (docs/RECIPES.md).
 
-A recipe holds shared top-level keys (``model``, ``seed``, ``output_dir``, ``data``, ...),
-mapped onto each service's fields by :data:`SHARED`, and one section per service (``api``,
-``env``, ``trainer`` with ``sft:``/``grpo:`` subsections, ``vllm``); a preset of
-``launch/run_all.sh`` is a recipe with a ``launch:`` section too. ``base: other.yaml`` starts
+A recipe is a ``launch.run_config.RunConfig`` written as YAML: shortcut top-level keys
+(``model``, ``seed``, ``output_dir``, ``data``, ...; ``settings.layers.SHORTCUTS``) and one
+section per service (``api``, ``env``, ``trainer`` with ``sft:``/``grpo:``, ``vllm``); a
+preset of ``launch/run_all.sh`` is a recipe with a ``launch:`` section too. ``base: other.yaml`` starts
 from another recipe; ``${VAR}`` / ``${VAR:-default}`` expand in every string.
 
 This module imports neither torch nor any service package.
@@ -23,40 +23,24 @@ import yaml
 from pydantic import BaseModel
 
 SECTIONS = ("api", "env", "trainer", "vllm")
-"""Per-service sections of a recipe. ``trainer`` holds options of both commands plus the
-``sft:`` and ``grpo:`` subsections; ``vllm`` holds vLLM arguments and the bridge options."""
-LAUNCH_KEY = "launch"
-"""A preset's launcher-only settings (``launch.presets.LaunchSettings``); read by no service."""
-TRAINER_COMMANDS = ("sft", "grpo")
-DOC_KEYS = ("name", "description")
-"""Top-level keys for humans; read by no service."""
-BASE_KEY = "base"
-"""``base: other.yaml`` (relative to the recipe): start from that recipe, then apply this one
-(mappings merge key by key; ``rewards`` is replaced whole, so an ablation lists what it keeps)."""
-
-SHARED: dict[str, dict[str, str]] = {
-    "model": {"trainer": "model_name", "env": "tokenizer", "vllm": "model"},
-    "seed": {"trainer": "seed", "env": "seed", "vllm": "seed"},
-    "output_dir": {
-        "trainer": "save_path",
-        "api": "db_path={}/api.sqlite",
-        "env": "metrics_path={}/env_metrics.jsonl",
-        "vllm": "bridge_config={}/vllm_bridge_config.json",
-    },
-    "data.dir": {"trainer": "data_dir", "env": "data_dir"},
-    "data.num_sessions": {"trainer": "num_sessions", "env": "num_sessions"},
-    "rewards": {"env": "rewards"},
-    "weight_bridge_mode": {"trainer": "weight_bridge_mode", "vllm": "weight_bridge_mode"},
-    "single_copy": {"trainer": "single_copy", "vllm": "single_copy"},
-    "logging.wandb_project": {"trainer": "wandb_project"},
-    "logging.tensorboard": {"trainer": "tensorboard"},
-    "logging.log_level": {"api": "log_level"},
-}
-"""Top-level recipe keys and the field each service reads them into (``field={}/file``: the
-value is a directory and the field gets a file inside it). A key goes into every service
-config that has the field; the service's own section wins over it."""
-SHARED_GROUPS = ("data", "logging")
-"""Top-level keys that are mappings of shared keys (``data: {dir: ..., num_sessions: ...}``)."""
+"""Per-service sections of a recipe (``trainer`` holds ``sft:`` and ``grpo:``)."""
+TOP_KEYS = (
+    "name",
+    "description",
+    "base",
+    "launch",
+    "model",
+    "seed",
+    "output_dir",
+    "data",
+    "logging",
+    "rewards",
+    "weight_bridge_mode",
+    "single_copy",
+)
+"""Top-level keys a recipe may hold besides the sections (``launch.run_config.RunConfig``)."""
+GROUPS = {"data": ("dir", "num_sessions"), "logging": ("wandb_project", "tensorboard", "log_level")}
+"""Top-level keys that are mappings of shortcuts (``data: {dir: ..., num_sessions: ...}``)."""
 
 
 class RecipeError(SystemExit):
@@ -104,19 +88,18 @@ def load_recipe(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if path.resolve() in _seen:
         raise RecipeError(f"{path}: 'base' loops back to itself ({' -> '.join(map(str, _seen))})")
     recipe = read_yaml(path)
-    allowed = {k.split(".")[0] for k in SHARED} | set(SECTIONS) | set(DOC_KEYS)
-    allowed |= {BASE_KEY, LAUNCH_KEY}
+    allowed = set(TOP_KEYS) | set(SECTIONS)
     for key, value in recipe.items():
         if key not in allowed:
             raise RecipeError(
                 f"{path}: unknown top-level key {key!r} (expected one of {sorted(allowed)})"
             )
-        if key in SHARED_GROUPS:
+        if key in GROUPS:
             _check_group(path, key, value)
-        if key in (*SECTIONS, LAUNCH_KEY) and value is not None and not isinstance(value, dict):
+        if key in (*SECTIONS, "launch") and value is not None and not isinstance(value, dict):
             raise RecipeError(f"{path}: section {key!r} must be a mapping")
     recipe = expand_vars(recipe, path)
-    base = recipe.pop(BASE_KEY, None)
+    base = recipe.pop("base", None)
     if base is None:
         return recipe
     if not isinstance(base, str):
@@ -178,73 +161,8 @@ def expand_vars(value: Any, path: Path, where: str = "") -> Any:
 def _check_group(path: Path, key: str, value: Any) -> None:
     if not isinstance(value, dict):
         raise RecipeError(f"{path}: {key!r} must be a mapping")
-    known = sorted(k.split(".", 1)[1] for k in SHARED if k.startswith(key + "."))
     for sub in value:
-        if sub not in known:
-            raise RecipeError(f"{path}: unknown key '{key}.{sub}' (expected one of {known})")
-
-
-def _shared_items(recipe: Mapping[str, Any]) -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in recipe.items():
-        if key in SHARED_GROUPS:
-            flat |= {f"{key}.{k}": v for k, v in value.items()}
-        elif key in SHARED:
-            flat[key] = value
-    return flat
-
-
-def section_values(
-    recipe: Mapping[str, Any], section: str, cls: type[BaseModel] | None, path: Path
-) -> dict[str, Any]:
-    """What service ``section`` (``api``, ``env``, ``trainer.sft``, ``trainer.grpo``,
-    ``vllm``) reads from a recipe: the shared keys mapped onto its fields, then its section.
-
-    With ``cls`` the keys are checked against its fields (unknown key: error naming the key
-    and the file); without (``vllm``) they are returned as written.
-    """
-    top, _, command = section.partition(".")
-    fields = set(cls.model_fields) if cls is not None else None
-    values: dict[str, Any] = {}
-    for key, value in _shared_items(recipe).items():
-        target = SHARED[key].get(top)
-        if target is None:
-            continue
-        name, _, template = target.partition("=")
-        if fields is not None and name not in fields:
-            continue
-        values[name] = template.format(value) if template and value is not None else value
-    body = dict(recipe.get(top) or {})
-    if top == "trainer":
-        subs = {c: body.pop(c, None) or {} for c in TRAINER_COMMANDS}
-        for c, sub in subs.items():
-            if not isinstance(sub, dict):
-                raise RecipeError(f"{path}: section 'trainer.{c}' must be a mapping")
-        layers = [("trainer", body), (section, subs.get(command, {}))]
-    else:
-        layers = [(top, body)]
-    for where, layer in layers:
-        layer = snake_keys(layer)
-        if cls is not None:
-            check_keys(cls, layer, f"{path}: {where}")
-        values |= layer
-    return values
-
-
-def snake_keys(d: Mapping[str, Any]) -> dict[str, Any]:
-    """``{"max-tokens": 1}`` -> ``{"max_tokens": 1}``."""
-    return {str(k).replace("-", "_"): v for k, v in d.items()}
-
-
-def check_keys(cls: type[BaseModel], values: Mapping[str, Any], where: str) -> None:
-    """Every key must be a field of ``cls`` (nested models recursively)."""
-    for key, value in values.items():
-        info = cls.model_fields.get(key)
-        if info is None:
+        if sub not in GROUPS[key]:
             raise RecipeError(
-                f"{where}: unknown key {key!r} for {cls.__name__} "
-                f"(valid keys: {', '.join(sorted(cls.model_fields))})"
+                f"{path}: unknown key '{key}.{sub}' (expected one of {sorted(GROUPS[key])})"
             )
-        sub = model_type(info.annotation)
-        if sub is not None and isinstance(value, dict):
-            check_keys(sub, snake_keys(value), f"{where}.{key}")

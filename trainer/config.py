@@ -10,21 +10,13 @@ from __future__ import annotations
 import argparse
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from settings.cli import resolve_args
 from settings.flags import add_config_flags, from_env
 from settings.paths import DATA_DIR, RUNS_DIR, SFT_MODEL_DIR, TINY_MODEL_DIR
 from settings.ports import API_URL, HOST, VLLM_PORT
 from trainer.gail import GailConfig
-
-ALIASES = {
-    "max_eval_samples": ["--max-eval-examples"],
-    # Atropos' example-trainer spellings (docs/TRAINER.md), listed in --help beside ours
-    "max_seq_len": ["--seq-len"],
-    "kl_beta": ["--kl-coef"],
-    "save_every": ["--checkpoint-interval"],
-}
 
 
 class _Config(BaseModel):
@@ -100,7 +92,7 @@ class CommonConfig(_Config):
     """Clip the global gradient norm to this value (0 disables clipping)."""
     training_steps: int = 100
     """Number of optimizer steps to run."""
-    save_every: int = 50
+    save_every: int = Field(50, validation_alias=AliasChoices("save_every", "checkpoint_interval"))
     """Write a resumable checkpoint every this many optimizer steps (and at the end)."""
     keep_checkpoints: int = 2
     """How many of the newest checkpoints to keep on disk."""
@@ -112,7 +104,7 @@ class CommonConfig(_Config):
     """Dropout on the LoRA input."""
     lora_target_modules: str = "all-linear"
     """Modules that get adapters: ``all-linear`` or a comma-separated list of module names."""
-    max_seq_len: int = 2048
+    max_seq_len: int = Field(2048, validation_alias=AliasChoices("max_seq_len", "seq_len"))
     """Longest sequence (prompt + completion) the trainer puts through the model."""
     tensorboard: bool = True
     """Also write TensorBoard event files to ``<save_path>/tb`` (if tensorboard is installed)."""
@@ -174,7 +166,7 @@ class SftConfig(CommonConfig):
     """Examples per optimizer step."""
     micro_batch_size: int = 8
     """Examples per forward/backward; batch_size / micro_batch_size micro-batches accumulate."""
-    max_seq_len: int = 1024
+    max_seq_len: int = Field(1024, validation_alias=AliasChoices("max_seq_len", "seq_len"))
     """Prompt + target token budget; the prompt's oldest context is dropped first."""
     latest_only: bool = False
     """Show only the latest page (plus the action history) instead of every page so far."""
@@ -184,7 +176,9 @@ class SftConfig(CommonConfig):
     """Validation examples for the validation loss."""
     eval_generate: int = 32
     """Validation prompts for the greedy format-valid rate at the end (0 skips it)."""
-    max_eval_samples: int | None = Field(None, ge=1)
+    max_eval_samples: int | None = Field(
+        None, ge=1, validation_alias=AliasChoices("max_eval_samples", "max_eval_examples")
+    )
     """Cap on the validation examples of every evaluation (``eval_examples`` and
     ``eval_generate`` are lowered to it); None: no cap."""
     max_new_tokens: int = 160
@@ -211,7 +205,7 @@ class GrpoConfig(CommonConfig):
     """Peak learning rate (the paper uses 1e-7 on Qwen2.5-3B; fp32 master weights keep it)."""
     lr_schedule: Literal["cosine", "linear", "constant"] = "constant"
     """Decay after warm-up, over ``training_steps`` optimizer steps."""
-    save_every: int = 1
+    save_every: int = Field(1, validation_alias=AliasChoices("save_every", "checkpoint_interval"))
     """Checkpoint every N steps. Batches are acked only after a checkpoint holds them, so
     ``lease_seconds`` must cover N steps."""
     api_url: str = API_URL
@@ -253,8 +247,11 @@ class GrpoConfig(CommonConfig):
         None, exclude=True, json_schema_extra=from_env("SHOP_R1_BRIDGE_TOKEN")
     )
     """Shared token for the vLLM server's /bridge routes (default: $SHOP_R1_BRIDGE_TOKEN)."""
-    vllm_restart_interval: int = 1
-    """Mode ``none``: reload weights from the saved checkpoint every N steps."""
+    reload_every: int = Field(
+        1, ge=1, validation_alias=AliasChoices("reload_every", "vllm_restart_interval")
+    )
+    """Mode ``none``: reload weights from the saved checkpoint every N steps (Atropos:
+    ``--vllm-restart-interval``)."""
     temperature: float = 1.0
     """Sampling temperature the completions were drawn with; divides the trainer's logits."""
     clip_low: float = 0.2
@@ -282,7 +279,7 @@ class GrpoConfig(CommonConfig):
     ``clip_low 3e-4``, ``clip_high 4e-4``, ``loss_aggregation sequence``). ``cispo``: the
     clipped, detached IS weight times A times log pi: no token's gradient is dropped
     (MiniMax-M1; ScaleRL: ``clip_high`` up to 5, ``clip_low 1`` = no lower bound)."""
-    kl_beta: float = 0.001
+    kl_beta: float = Field(0.001, validation_alias=AliasChoices("kl_beta", "kl_coef"))
     """Weight of the KL to the reference (frozen initial model, or the base under LoRA; or an
     environment's ``ref_logprobs``, see ``kl_reference``)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -343,7 +340,7 @@ SECTIONS: dict[type[_Config], str] = {SftConfig: "trainer.sft", GrpoConfig: "tra
 def build_parser(cls: type[_Config], parser: argparse.ArgumentParser) -> None:
     """``--recipe``/``--config``/``--print-config`` and one ``--kebab-case`` flag per field, its
     help = the field's docstring (``settings.flags.add_config_flags``)."""
-    add_config_flags(parser, cls, aliases=ALIASES)
+    add_config_flags(parser, cls)
 
 
 def config_from_args(cls: type[C], ns: argparse.Namespace) -> C:

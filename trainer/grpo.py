@@ -397,7 +397,7 @@ def _bridge_kwargs(cfg: GrpoConfig, trainer_device: str, sharded: bool = False) 
         "device": device,
         "single_copy": cfg.single_copy,
         "token": cfg.bridge_token,
-        "restart_interval": cfg.vllm_restart_interval,
+        "reload_every": cfg.reload_every,
         "save_dir": f"{cfg.save_path}/bridge",
     }
     if sharded and cfg.weight_bridge_mode == "shared_vllm" and not cfg.single_copy:

@@ -50,16 +50,18 @@ BRIDGE_KEYS = {
 
 def recipe_argv(path: Path) -> list[str]:
     """A recipe's ``vllm:`` section (plus the shared keys vLLM reads) as arguments."""
-    from settings.recipe import load_recipe, section_values
+    from settings.layers import SHORTCUTS, expand
+    from settings.recipe import load_recipe
 
-    return mapping_argv(section_values(load_recipe(path), "vllm", None, path))
+    return mapping_argv(expand(load_recipe(path), SHORTCUTS).get("vllm") or {})
 
 
 def config_argv(path: Path) -> list[str]:
     """A flat config file of ``vllm:`` keys as arguments."""
-    from settings.recipe import read_yaml, snake_keys
+    from settings.layers import snake
+    from settings.recipe import read_yaml
 
-    return mapping_argv(snake_keys(read_yaml(path)))
+    return mapping_argv(snake(read_yaml(path)))
 
 
 def mapping_argv(values: dict[str, object]) -> list[str]:

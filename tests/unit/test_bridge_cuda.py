@@ -393,7 +393,7 @@ def test_grpo_hands_the_trainers_gpu_to_the_cuda_bridge_only() -> None:
         inference_device="auto",
         single_copy=False,
         bridge_token="t",
-        vllm_restart_interval=1,
+        reload_every=1,
         save_path="s",
     )
     kw = _bridge_kwargs(cfg, "cuda:1")

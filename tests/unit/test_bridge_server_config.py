@@ -148,8 +148,8 @@ def test_make_bridge_rejects_bad_modes() -> None:
         make_bridge("none", ["http://127.0.0.1:1"], single_copy=True)
     with pytest.raises(ValueError, match="save_dir"):
         make_bridge("lora_only", ["http://127.0.0.1:1"])
-    with pytest.raises(ValueError, match="restart_interval"):
-        make_bridge("shared_vllm", ["http://127.0.0.1:1"], restart_interval=3)
+    with pytest.raises(ValueError, match="reload_every"):
+        make_bridge("shared_vllm", ["http://127.0.0.1:1"], reload_every=3)
 
 
 def test_stage_and_apply_refuse_another_server_run_and_other_modes() -> None:

@@ -134,6 +134,7 @@ def test_run_all_sh_help_shows_defaults_and_choices() -> None:
     assert "--preset {cpu-tiny,cpu-smol,gpu-0.5b,gpu-3b}" in out
     assert "--weight-bridge-mode {shared_vllm,lora_only,none}" in out
     flat = " ".join(out.split())
-    assert "GRPO training steps (default: the preset's, else 120). (default: 120)" in flat
+    assert "--training-steps int GRPO training steps (``trainer.grpo.training_steps``)" in flat
+    assert "--trainer.grpo.lr float" in flat and "--env.group-size int" in flat  # dotted
     assert "(default: shared_vllm)" in flat and "(default: cpu-tiny)" in flat
     assert "report.html" in flat and "SHOP_R1_PROGRESS" in flat

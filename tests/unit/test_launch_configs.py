@@ -1,7 +1,7 @@
-"""What launch/run_all.sh hands each service (issue #19, item 4): presets are recipes, and
-every service's config is resolved once, lowest first: field defaults < preset < launcher
-defaults < ``--recipe`` < launcher settings and flags < ``--env-args``/``--trainer-args``.
-The files written to ``<run>/config/`` are parsed here by the services' own parsers."""
+"""What launch/run_all.sh hands each service: the run's ``RunConfig`` resolved once, lowest
+first: field defaults < preset < ``--recipe`` < environment < the launcher's decisions for the
+run < the command line (``--env-args``/``--trainer-args`` included). The files written to
+``<run>/config/`` are parsed here by the services' own parsers."""
 
 from __future__ import annotations
 
@@ -14,16 +14,11 @@ import yaml
 from api.config import parse_config as parse_api
 from env_server.config import parse_config as parse_env
 from env_server.reward import RewardConfig, score
-from launch.configs import (
-    run_model,
-    service_configs,
-    sft_config,
-    write_service_config,
-    write_vllm_config,
-)
-from launch.presets import load_preset
-from launch.run_all_config import layers, parse_args
-from settings.paths import REPO_ROOT
+from launch.configs import resolve_for_run, write_service_config, write_service_configs
+from launch.run_config import parse_args
+from settings.layers import Resolved
+from settings.paths import PRESETS_DIR, REPO_ROOT
+from settings.recipe import load_recipe
 from trainer.config import GrpoConfig, SftConfig, build_parser, config_from_args
 from vllm_patching.serve import build
 
@@ -33,21 +28,23 @@ GOLD = {"type": "click", "name": "product_kuro_l370_stainless_steel_paring_knife
 HIT = '{"rationale": "r", "action": {"type": "click", "name": "product_kuro_l370_stainless_steel_paring_knife"}}'
 
 
-def _resolve(argv: list[str], run_dir: Path) -> dict:
-    """What launch/run_all.sh ``argv`` hands the API, the env and the GRPO trainer."""
-    cfg = parse_args(argv)
-    lay = layers(cfg, load_preset(cfg.preset))
+def _run(argv: list[str], run_dir: Path) -> Resolved:
+    """What launch/run_all.sh ``argv`` resolves, with its decisions for a run in ``run_dir``."""
     urls = ["http://127.0.0.1:2", "http://127.0.0.1:3"]
-    return service_configs(
-        lay,
-        run_model(lay, cfg.model),
-        "http://127.0.0.1:1",
-        urls,
-        run_dir / "trainer",
-        run_dir,
-        env_args=cfg.env_args,
-        trainer_args=cfg.trainer_args,
-    )
+    return resolve_for_run(argv, "http://127.0.0.1:1", urls, run_dir)
+
+
+def _resolve(argv: list[str], run_dir: Path) -> dict[str, Resolved]:
+    """What launch/run_all.sh ``argv`` hands the API, the env and the GRPO trainer."""
+    r = _run(argv, run_dir)
+    return {
+        n: r.section(s)
+        for n, s in (("api", "api"), ("env", "env"), ("trainer_grpo", "trainer.grpo"))
+    }
+
+
+def _preset(name: str) -> dict:
+    return load_recipe(PRESETS_DIR / f"{name}.yaml")
 
 
 def _trainer(command: str, argv: list[str]) -> object:
@@ -61,11 +58,11 @@ def _trainer(command: str, argv: list[str]) -> object:
 def test_the_recipe_beats_the_preset_reward(tmp_path: Path) -> None:
     """`run_all.sh --recipe .../grpo.yaml` trains on the recipe's full reward (DARS 1000), not
     on the cpu-tiny preset's `no_dars` ablation (it used to: the preset's flag won)."""
-    assert load_preset("cpu-tiny").recipe["env"]["reward_variant"] == "no_dars"
+    assert _preset("cpu-tiny")["env"]["reward_variant"] == "no_dars"
     env = _resolve(["--recipe", str(GRPO)], tmp_path)["env"]
     assert env.config.rewards is not None and env.config.reward_variant == "full"
     assert (
-        env.sources["rewards.components"].startswith("recipe ")
+        env.sources["rewards.components.format"].startswith("recipe ")
         and "reward_variant" not in env.sources
     )
     full, no_dars = RewardConfig.variant("full"), RewardConfig.variant("no_dars")
@@ -118,11 +115,18 @@ def test_the_resolved_files_are_what_the_services_parse(tmp_path: Path) -> None:
     confs = _resolve(
         ["--recipe", str(GRPO), "--training-steps", "5", "--trainer-args=--kl-coef 0.02"], tmp_path
     )
-    files = {name: write_service_config(tmp_path, name, r) for name, r in confs.items()}
+    files = write_service_configs(
+        tmp_path,
+        _run(
+            ["--recipe", str(GRPO), "--training-steps", "5", "--trainer-args=--kl-coef 0.02"],
+            tmp_path,
+        ),
+    )
     assert sorted(p.name for p in (tmp_path / "config").iterdir()) == [
         "api.yaml",
         "env.yaml",
         "trainer_grpo.yaml",
+        "vllm.yaml",
     ]
     assert parse_api(["--config", str(files["api"])]) == confs["api"].config
     assert parse_env(["--config", str(files["env"])]) == confs["env"].config
@@ -133,15 +137,17 @@ def test_the_resolved_files_are_what_the_services_parse(tmp_path: Path) -> None:
     assert "api_token" not in yaml.safe_load(files["env"].read_text())
     assert "bridge_token" not in text  # secrets travel by env var / flag, never in a file
     # the SFT cold start's file
-    cfg = parse_args(["--recipe", str(GRPO), "--sft-steps", "3", "--num-sessions", "200"])
-    lay = layers(cfg, load_preset("cpu-tiny"))
-    sft = sft_config(lay, tmp_path / "sft", resume=False)
+    argv = ["--recipe", str(GRPO), "--sft-steps", "3", "--num-sessions", "200"]
+    sft = _run(argv, tmp_path).section("trainer.sft")
     path = write_service_config(tmp_path, "trainer_sft", sft)
     parsed = _trainer("sft", ["--config", str(path)])
     assert parsed == sft.config and parsed.training_steps == 3 and parsed.num_sessions == 200
-    assert parsed.precision == "fp32" and parsed.eval_generate == 0 and parsed.overwrite
+    assert parsed.precision == "fp32" and parsed.eval_generate == 0
+    # an interrupted SFT (checkpoints there) continues, else it starts over
+    interrupted = (Path(parsed.save_path) / "checkpoints").is_dir()
+    assert (parsed.resume, parsed.overwrite) == (interrupted, not interrupted)
     # vLLM: the preset's and the recipe's options, read in place by the server's own parser
-    vllm = write_vllm_config(lay, tmp_path)
+    vllm = files["vllm"]
     values = yaml.safe_load(vllm.read_text())
     assert values["dtype"] == "float32" and values["enforce_eager"] is True  # the recipe's
     assert "model" not in values and "weight_bridge_mode" not in values  # the launcher's
@@ -170,9 +176,7 @@ def _last(argv: list[str], flag: str) -> str:
 
 
 def test_cpu_smol_trains_at_auto_precision(tmp_path: Path) -> None:
-    cfg = parse_args(["--preset", "cpu-smol"])
-    lay = layers(cfg, load_preset("cpu-smol"))
-    assert sft_config(lay, tmp_path, resume=True).config.precision == "auto"
+    assert _run(["--preset", "cpu-smol"], tmp_path).config.trainer.sft.precision == "auto"
     confs = _resolve(["--preset", "cpu-smol"], tmp_path)
     assert confs["trainer_grpo"].config.precision == "auto"
     assert confs["trainer_grpo"].config.batch_size == 8 and confs["env"].config.group_size == 4
@@ -186,6 +190,6 @@ def test_a_preset_sets_its_own_steps_and_evaluation_size(tmp_path: Path) -> None
     given = _resolve(["--preset", "cpu-smol", "--training-steps", "7"], tmp_path / "c")
     assert (smol.training_steps, tiny.training_steps) == (30, 120)
     assert given["trainer_grpo"].config.training_steps == 7
-    assert load_preset("cpu-smol").launch.eval_samples == 256
-    assert load_preset("cpu-tiny").launch.eval_samples == 512
-    assert parse_args(["--preset", "cpu-smol"]).eval_samples is None  # -> the preset's
+    assert parse_args(["--preset", "cpu-smol"]).launch.eval_samples == 256  # the preset's
+    assert parse_args([]).launch.eval_samples == 512
+    assert parse_args(["--preset", "cpu-smol", "--eval-samples", "8"]).launch.eval_samples == 8

@@ -10,12 +10,11 @@ import pytest
 
 from env_server.config import EnvConfig
 from env_server.inference import InferencePool
-from launch.configs import service_configs, write_vllm_config
+from launch.configs import resolve_for_run, vllm_values
 from launch.placement import PlacementError, num_servers_from_env, plan_placement, visible_gpus
 from launch.prepare import context_warning
-from launch.presets import load_preset
 from launch.run_all import placement, trainer_argv, trainer_env, vllm_extra, vllm_names
-from launch.run_all_config import RunAllConfig, layers, parse_args
+from launch.run_config import RunConfig, parse_args
 from launch.supervisor import ServiceFailed
 from launch.vllm_server import server_env
 from trainer.bridge import rendezvous_from_env
@@ -39,8 +38,8 @@ def test_cli_flag_beats_env_and_bad_env_is_a_clear_error(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("NUM_INFERENCE_NODES", "2")
-    assert parse_args([]).num_inference_servers == 2
-    assert parse_args(["--num-inference-servers", "3"]).num_inference_servers == 3
+    assert parse_args([]).launch.num_inference_servers == 2
+    assert parse_args(["--num-inference-servers", "3"]).launch.num_inference_servers == 3
     monkeypatch.setenv("NUM_INFERENCE_NODES", "many")
     with pytest.raises(SystemExit):
         parse_args([])
@@ -90,15 +89,12 @@ def test_nccl_broadcast_feeds_several_servers_from_its_own_gpu() -> None:
 def test_single_copy_beyond_one_gpu_is_refused_at_start_up(servers: int, tp: int) -> None:
     with pytest.raises(PlacementError, match="--single-copy .*trainer's GPU.*drop --single-copy"):
         plan_placement("cuda", "shared_vllm", True, servers, tp, ["0", "1", "2", "3"])
-    cfg = RunAllConfig(
-        preset="gpu-0.5b",
-        gpus="0,1,2",
-        single_copy=True,
-        tensor_parallel_size=tp,
-        num_inference_servers=servers,
+    cfg = parse_args(
+        ["--preset", "gpu-0.5b", "--gpus", "0,1,2", "--single-copy"]
+        + ["--tensor-parallel-size", str(tp), "--num-inference-servers", str(servers)]
     )
     with pytest.raises(ServiceFailed, match="gpu-0.5b.*single-copy"):
-        placement(cfg, load_preset(cfg.preset))
+        placement(cfg)
 
 
 def test_several_servers_each_get_their_own_gpus() -> None:
@@ -112,40 +108,26 @@ def test_several_servers_each_get_their_own_gpus() -> None:
 
 
 def test_gpu_preset_placement_errors_name_the_preset() -> None:
-    cfg = RunAllConfig(preset="gpu-0.5b", gpus="0")
     with pytest.raises(ServiceFailed, match="gpu-0.5b.*need 2 GPU"):
-        placement(cfg, load_preset(cfg.preset))
-    cfg = RunAllConfig(preset="gpu-0.5b", gpus="3,5", tensor_parallel_size=1)
-    p = placement(cfg, load_preset(cfg.preset))
+        placement(parse_args(["--preset", "gpu-0.5b", "--gpus", "0"]))
+    p = placement(parse_args(["--preset", "gpu-0.5b", "--gpus", "3,5"]))
     assert p.server_gpus == [["3"]] and p.trainer_gpus == ["5"]
     assert trainer_env(p)["CUDA_VISIBLE_DEVICES"] == "5"
 
 
 # --------------------------------------------------------------------- argv / environment
 def _configs(
-    cfg: RunAllConfig, tmp_path: Path, urls: list[str] | None = None, device: str = "cpu"
-) -> dict:
-    """The service configs launch/run_all.sh would write for ``cfg``."""
-    lay = layers(cfg, load_preset(cfg.preset))
-    return service_configs(
-        lay,
-        "m",
-        "http://api:1",
-        urls or ["http://v:2"],
-        Path("s"),
-        tmp_path,
-        device,
-        weight_bridge_mode=cfg.weight_bridge_mode,
-        single_copy=cfg.single_copy,
-        env_args=cfg.env_args,
-        trainer_args=cfg.trainer_args,
-    )
+    argv: list[str], tmp_path: Path, urls: list[str] | None = None, device: str = "cpu"
+) -> RunConfig:
+    """The run config launch/run_all.sh ``argv`` would write the services' files from."""
+    return resolve_for_run(argv, "http://api:1", urls or ["http://v:2"], tmp_path, device).config
 
 
 def test_trainer_config_lists_every_server_and_the_placed_device(tmp_path: Path) -> None:
-    cfg = RunAllConfig(num_inference_servers=2, single_copy=True)
+    argv = ["--num-inference-servers", "2", "--single-copy"]
     urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
-    grpo = _configs(cfg, tmp_path, urls, "cuda:0")["trainer_grpo"].config
+    cfg = _configs(argv, tmp_path, urls, "cuda:0")
+    grpo = cfg.trainer.grpo
     assert grpo.inference_urls() == urls
     assert grpo.device == "cuda:0" and grpo.single_copy
     argv = trainer_argv(cfg, Path("c.yaml"), "tok")
@@ -156,12 +138,14 @@ def test_vllm_names_and_tensor_parallel_flag(tmp_path: Path) -> None:
     import yaml
 
     assert vllm_names(1) == ["vllm"] and vllm_names(3) == ["vllm", "vllm1", "vllm2"]
-    cfg = RunAllConfig(preset="gpu-3b")
+    cfg = parse_args(["--preset", "gpu-3b"])
     assert "--tensor-parallel-size" not in vllm_extra(cfg)
     # the preset's vLLM options go into <run>/config/vllm.yaml, read before the flags
-    path = write_vllm_config(layers(cfg, load_preset("gpu-3b")), tmp_path)
-    assert yaml.safe_load(path.read_text()) == {"dtype": "bfloat16", "gpu_memory_utilization": 0.5}
-    extra = vllm_extra(RunAllConfig(preset="gpu-3b", tensor_parallel_size=4))
+    assert yaml.safe_load(yaml.safe_dump(vllm_values(cfg))) == {
+        "dtype": "bfloat16",
+        "gpu_memory_utilization": 0.5,
+    }
+    extra = vllm_extra(parse_args(["--preset", "gpu-3b", "--tensor-parallel-size", "4"]))
     assert extra[-2:] == ["--tensor-parallel-size", "4"]
     cfg = parse_args(["--preset", "gpu-3b", "--vllm-args=--gpu-memory-utilization 0.3"])
     assert vllm_extra(cfg)[-2:] == ["--gpu-memory-utilization", "0.3"]  # last wins
@@ -216,20 +200,20 @@ def test_pool_picks_the_least_loaded_server_round_robin_on_ties() -> None:
 
 def test_trainer_and_env_args_pass_through_last(tmp_path: Path) -> None:
     """--trainer-args / --env-args are the last layer, so they win over the preset."""
-    cfg = parse_args(["--trainer-args=--lr 2e-4 --kl-coef 0.07", "--env-args=--group-size 6"])
-    confs = _configs(cfg, tmp_path)
-    grpo, env = confs["trainer_grpo"], confs["env"]
-    assert load_preset("cpu-tiny").recipe["trainer"]["grpo"]["lr"] == 1e-4  # the preset's
+    argv = ["--trainer-args=--lr 2e-4 --kl-coef 0.07", "--env-args=--group-size 6"]
+    r = resolve_for_run(argv, "http://api:1", ["http://v:2"], tmp_path)
+    grpo, env = r.section("trainer.grpo"), r.section("env")
+    assert parse_args([]).trainer.grpo.lr == 1e-4  # the preset's
     assert grpo.config.lr == 2e-4 and grpo.config.kl_beta == 0.07  # ours (--kl-coef: Atropos')
     assert grpo.sources["lr"] == "flag" and env.sources["group_size"] == "flag"
-    assert env.config.group_size == 6 and cfg.env_args == "--group-size 6"
+    assert env.config.group_size == 6 and r.config.env_args == "--group-size 6"
 
 
 def test_context_warning_when_rollouts_reach_past_the_sft_sequences(tmp_path: Path) -> None:
     """The launcher warns when prompt + completion budgets exceed what the SFT trained on."""
     import json
 
-    env = _configs(RunAllConfig(), tmp_path)["env"].config  # the cpu-tiny preset's budgets
+    env = _configs([], tmp_path).env  # the cpu-tiny preset's budgets
     budget = (env.max_prompt_tokens, env.max_tokens)
     assert context_warning(str(tmp_path), *budget) is None  # no SFT record: nothing to check
     (tmp_path / "trainer_config.json").write_text(json.dumps({"max_seq_len": 1024}))

@@ -14,10 +14,10 @@ from api.config import parse_config as parse_api
 from env_server.config import EnvConfig
 from env_server.config import parse_config as parse_env
 from env_server.reward import RewardConfig, score
-from launch.configs import Layers, service_config
-from launch.presets import load_preset
+from launch.run_config import resolve_run
 from settings.cli import resolve
-from settings.paths import REPO_ROOT
+from settings.paths import PRESETS_DIR, REPO_ROOT
+from settings.recipe import load_recipe
 from trainer.config import GrpoConfig, SftConfig
 from vllm_patching.serve import build
 
@@ -67,8 +67,17 @@ def test_every_recipe_parses_into_every_service(recipe: Path) -> None:
 
 
 def _preset(name: str, cls: type, section: str) -> object:
-    """What preset ``name`` alone gives a service (no recipe, no launcher settings)."""
-    return service_config(cls, section, Layers(load_preset(name)), {}).config
+    """What preset ``name`` alone gives a service (no recipe, no launcher decisions)."""
+    return resolve_run(["--preset", name], environ={}).section(section).config
+
+
+def load_preset(name: str) -> object:
+    """A preset's file as written (``recipe``), its ``model`` and its ``launch:`` section."""
+    from types import SimpleNamespace
+
+    recipe = load_recipe(PRESETS_DIR / f"{name}.yaml")
+    launch = resolve_run(["--preset", name], environ={}).config.launch
+    return SimpleNamespace(recipe=recipe, model=recipe["model"], launch=launch)
 
 
 def _check_twin(name: str, twin: Path, differ: tuple[str, ...] = ()) -> dict[str, object]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch.presets import load_preset
+from launch.run_config import parse_args
 from trainer.precision import NATIVE_BF16_FLAGS, CpuBf16Source, choose_precision, measure_matmul
 
 pytestmark = pytest.mark.unit
@@ -101,7 +101,7 @@ def test_emulated_bf16_resolves_to_fp32_on_any_x86_cpu() -> None:
 
 def test_the_cpu_preset_trains_with_auto(caplog: pytest.LogCaptureFixture) -> None:
     for name in ("cpu-tiny", "cpu-smol"):  # recipes/presets/<name>.yaml
-        assert load_preset(name).recipe["trainer"]["grpo"]["precision"] == "auto"
+        assert parse_args(["--preset", name]).trainer.grpo.precision == "auto"
     from trainer.model import resolve_precision
 
     with caplog.at_level(logging.INFO, logger="trainer.model"):

@@ -48,14 +48,14 @@ def make_bridge(
     token: str | None = None,
     device: str = "cpu",
     save_dir: str | None = None,
-    restart_interval: int = 1,
+    reload_every: int = 1,
     trainer_device: str | None = None,
     **kwargs: Any,
 ) -> WeightBridge:
     """Build the bridge client for ``mode`` (``shared_vllm``, ``lora_only``, ``none``).
 
     ``device`` is where the *servers'* workers run (``cpu`` or ``cuda``); ``save_dir`` is where
-    lora_only/none write adapters/checkpoints; ``restart_interval`` (mode none) applies the
+    lora_only/none write adapters/checkpoints; ``reload_every`` (mode none) applies the
     weights every N-th sync. ``trainer_device`` (CUDA only) is the trainer's own GPU, made
     current before the native engine is built (NCCL joins from it, IPC keys its handles by
     it). ``kwargs`` go to the mode's class (e.g. ``bucket_bytes`` for the
@@ -65,8 +65,8 @@ def make_bridge(
     """
     if single_copy and mode != "shared_vllm":
         raise ValueError("single_copy only applies to mode shared_vllm")
-    if restart_interval != 1 and mode != "none":
-        raise ValueError("restart_interval only applies to mode none")
+    if reload_every != 1 and mode != "none":
+        raise ValueError("reload_every only applies to mode none")
     if mode in ("lora_only", "none") and save_dir is None:
         raise ValueError(f"mode {mode} needs save_dir (adapters/checkpoints are written there)")
     if mode == "shared_vllm":
@@ -97,6 +97,6 @@ def make_bridge(
         from trainer.bridge.reload import CheckpointReloadBridge
 
         return CheckpointReloadBridge(
-            server_urls, save_dir=save_dir, token=token, reload_every=restart_interval, **kwargs
+            server_urls, save_dir=save_dir, token=token, reload_every=reload_every, **kwargs
         )
     raise ValueError(f"unknown bridge mode {mode!r} (shared_vllm, lora_only, none)")

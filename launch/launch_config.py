@@ -1,0 +1,60 @@
+"""The ``launch:`` section of a run (launch/run_config.py): what launch/run_all.sh itself needs.
+A preset sets the first block (build the embedded model? which device?); the rest are the
+launcher's flags, taken on its command line without the ``launch.`` prefix (``--run-dir``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from launch.placement import num_servers_from_env
+from settings.paths import TINY_MODEL_DIR
+
+
+class LaunchConfig(BaseModel):
+    """launch/run_all.sh's own options."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    build_embedded: bool = False
+    """Build the base model, the dataset and the SFT cold start if missing."""
+    base_model: str = str(TINY_MODEL_DIR)
+    """build_embedded: the model SFT starts from."""
+    build_module: str = "trainer.tiny_model"
+    """build_embedded: `python -m` module that builds base_model if missing."""
+    trainer_device: Literal["cpu", "cuda"] = "cpu"
+    """Where the trainer runs (launch/placement.py picks the GPUs)."""
+    eval_samples: int = Field(512, ge=0)
+    """Test-split steps of the SFT-vs-RL evaluation (0: skip); 512 gives ~±3 points."""
+    run_dir: Path | None = None
+    """Run directory (default runs/<timestamp>)."""
+    resume: bool = False
+    """Continue the run in --run-dir (after a crash, an OOM kill, a full disk or Ctrl-C): the
+    same API database, the trainer from its last checkpoint; the model, dataset and SFT
+    checkpoint are reused (an unfinished SFT continues from its own checkpoint), and so is a
+    finished SFT evaluation. Give the run's other flags again."""
+    api_port: int | None = None
+    """API port (default: a free one)."""
+    vllm_port: int | None = None
+    """Port of the first vLLM server (default: a free one; others: free)."""
+    num_inference_servers: int = Field(default_factory=num_servers_from_env, ge=1)
+    """vLLM servers to start, all synced by the trainer and sampled by the env (default:
+    $NUM_INFERENCE_NODES as in Atropos, unset or 0 = 1)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """vLLM --tensor-parallel-size of each server (GPUs per server)."""
+    trainer_procs: int = Field(1, ge=1)
+    """Trainer processes on this node: >1 runs the trainer under torchrun, sharded with FSDP2
+    (one GPU each on CUDA). Several nodes: set NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT
+    (docs/MULTINODE.md)."""
+    vllm_args: str | None = None
+    """More vLLM flags for every server, one quoted string after '=' (e.g.
+    --vllm-args='--gpu-memory-utilization 0.3'); they win over the run's ``vllm:`` section."""
+    gpus: str | None = None
+    """GPU presets: comma-separated GPU ids to place the servers and the trainer on (default:
+    $CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi lists)."""
+    prepare_only: bool = False
+    """Build the tiny model, dataset and SFT checkpoint if missing, then exit."""
+    health_timeout: float = 600.0
+    """Seconds to wait for each health check."""

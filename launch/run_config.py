@@ -1,0 +1,223 @@
+"""``RunConfig``: every setting of a run in one nested model (docs/RECIPES.md), sections
+``launch`` (:class:`LaunchConfig`, launch/run_all.sh's own), ``api``, ``env``, ``trainer.sft``,
+``trainer.grpo`` and ``vllm``, each the service's own config class.
+
+One YAML file per run (``--recipe FILE``; a preset, recipes/presets/NAME.yaml, is such a file
+and lies under it); environment variables ``SHOP_R1_<SECTION>__<FIELD>``; the command line by
+dotted path (``--trainer.grpo.lr 1e-5``). Precedence, lowest first: field defaults < file(s) <
+environment < command line (settings/layers.py). The launcher's options are also taken
+without ``launch.`` (``--run-dir``), and the top-level shortcuts (``--model``,
+``--training-steps``, ``--weight-bridge-mode``, ...: ``settings.layers.SHORTCUTS``) fill the fields they stand
+for. ``--env-args``/``--trainer-args`` are dotted overrides of ``env.``/``trainer.grpo.``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, FilePath
+
+from api.config import ApiConfig
+from env_server.config import EnvConfig
+from launch.launch_config import LaunchConfig
+from settings.flags import none_words
+from settings.layers import SHORTCUTS, Resolved, cli_source, env_layer, expand, resolve
+from settings.paths import PRESETS_DIR
+from settings.recipe import RecipeError, load_recipe
+from trainer.config import GrpoConfig, SftConfig
+
+Mode = Literal["shared_vllm", "lora_only", "none"]
+
+
+class _Keys(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class DataKeys(_Keys):
+    """``data:`` shortcuts."""
+
+    dir: str | None = None
+    """Dataset directory of the env and the SFT."""
+    num_sessions: int | None = Field(None, ge=10)
+    """Sessions of the simulated dataset (env and SFT)."""
+
+
+class LoggingKeys(_Keys):
+    """``logging:`` shortcuts."""
+
+    wandb_project: str | None = None
+    """Weights & Biases project of both trainer commands."""
+    tensorboard: bool | None = None
+    """TensorBoard event files of both trainer commands."""
+    log_level: Literal["debug", "info", "warning", "error"] | None = None
+    """The API's log level."""
+
+
+class VllmConfig(_Keys):
+    """``vllm:``: the bridge's options and vLLM's own; any other key is a vLLM argument
+    (``key: value`` -> ``--key value``, vllm_patching/serve.py)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    """Model directory or hub id vLLM serves."""
+    seed: int | None = None
+    """vLLM's seed."""
+    weight_bridge_mode: Mode | None = None
+    """How trainer weights reach this server (docs/BRIDGE.md)."""
+    single_copy: bool | None = None
+    """shared_vllm: one weight copy in shared memory (CPU) / CUDA IPC (GPU)."""
+    bridge_config: str | None = None
+    """Where the server writes vllm_bridge_config.json."""
+    bridge_device: Literal["auto", "cpu", "cuda"] | None = None
+    """Device of the vLLM workers (picks the weight-transfer backend)."""
+
+
+class TrainerSection(_Keys):
+    """``trainer:``: the two commands (keys given beside ``sft:``/``grpo:`` apply to both)."""
+
+    sft: SftConfig = Field(default_factory=SftConfig)
+    """``python -m trainer sft``."""
+    grpo: GrpoConfig = Field(default_factory=GrpoConfig)
+    """``python -m trainer grpo``."""
+
+
+class RunConfig(_Keys):
+    """launch/run_all.sh: every setting of a run (docs/RECIPES.md)."""
+
+    name: str | None = None
+    """For humans."""
+    description: str | None = None
+    """For humans."""
+    preset: Literal["cpu-tiny", "cpu-smol", "gpu-0.5b", "gpu-3b"] = "cpu-tiny"
+    """The file recipes/presets/<name>.yaml, the lowest file of the run (command line)."""
+    recipe: FilePath | None = None
+    """This run's file, over the preset (recipes/<model>/<task>/*.yaml; command line)."""
+    model: str | None = None
+    """What vLLM serves and GRPO starts from (also the env's tokenizer)."""
+    seed: int | None = None
+    """Every service's seed."""
+    output_dir: str | None = None
+    """Trainer save_path, the API's database, the env's metrics, the bridge file."""
+    data: DataKeys = Field(default_factory=DataKeys)
+    """``data.dir``, ``data.num_sessions``."""
+    logging: LoggingKeys = Field(default_factory=LoggingKeys)
+    """``logging.wandb_project``, ``logging.tensorboard``, ``logging.log_level``."""
+    rewards: dict[str, Any] | None = None
+    """``env.rewards``."""
+    weight_bridge_mode: Mode = "shared_vllm"
+    """How trainer weights reach vLLM (docs/BRIDGE.md)."""
+    single_copy: bool = False
+    """shared_vllm: one weight copy in shared memory."""
+    training_steps: int | None = Field(None, ge=1)
+    """GRPO training steps (``trainer.grpo.training_steps``)."""
+    sft_steps: int | None = Field(None, ge=1)
+    """SFT steps if SFT must run (``trainer.sft.training_steps``)."""
+    num_sessions: int | None = Field(None, ge=10)
+    """Sessions of the dataset, built if missing (``data.num_sessions``)."""
+    keep_constant_groups: bool = False
+    """Keep groups whose rewards are all equal (``env.drop_constant_groups`` false)."""
+    env_args: str | None = None
+    """Overrides of ``env.``: `--env-args='--group-size 8'` is `--env.group-size 8`."""
+    trainer_args: str | None = None
+    """Overrides of ``trainer.grpo.``: `--trainer-args='--lr 1e-4'` is `--trainer.grpo.lr 1e-4`."""
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    """launch/run_all.sh's own options (also taken without ``launch.``: ``--run-dir``)."""
+    api: ApiConfig = Field(default_factory=ApiConfig)
+    """``python -m api``."""
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    """``python -m env_server``."""
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
+    """``python -m trainer sft|grpo``."""
+    vllm: VllmConfig = Field(default_factory=VllmConfig)
+    """``python -m vllm_patching.serve``."""
+
+
+CLI_ONLY = ("preset", "recipe", "env_args", "trainer_args")
+
+
+def _dotted(args: str | None, section: str) -> list[str]:
+    """``--env-args='--group-size 8'`` -> ``--env.group-size 8``."""
+    return [f"--{section}.{a[2:]}" if a.startswith("--") else a for a in shlex.split(args or "")]
+
+
+def _launch_flags(argv: Sequence[str]) -> list[str]:
+    """``--run-dir X`` -> ``--launch.run-dir X``: the launcher's options without the prefix."""
+    names = {n.replace("_", "-") for n in LaunchConfig.model_fields}
+    out = []
+    for a in argv:
+        name = a[2:].split("=", 1)[0] if a.startswith("--") else ""
+        neg = name.startswith("no-") and name[3:] in names
+        if name in names or neg:
+            a = "--" + ("no-launch." if neg else "launch.") + a[5 if neg else 2 :]
+        out.append(a)
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    from launch.run_all_help import HELP_EPILOG
+
+    return argparse.ArgumentParser(
+        prog="launch/run_all.sh",
+        description=__doc__.split("\n\n")[0],
+        epilog=HELP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def cli_layer(argv: Sequence[str]) -> dict[str, Any]:
+    """The values the command line gives (``--env-args``/``--trainer-args`` expanded last)."""
+    argv = _launch_flags(argv)
+    first = none_words(RunConfig, cli_source(RunConfig, argv, root_parser=_parser())())
+    more = _dotted(first.get("env_args"), "env") + _dotted(
+        first.get("trainer_args"), "trainer.grpo"
+    )
+    if not more:
+        return first
+    return none_words(RunConfig, cli_source(RunConfig, [*argv, *more], root_parser=_parser())())
+
+
+def file_layers(preset: str, recipe: Path | None) -> list[tuple[str, dict[str, Any]]]:
+    """The preset's file, then the recipe's, each with its shortcuts filled in."""
+    path = PRESETS_DIR / f"{preset}.yaml"
+    data = load_recipe(path)
+    if "model" not in data:
+        raise RecipeError(f"{path}: a preset names its `model`")
+    out = [(f"preset {preset}", expand(data, SHORTCUTS))]
+    if recipe is not None:
+        out.append((f"recipe {recipe}", expand(load_recipe(recipe), SHORTCUTS)))
+    return out
+
+
+def resolve_run(
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    wiring: Mapping[str, Any] | None = None,
+) -> Resolved:
+    """defaults < preset < recipe < environment < ``wiring`` (what the launcher decides for the
+    run: ports, URLs, run-dir paths) < command line, validated once."""
+    cli = cli_layer([] if argv is None else argv)
+    recipe = cli.get("recipe")
+    layers = file_layers(cli.get("preset", "cpu-tiny"), Path(recipe) if recipe else None)
+    env = env_layer(RunConfig, "", environ)
+    layers += [("environment", expand(env, SHORTCUTS)), ("launcher", dict(wiring or {}))]
+    layers.append(("flag", expand(cli, SHORTCUTS)))
+    return resolve(RunConfig, layers)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
+    """launch/run_all.sh's command line resolved (no launcher decisions yet); a bad value or a
+    bad ``NUM_INFERENCE_NODES`` exits with a clear message."""
+    import sys
+
+    from launch.placement import PlacementError
+
+    try:
+        return resolve_run(sys.argv[1:] if argv is None else argv).config
+    except PlacementError as e:
+        print(f"launch/run_all.sh: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
