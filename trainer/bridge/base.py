@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -36,8 +35,6 @@ class WeightBridge(ABC):
     sync finish on the new weights); it raises on any failure, leaving the servers on the
     previous weights or, for a partial failure, with generation resumed.
     """
-
-    mode: ClassVar[str]
 
     def __init__(
         self, server_urls: Sequence[str], token: str | None = None, timeout: float = 600.0
@@ -70,13 +67,3 @@ class WeightBridge(ABC):
         """Run ``fn`` on every server concurrently; re-raise the first failure."""
         futures = [self._pool.submit(fn, s) for s in self.servers]
         return [f.result() for f in futures]
-
-    def paused_apply(self, version: int) -> tuple[float, list[dict[str, Any]]]:
-        """pause -> finish_weight_update(version) -> resume on every server, via the
-        server's /bridge/apply (one round trip; the server resumes in a ``finally``).
-
-        Returns the stall (wall time of the slowest server) and the servers' answers.
-        """
-        t0 = time.perf_counter()
-        answers = self.each(lambda s: s.post("/bridge/apply", json={"version": version}).json())
-        return time.perf_counter() - t0, answers

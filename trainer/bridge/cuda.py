@@ -156,8 +156,6 @@ class NativeCudaBridge(WeightBridge):
     """CUDA servers through vLLM's native engines: ``nccl`` (any number of servers, any
     tensor parallelism) or ``ipc`` (``single_copy``: one server on the trainer's GPU)."""
 
-    mode = "shared_vllm"
-
     def __init__(
         self,
         server_urls: Sequence[str],

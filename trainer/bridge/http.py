@@ -61,9 +61,6 @@ class ServerClient:
         """``{"status", "mode", "weight_version", "run_id"}``; a new run_id = a restart."""
         return self.request("GET", "/bridge/health").json()
 
-    def weight_version(self) -> str:
-        return self.health()["weight_version"]
-
     def start_weight_update(self) -> None:
         """Native ``/start_weight_update``, recovering a worker left "active" by a failed
         sync (finish with nothing staged is a no-op in our engines and clears the flag)."""
@@ -80,9 +77,6 @@ class ServerClient:
         # keep: freeze in-flight requests (they finish after resume, recomputed on the new
         # weights because clear_cache drops their KV/prefix cache).
         self.post("/pause", params={"mode": "keep", "clear_cache": "true"})
-
-    def resume(self) -> None:
-        self.post("/resume")
 
     def close(self) -> None:
         self.http.close()

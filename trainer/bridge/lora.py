@@ -19,8 +19,6 @@ from trainer.bridge.base import SyncStats, WeightBridge
 
 
 class LoraBridge(WeightBridge):
-    mode = "lora_only"
-
     def __init__(
         self,
         server_urls: Sequence[str],

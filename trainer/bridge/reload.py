@@ -41,8 +41,6 @@ def save_checkpoint(model: torch.nn.Module, path: Path) -> int:
 
 
 class CheckpointReloadBridge(WeightBridge):
-    mode = "none"
-
     def __init__(
         self,
         server_urls: Sequence[str],
