@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import torch
 
 from trainer.bridge.http import ServerClient
+from trainer.bridge.runs import ServerRuns
 
 T = TypeVar("T")
 
@@ -43,6 +44,8 @@ class WeightBridge(ABC):
             raise ValueError("at least one server url is needed")
         self.servers = [ServerClient(u, token=token, timeout=timeout) for u in server_urls]
         self.last_stats: SyncStats | None = None
+        self.runs = ServerRuns(lambda: [h["run_id"] for h in self.each(ServerClient.health)])
+        """Which run of each server the weights are on (a new run_id = a restart)."""
         self._pool = ThreadPoolExecutor(
             max_workers=max(2, len(self.servers)), thread_name_prefix="bridge"
         )
