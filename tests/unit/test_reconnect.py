@@ -22,14 +22,17 @@ from settings.ports import free_port
 pytestmark = pytest.mark.unit
 
 
+def _reply(handler: http.server.BaseHTTPRequestHandler, code: int, body: bytes = b"{}") -> None:
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 class _Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        body = b'{"status": "ok"}'
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        _reply(self, 200, b'{"status": "ok"}')
 
     def log_message(self, *args: object) -> None:
         pass
@@ -158,16 +161,10 @@ class _HangUpOnce(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             return
         if len(type(self).posts) > 2:
-            self.send_response(400)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
+            _reply(self, 400)
             return
-        body = b'{"batch_id": "b1", "groups": [], "lease_deadline": 0, "policy_version": 0}'
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        lease = b'{"batch_id": "b1", "groups": [], "lease_deadline": 0, "policy_version": 0}'
+        _reply(self, 200, lease)
 
     def log_message(self, *_args: object) -> None:
         pass
@@ -229,12 +226,7 @@ class _BusyOnce(http.server.BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
         type(self).posts.append(self.path)
         busy = self.path == "/busy" and type(self).posts.count("/busy") == 1
-        code = 500 if self.path == "/broken" else 503 if busy else 200
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", "2")
-        self.end_headers()
-        self.wfile.write(b"{}")
+        _reply(self, 500 if self.path == "/broken" else 503 if busy else 200)
 
     def log_message(self, *_args: object) -> None:
         pass
