@@ -54,6 +54,12 @@ class ApiError(RuntimeError):
         super().__init__(message)
         self.status_code = status_code
 
+    @property
+    def transient(self) -> bool:
+        """Worth waiting out by a caller that may repeat the call: the failure that caused it
+        is transient under the one rule (``api.retry.is_transient``, idempotent)."""
+        return self.__cause__ is not None and is_transient(self.__cause__)
+
 
 class ApiClient:
     """Client of the batching API. Thread-safe (one pooled ``httpx.Client``)."""

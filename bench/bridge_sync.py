@@ -22,8 +22,10 @@ Definitions: *transfer* = bytes from the trainer's tensors into memory the worke
 (pack copy + network send + the worker's remaining receive wait); *sync* = ``bridge.sync``
 end to end. Ratios: transfer / memcpy and sync / (memcpy + apply floor).
 
-``server restart`` is Atropos' legacy mode (``none`` + ``restart=True``): the server is
-stopped by PID and started from the saved checkpoint; its stall is the whole restart.
+``server restart`` is Atropos' legacy mode (``none`` by restarting the server,
+``bench.bridge_variants.RestartBridge``): the server is stopped by PID and started from the
+saved checkpoint; its stall is the whole restart. The packing copy (``PackingCopyBridge``
+there) is the broadcast without resident weights.
 Results: docs/results/bridge_bench.json, docs/results/bridge_bench.md, docs/bridge_sync.png.
 The parts: bench/bridge_sync_modes.py (the modes, one mode's rounds), bench/bridge_sync_probes.py
 (the floors, the box and token-stream probes), bench/bridge_sync_tables.py (tables, plot).

@@ -13,7 +13,7 @@ from pathlib import Path
 from bench.bridge_sync_probes import FreezeProbe, StreamWatch, apply_floor, major_faults, steal_s
 
 MODES: list[tuple[str, str, dict, dict]] = [
-    # key, label, make_bridge kwargs, start_bridge_server kwargs
+    # key, label, bridge kwargs (bench.bridge_variants.bench_bridge), start_bridge_server kwargs
     ("broadcast", "broadcast (gloo + same-host shm)", {"mode": "shared_vllm"}, {}),
     (
         "broadcast_copy",
@@ -145,7 +145,7 @@ def bench_mode(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trainer.bridge import make_bridge
+    from bench.bridge_variants import bench_bridge
 
     _, _, bridge_kw, _ = next(m for m in MODES if m[0] == key)
     bridge_kw = dict(bridge_kw)
@@ -170,7 +170,7 @@ def bench_mode(
     x = torch.tensor([ids])
     rows = []
     n_rounds = restart_rounds if key == "restart" else rounds + 1  # + warm-up round
-    bridge = make_bridge(mode, [server.base_url], token=token, **bridge_kw)
+    bridge = bench_bridge(mode, server.base_url, token, bridge_kw)
     freeze = FreezeProbe()
     try:
         for version in range(1, n_rounds + 1):

@@ -216,53 +216,57 @@ def _lease_trainable(api: Any, cfg: GrpoConfig, weights: Any, state: Any) -> tup
 
 
 class WeightSync:
-    """``bridge.sync`` that survives inference-server restarts (see the module docstring)."""
+    """``bridge.sync`` that survives inference-server restarts (see the module docstring).
+
+    Which run of each server holds our weights is the bridge's record (``bridge.runs``,
+    trainer/bridge/runs.py): every bridge keeps it current as it syncs; this class only asks
+    it."""
 
     def __init__(self, bridge: Any, model: Any, cfg: GrpoConfig) -> None:
         self.bridge, self.model, self.cfg = bridge, model, cfg
-        try:  # the servers that hold our weights (at the start: the start weights)
-            self.run_ids: list[str] = self._run_ids()
-        except Exception:  # noqa: BLE001 - down already: re-synced once back
-            self.run_ids = []
-
-    def _run_ids(self) -> list[str]:
-        return [str(s.health()["run_id"]) for s in self.bridge.servers]
+        self.runs = bridge.runs
+        if self.runs.ids is None:  # the servers that hold our weights (now: the start weights)
+            try:
+                self.runs.record(self.runs.current())
+            except Exception:  # noqa: BLE001 - down already: re-synced once back
+                pass
 
     def sync(self, version: int) -> Any:
         """Sync ``version``; a failure while a server is down or restarted is retried (with
         backoff, each retry logged) until it is back, for at most ``reconnect_timeout``."""
         from api.retry import RetryPolicy, retry_call
 
-        before = self.run_ids
+        before = self.runs.ids
 
         def attempt() -> Any:
             nonlocal before
-            before = self.run_ids
-            ids = self._run_ids()  # before the sync: a restart during it shows up later
-            stats = self.bridge.sync(self.model, version)
-            self.run_ids = ids
-            return stats
+            before = self.runs.ids
+            return self.bridge.sync(self.model, version)
 
         policy = RetryPolicy(deadline_s=self.cfg.reconnect_timeout)
         what = f"weight sync of version {version} (is the inference server down or restarted?)"
         return retry_call(attempt, what, lambda e: self._restarted(before, e), policy, logger=log)
 
-    def _restarted(self, before: list[str], error: BaseException) -> bool:
+    def _restarted(self, before: list[str] | None, error: BaseException) -> bool:
         """Is ``error`` explained by a server being unreachable or restarted since ``before``?
-        (Anything else -- a wrong token, a shape mismatch -- is raised at once.)"""
+        (Anything else -- a wrong token, a shape mismatch, a server's 500 -- is raised at
+        once.) Unreachable: a transport failure that the one transient rule accepts
+        (``api.retry.is_transient``; a whole sync is safe to repeat)."""
         import httpx
 
-        if isinstance(error, httpx.TransportError):
+        from api.retry import is_transient
+
+        if isinstance(error, httpx.TransportError) and is_transient(error):
             return True
         try:
-            return self._run_ids() != before
+            return self.runs.current() != before
         except Exception:  # noqa: BLE001 - unreachable now: down
             return True
 
     def resync_if_restarted(self, version: int) -> None:
         """A server restarted since our last sync serves the start weights: sync it now."""
         try:
-            restarted = self._run_ids() != self.run_ids
+            restarted = self.runs.restarted()
         except Exception as e:  # noqa: BLE001 - down: the next poll or sync sees it come back
             log.warning(
                 "inference server unreachable (%s); will re-sync when it is back", type(e).__name__
@@ -274,16 +278,12 @@ class WeightSync:
 
 
 def _retrying(cfg: GrpoConfig, what: str, fn: Any) -> Any:
-    """``fn()`` retried on transport errors for up to ``reconnect_timeout`` seconds."""
-    import httpx
-
-    from api.retry import RetryPolicy, retry_call
-
-    def transport_error(e: BaseException) -> bool:
-        return isinstance(e, httpx.TransportError)
+    """``fn()`` (idempotent) retried on transient failures (``api.retry.is_transient``) for
+    up to ``reconnect_timeout`` seconds."""
+    from api.retry import RetryPolicy, is_transient, retry_call
 
     return retry_call(
-        fn, what, transport_error, RetryPolicy(deadline_s=cfg.reconnect_timeout), logger=log
+        fn, what, is_transient, RetryPolicy(deadline_s=cfg.reconnect_timeout), logger=log
     )
 
 
@@ -300,34 +300,33 @@ def _ack_checkpointed(api: Any, recent: list[dict[str, Any]]) -> None:
                 raise
 
 
-def _transient(e: Exception) -> bool:
-    """An API error worth waiting out: unreachable, dropped connection, 5xx or 429."""
-    code = getattr(e, "status_code", None)
-    return code is None or code >= 500 or code == 429
-
-
 def _lease(api: Any, cfg: GrpoConfig, weights: WeightSync, version: int) -> tuple[str, list[Any]]:
     """Poll the API until it leases a batch; give up after ``wait_timeout`` seconds.
 
-    While waiting, re-sync an inference server that restarted (its rollouts would be stale).
+    A lease that failed transiently (``ApiError.transient``: e.g. the API died mid-request,
+    which the client does not replay) is retried under ``api.retry`` within the same
+    ``wait_timeout``. While waiting, re-sync an inference server that restarted (its
+    rollouts would be stale).
     """
     from api.client import ApiError
+    from api.retry import RetryPolicy, retry_call
+
+    def lease() -> Any:
+        return api.lease(
+            max_tokens=cfg.max_batch_tokens,
+            max_sequences=cfg.batch_size,
+            lease_seconds=cfg.lease_seconds,
+        )
+
+    def waitable(e: BaseException) -> bool:
+        return isinstance(e, ApiError) and e.transient
 
     deadline = time.monotonic() + cfg.wait_timeout
     while True:
-        try:
-            lease = api.lease(
-                max_tokens=cfg.max_batch_tokens,
-                max_sequences=cfg.batch_size,
-                lease_seconds=cfg.lease_seconds,
-            )
-        except ApiError as e:  # e.g. the API died mid-request: a lease is never replayed
-            if not _transient(e) or time.monotonic() > deadline:
-                raise
-            log.warning("lease failed (%s); retrying", str(e)[:300])
-            lease = None
-        if lease is not None:
-            return str(_field(lease, "batch_id")), list(_field(lease, "groups"))
+        policy = RetryPolicy(deadline_s=max(0.0, deadline - time.monotonic()))
+        got = retry_call(lease, "lease", waitable, policy, logger=log)
+        if got is not None:
+            return str(_field(got, "batch_id")), list(_field(got, "groups"))
         weights.resync_if_restarted(version)
         if time.monotonic() > deadline:
             raise TimeoutError(f"no batch from {cfg.api_url} for {cfg.wait_timeout:.0f}s")

@@ -333,12 +333,13 @@ def test_checkpoint_reload_and_restart(tiny_model_dir, tmp_path_factory, tmp_pat
             bridge.sync(model, 1)
             inflight.check(version_at_start=0)
             assert_serves(url, served, model, ids, version=1)
-        # Legacy mode: restart the server from the checkpoint every sync (by its PID).
+        # The benchmark's legacy mode (bench/bridge_variants.py): restart the server from
+        # the checkpoint every sync (by its PID).
+        from bench.bridge_variants import RestartBridge
+
         optimizer_step(model, ids)
         old_pid = server.proc.pid
-        bridge = make_bridge(
-            "none", [url], token=TOKEN, save_dir=tmp_path / "ckpt2", restart=True, server=server
-        )
+        bridge = RestartBridge([url], tmp_path / "ckpt2", server, token=TOKEN)
         try:
             stats = bridge.sync(model, 2)
             server = bridge.server

@@ -210,18 +210,27 @@ def test_set_device_binds_the_trainers_gpu(servers) -> None:
 
 
 def test_server_restart_sets_the_nccl_engine_up_again(servers, fabric: Fabric) -> None:
+    """The trainer's wait loop (``WeightSync.resync_if_restarted``) sees the restart in the
+    bridge's one run_id record (``bridge.runs``) and re-syncs; the bridge sets up anew."""
+    from trainer.grpo import WeightSync
+
     model = tiny_model()
     (srv,) = servers("nccl", [2], model)
     with bridge_for([srv], trainer_device="cuda:2") as bridge:
-        bridge.sync(model, version=1)
+        weights = WeightSync(bridge, model, SimpleNamespace(reconnect_timeout=600))
+        weights.sync(1)
         check_loaded(srv, served(model))
         old = next(iter(fabric.groups))
         srv.restart()  # new run_id, fresh workers that know no trainer
-        bridge.sync(model, version=2)
+        assert bridge.runs.restarted()
+        weights.resync_if_restarted(2)
         assert srv.sequence() == ["init", "pause", "start", "update", "finish", "version", "resume"]
         check_loaded(srv, served(model))
         assert (old, 0) in fabric.destroyed, "the trainer dropped the dead communicator"
         assert len(fabric.groups) == 2 and len(fabric.joins) == 6
+        srv.calls.clear()
+        weights.resync_if_restarted(2)  # nothing restarted since: no sync
+        assert srv.sequence() == [] and not bridge.runs.restarted()
 
 
 def _inject(server: StandInServer, fail: Exception | None = None) -> threading.Event:

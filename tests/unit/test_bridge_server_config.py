@@ -180,8 +180,10 @@ def test_stage_and_apply_refuse_another_server_run_and_other_modes() -> None:
 
 
 def test_restart_mode_restarts_its_own_server_from_the_checkpoint(tmp_path) -> None:
-    """``none`` + ``restart=True``: each sync saves the weights and asks the server object the
-    bridge was given to restart from them (``BridgeServer.restart``, launch/vllm_server.py)."""
+    """The benchmark's legacy restart mode (bench/bridge_variants.py): each sync saves the
+    weights and asks the server object the bridge was given to restart from them
+    (``BridgeServer.restart``, launch/vllm_server.py)."""
+    from bench.bridge_variants import bench_bridge
 
     class Server:
         def __init__(self, model: str = "start", version: int = 0) -> None:
@@ -190,9 +192,8 @@ def test_restart_mode_restarts_its_own_server_from_the_checkpoint(tmp_path) -> N
         def restart(self, model, initial_version: int) -> Server:
             return Server(str(model), initial_version)
 
-    bridge = make_bridge(
-        "none", ["http://127.0.0.1:9"], save_dir=tmp_path, restart=True, server=Server()
-    )
+    kw = {"save_dir": tmp_path, "restart": True, "server": Server()}
+    bridge = bench_bridge("none", "http://127.0.0.1:9", "token", kw)
     try:
         stats = bridge.sync(torch.nn.Linear(2, 2), version=3)
     finally:

@@ -10,6 +10,7 @@ import http.server
 import logging
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -21,14 +22,17 @@ from settings.ports import free_port
 pytestmark = pytest.mark.unit
 
 
+def _reply(handler: http.server.BaseHTTPRequestHandler, code: int, body: bytes = b"{}") -> None:
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 class _Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        body = b'{"status": "ok"}'
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        _reply(self, 200, b'{"status": "ok"}')
 
     def log_message(self, *args: object) -> None:
         pass
@@ -139,6 +143,114 @@ def test_a_lease_cut_off_mid_request_is_an_api_error_not_replayed() -> None:
         client = ApiClient(f"http://127.0.0.1:{port}", retries=3, backoff=0.01)
         with pytest.raises(ApiError, match="not replayed") as e:
             client.lease(max_tokens=100, max_sequences=4, lease_seconds=10)
-        assert e.value.status_code is None
+        assert e.value.status_code is None and e.value.transient  # the trainer waits it out
     finally:
         server.shutdown()
+
+
+class _HangUpOnce(http.server.BaseHTTPRequestHandler):
+    """Lease 1 is cut off (the API died mid-call), lease 2 gets a batch, later ones are
+    refused (400: a request the API will never accept)."""
+
+    posts: list[str] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        type(self).posts.append(self.path)
+        if len(type(self).posts) == 1:
+            self.close_connection = True
+            return
+        if len(type(self).posts) > 2:
+            _reply(self, 400)
+            return
+        lease = b'{"batch_id": "b1", "groups": [], "lease_deadline": 0, "policy_version": 0}'
+        _reply(self, 200, lease)
+
+    def log_message(self, *_args: object) -> None:
+        pass
+
+
+def _lease_cfg(url: str, wait_timeout: float) -> SimpleNamespace:
+    return SimpleNamespace(
+        api_url=url,
+        max_batch_tokens=100,
+        batch_size=4,
+        lease_seconds=10.0,
+        wait_timeout=wait_timeout,
+        poll_interval=0.1,
+    )
+
+
+def test_the_trainers_lease_rides_out_a_cut_off_lease(caplog: pytest.LogCaptureFixture) -> None:
+    """``trainer.grpo._lease`` waits out a transient lease failure under ``api.retry`` (the
+    retry logged as "lease failed"), and raises a refused request at once."""
+    from trainer.grpo import _lease
+
+    _HangUpOnce.posts = []
+    port = free_port()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), _HangUpOnce)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        client = ApiClient(url, retries=3, backoff=0.01)
+        with caplog.at_level(logging.WARNING, logger="trainer.grpo"):
+            batch_id, groups = _lease(client, _lease_cfg(url, 30.0), None, 0)
+        assert (batch_id, groups) == ("b1", []) and len(_HangUpOnce.posts) == 2
+        assert any("lease failed" in r.getMessage() for r in caplog.records)
+        with pytest.raises(ApiError) as e:
+            _lease(client, _lease_cfg(url, 30.0), None, 0)
+        assert e.value.status_code == 400 and not e.value.transient
+        assert len(_HangUpOnce.posts) == 3, "a refused request is not retried"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_trainers_lease_gives_up_after_wait_timeout() -> None:
+    from trainer.grpo import _lease
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    client = ApiClient(url, retries=0, backoff=0.05, connect_timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(ApiError) as e:
+        _lease(client, _lease_cfg(url, 1.0), None, 0)
+    assert e.value.transient and 1.0 <= time.monotonic() - t0 < 15.0
+
+
+class _BusyOnce(http.server.BaseHTTPRequestHandler):
+    """``/busy``: 503 once, then 200; ``/broken``: always 500."""
+
+    posts: list[str] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        type(self).posts.append(self.path)
+        busy = self.path == "/busy" and type(self).posts.count("/busy") == 1
+        _reply(self, 500 if self.path == "/broken" else 503 if busy else 200)
+
+    def log_message(self, *_args: object) -> None:
+        pass
+
+
+def test_bridge_client_retries_by_the_one_transient_rule() -> None:
+    """``ServerClient`` (trainer/bridge/http.py) retries under ``api.retry``: a 503 (not
+    processed) is sent again; a 500 on a non-idempotent weight route is not."""
+    from trainer.bridge.http import BridgeHTTPError, ServerClient
+
+    _BusyOnce.posts = []
+    port = free_port()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), _BusyOnce)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = ServerClient(f"http://127.0.0.1:{port}", timeout=10.0)
+    try:
+        assert client.post("/busy").json() == {}
+        assert _BusyOnce.posts == ["/busy", "/busy"]
+        with pytest.raises(BridgeHTTPError) as e:
+            client.post("/broken")
+        assert e.value.status == 500 and is_transient(e.value)  # idempotent calls would retry
+        assert not is_transient(e.value, idempotent=False)
+        assert _BusyOnce.posts.count("/broken") == 1
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()

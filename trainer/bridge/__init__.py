@@ -59,7 +59,7 @@ def make_bridge(
     weights every N-th sync. ``trainer_device`` (CUDA only) is the trainer's own GPU, made
     current before the native engine is built (NCCL joins from it, IPC keys its handles by
     it). ``kwargs`` go to the mode's class (e.g. ``bucket_bytes`` for the
-    broadcast, ``restart=True, server=...`` for none's restart-the-server variant). The
+    broadcast). The
     broadcast's rendezvous comes from ``MASTER_ADDR``/``MASTER_PORT`` when they are set
     (``rendezvous_from_env``) unless ``kwargs`` name it.
     """

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from trainer.bridge.http import ServerClient
+from trainer.bridge.runs import ServerRuns
 
 T = TypeVar("T")
 
@@ -37,8 +37,6 @@ class WeightBridge(ABC):
     previous weights or, for a partial failure, with generation resumed.
     """
 
-    mode: ClassVar[str]
-
     def __init__(
         self, server_urls: Sequence[str], token: str | None = None, timeout: float = 600.0
     ):
@@ -46,6 +44,8 @@ class WeightBridge(ABC):
             raise ValueError("at least one server url is needed")
         self.servers = [ServerClient(u, token=token, timeout=timeout) for u in server_urls]
         self.last_stats: SyncStats | None = None
+        self.runs = ServerRuns(lambda: [h["run_id"] for h in self.each(ServerClient.health)])
+        """Which run of each server the weights are on (a new run_id = a restart)."""
         self._pool = ThreadPoolExecutor(
             max_workers=max(2, len(self.servers)), thread_name_prefix="bridge"
         )
@@ -70,13 +70,3 @@ class WeightBridge(ABC):
         """Run ``fn`` on every server concurrently; re-raise the first failure."""
         futures = [self._pool.submit(fn, s) for s in self.servers]
         return [f.result() for f in futures]
-
-    def paused_apply(self, version: int) -> tuple[float, list[dict[str, Any]]]:
-        """pause -> finish_weight_update(version) -> resume on every server, via the
-        server's /bridge/apply (one round trip; the server resumes in a ``finally``).
-
-        Returns the stall (wall time of the slowest server) and the servers' answers.
-        """
-        t0 = time.perf_counter()
-        answers = self.each(lambda s: s.post("/bridge/apply", json={"version": version}).json())
-        return time.perf_counter() - t0, answers

@@ -15,7 +15,8 @@ pause(keep) -> start -> update (NCCL broadcast / IPC handles) -> finish(version)
   handles for it would mean the trainer holding a full copy of the model in that GPU's memory
   (which vLLM has already claimed for its KV cache) -- a broadcast, done worse. So it is
   refused when the bridge is built (and by launch/placement.py before anything starts).
-- **Restarts**: every sync first reads each server's ``run_id``; a new one means the server's
+- **Restarts**: every sync first reads each server's ``run_id`` (``bridge.runs``,
+  trainer/bridge/runs.py); a new one means the server's
   engine (and its NCCL group) is gone: the trainer's engine is shut down and set up again.
 - **Failures are bounded**: the send runs in a thread; the sync waits for it at most
   ``send_timeout`` s and stops at the first error a server answers (a worker that failed never
@@ -46,6 +47,7 @@ import httpx
 import torch
 
 import trainer.bridge.vllm_compat as vllm_compat
+from api.retry import is_transient
 from settings.ports import free_port
 from trainer.bridge.base import SyncStats, WeightBridge
 from trainer.bridge.http import ServerClient
@@ -54,7 +56,6 @@ from vllm_patching.transport import torch_dtype
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-RESUME_TRIES = 3
 
 
 class WeightSendError(RuntimeError):
@@ -156,8 +157,6 @@ class NativeCudaBridge(WeightBridge):
     """CUDA servers through vLLM's native engines: ``nccl`` (any number of servers, any
     tensor parallelism) or ``ipc`` (``single_copy``: one server on the trainer's GPU)."""
 
-    mode = "shared_vllm"
-
     def __init__(
         self,
         server_urls: Sequence[str],
@@ -183,7 +182,7 @@ class NativeCudaBridge(WeightBridge):
 
     def _read_infos(self) -> None:
         self.infos = self.each(ServerClient.info)
-        self.run_ids = [i["run_id"] for i in self.infos]
+        self.runs.record([i["run_id"] for i in self.infos])
         want = "ipc" if self.single_copy else "nccl"
         for s, info in zip(self.servers, self.infos, strict=True):
             if info["backend"] != want:
@@ -258,9 +257,9 @@ class NativeCudaBridge(WeightBridge):
         self.engine, self.client = None, None
 
     def _check_restarts(self) -> None:
-        ids = [h["run_id"] for h in self.each(ServerClient.health)]
-        if ids != self.run_ids:
-            self._reset(f"a server restarted (run_id {self.run_ids} -> {ids})")
+        ids = self.runs.current()
+        if self.runs.restarted(ids):
+            self._reset(f"a server restarted (run_id {self.runs.ids} -> {ids})")
             self._read_infos()
 
     # -- one sync ----------------------------------------------------------------------------
@@ -330,17 +329,11 @@ class NativeCudaBridge(WeightBridge):
         so the original error is the one the caller sees."""
 
         def resume(s: ServerClient) -> None:
-            # Idempotent, so retried when the connection broke: after an error answer
-            # uvicorn closes the keep-alive connection and the next request on it can be
-            # reset (seen in the harness after a failed /update_weights).
-            for attempt in range(RESUME_TRIES):
-                try:
-                    s.post("/resume", **({} if timeout is None else {"timeout": timeout}))
-                    return
-                except httpx.TransportError as e:
-                    if isinstance(e, httpx.TimeoutException) or attempt == RESUME_TRIES - 1:
-                        raise
-                    time.sleep(0.2 * (attempt + 1))
+            s.post(
+                "/resume",
+                retryable=_resume_retryable,
+                **({} if timeout is None else {"timeout": timeout}),
+            )
 
         futures = [self._pool.submit(resume, s) for s in self.servers]
         for s, f in zip(self.servers, futures, strict=True):
@@ -363,6 +356,15 @@ class NativeCudaBridge(WeightBridge):
             self.engine = None
         self._reset("closed")
         super().close()
+
+
+def _resume_retryable(exc: BaseException) -> bool:
+    """``/resume`` is idempotent, so the one transient rule (``api.retry.is_transient``)
+    applies in full -- after an error answer uvicorn closes the keep-alive connection and the
+    next request on it can be reset (seen in the harness after a failed /update_weights) --
+    except a timeout: a server that hangs is not waited for again (each resume is bounded by
+    the timeout its caller gives)."""
+    return is_transient(exc) and not isinstance(exc, httpx.TimeoutException)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

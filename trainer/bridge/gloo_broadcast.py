@@ -56,9 +56,8 @@ class GlooBroadcastBridge(StagedBridge):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout: float = 600.0,
         shm_fast_path: bool = True,
-        resident: bool = True,
     ) -> None:
-        super().__init__(server_urls, token=token, timeout=timeout, resident=resident)
+        super().__init__(server_urls, token=token, timeout=timeout)
         self.bucket_bytes = bucket_bytes
         self.master_address = master_address
         self.master_port = master_port

@@ -2,27 +2,43 @@
 
 from __future__ import annotations
 
-import time
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 
+from api.retry import RetryPolicy, is_transient, retry_call
 from vllm_patching.protocol import TOKEN_HEADER
 
+log = logging.getLogger(__name__)
 
-class BridgeHTTPError(RuntimeError):
-    """A bridge/dev route answered with an error status (``status``: the HTTP code)."""
 
-    def __init__(self, message: str, status: int = 0) -> None:
-        super().__init__(message)
-        self.status = status
+class BridgeHTTPError(httpx.HTTPStatusError):
+    """A bridge/dev route answered with an error status (``status``: the HTTP code).
+
+    An ``httpx.HTTPStatusError``, so ``api.retry.is_transient`` judges it like any other
+    answer (a 503 was not processed; a 500 may have been)."""
+
+    @property
+    def status(self) -> int:
+        return self.response.status_code
+
+
+def never_sent(exc: BaseException) -> bool:
+    """The one transient rule for a request that is not safe to repeat: only a failure that
+    proves the server did not process it (``api.retry.is_transient``, ``idempotent=False``)."""
+    return is_transient(exc, idempotent=False)
 
 
 class ServerClient:
     """Calls one server's weight routes with the shared token.
 
-    Retries only when the request provably did not reach the server (connect errors): the
-    weight routes are not idempotent, so a timeout or a 5xx is raised, never replayed.
+    Every request retries under the project's retry policy (``api.retry``), ``retries``
+    extra tries at most. By default only what provably did not reach the server is retried
+    (a refused connection, 429/502/503/504/507): the weight routes are not idempotent, so a
+    timeout or a 500 is raised, never replayed. A caller whose request is safe to repeat
+    passes its own ``retryable`` (``request(..., retryable=...)``).
     """
 
     def __init__(
@@ -32,24 +48,27 @@ class ServerClient:
         self.token, self.timeout = token, timeout
         headers = {TOKEN_HEADER: token} if token else {}
         self.http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
-        self.retries = retries
+        self.policy = RetryPolicy(attempts=retries + 1)
 
-    def request(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        for attempt in range(self.retries + 1):
-            try:
-                r = self.http.request(method, path, **kw)
-            except httpx.ConnectError:
-                if attempt == self.retries:
-                    raise
-                time.sleep(0.5 * 2**attempt)
-                continue
+    def request(
+        self,
+        method: str,
+        path: str,
+        retryable: Callable[[BaseException], bool] = never_sent,
+        **kw: Any,
+    ) -> httpx.Response:
+        def once() -> httpx.Response:
+            r = self.http.request(method, path, **kw)
             if r.status_code >= 400:
                 raise BridgeHTTPError(
                     f"{method} {self.base_url}{path} -> {r.status_code}: {r.text[:500]}",
-                    r.status_code,
+                    request=r.request,
+                    response=r,
                 )
             return r
-        raise AssertionError("unreachable")
+
+        what = f"{method} {self.base_url}{path}"
+        return retry_call(once, what, retryable, self.policy, logger=log)
 
     def post(self, path: str, json: Any = None, **kw: Any) -> httpx.Response:
         return self.request("POST", path, json=json, **kw)
@@ -60,9 +79,6 @@ class ServerClient:
     def health(self) -> dict[str, Any]:
         """``{"status", "mode", "weight_version", "run_id"}``; a new run_id = a restart."""
         return self.request("GET", "/bridge/health").json()
-
-    def weight_version(self) -> str:
-        return self.health()["weight_version"]
 
     def start_weight_update(self) -> None:
         """Native ``/start_weight_update``, recovering a worker left "active" by a failed
@@ -80,9 +96,6 @@ class ServerClient:
         # keep: freeze in-flight requests (they finish after resume, recomputed on the new
         # weights because clear_cache drops their KV/prefix cache).
         self.post("/pause", params={"mode": "keep", "clear_cache": "true"})
-
-    def resume(self) -> None:
-        self.post("/resume")
 
     def close(self) -> None:
         self.http.close()

@@ -19,8 +19,6 @@ from trainer.bridge.base import SyncStats, WeightBridge
 
 
 class LoraBridge(WeightBridge):
-    mode = "lora_only"
-
     def __init__(
         self,
         server_urls: Sequence[str],
@@ -30,9 +28,11 @@ class LoraBridge(WeightBridge):
         timeout: float = 600.0,
     ) -> None:
         super().__init__(server_urls, token=token, timeout=timeout)
-        for url, info in zip(server_urls, self.each(lambda s: s.info()), strict=True):
+        infos = self.each(lambda s: s.info())
+        for url, info in zip(server_urls, infos, strict=True):
             if info["mode"] != "lora_only":
                 raise ValueError(f"{url} runs bridge mode {info['mode']!r}, not lora_only")
+        self.runs.record([i["run_id"] for i in infos])
         self.save_dir = Path(save_dir)
         self.save_dir.mkdir(parents=True, exist_ok=True)
         self.keep = keep
@@ -45,6 +45,7 @@ class LoraBridge(WeightBridge):
         if not isinstance(model, PeftModel):
             raise TypeError("lora_only needs a peft PeftModel (the adapter is what is synced)")
         t0 = time.perf_counter()
+        runs = self.runs.current()  # a server restarted after this read is re-synced later
         path = self.save_dir / f"v{version}"
         tmp = self.save_dir / f".v{version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -58,6 +59,7 @@ class LoraBridge(WeightBridge):
             ).json()
         )
         self.served_model = answers[0]["served_model"]
+        self.runs.record(runs)
         self._saved.append(path)
         while len(self._saved) > self.keep:
             shutil.rmtree(self._saved.pop(0), ignore_errors=True)

@@ -3,11 +3,7 @@
 Default: the server's ``/bridge/reload`` pauses (keep), loads the files through the same
 apply path as the broadcast (load_weights + finalize + tied lm_head refresh), sets the
 version and resumes. ``reload_every=N`` applies only every N-th sync (the others return
-with ``stats.detail["skipped"]`` and the server keeps serving ``served_version``). With
-``restart=True`` the bridge restarts its own server from the checkpoint instead of
-reloading in place (Atropos' legacy mode); it starts and stops that server by PID, so it
-must own it (``server`` argument: anything with ``restart(model, initial_version)``, such as
-the ``BridgeServer`` of ``launch.vllm_server.start_bridge_server``).
+with ``stats.detail["skipped"]`` and the server keeps serving ``served_version``).
 """
 
 from __future__ import annotations
@@ -41,8 +37,6 @@ def save_checkpoint(model: torch.nn.Module, path: Path) -> int:
 
 
 class CheckpointReloadBridge(WeightBridge):
-    mode = "none"
-
     def __init__(
         self,
         server_urls: Sequence[str],
@@ -50,21 +44,15 @@ class CheckpointReloadBridge(WeightBridge):
         token: str | None = None,
         keep: int = 2,
         reload_every: int = 1,
-        restart: bool = False,
-        server=None,
         timeout: float = 600.0,
     ) -> None:
         super().__init__(server_urls, token=token, timeout=timeout)
         if reload_every < 1:
             raise ValueError("reload_every must be >= 1")
-        if restart and (server is None or len(server_urls) != 1):
-            raise ValueError("restart needs the one server this bridge started (server=)")
         self.save_dir = Path(save_dir)
         self.save_dir.mkdir(parents=True, exist_ok=True)
         self.keep = keep
         self.reload_every = reload_every
-        self.restart = restart
-        self.server = server
         self.served_version: int | None = None
         self._saved: list[Path] = []
         self._syncs = 0
@@ -81,16 +69,8 @@ class CheckpointReloadBridge(WeightBridge):
         path = self.save_dir / f"v{version}"
         nbytes = save_checkpoint(model, path)
         t1 = time.perf_counter()
-        if self.restart:
-            answers = [self._restart(path, version)]
-            stall = answers[0]["stall_s"]
-        else:
-            answers = self.each(
-                lambda s: s.post(
-                    "/bridge/reload", json={"path": str(path.resolve()), "version": version}
-                ).json()
-            )
-            stall = max(a["stall_s"] for a in answers)
+        answers = self._apply(path, version)
+        stall = max(a["stall_s"] for a in answers)
         self.served_version = version
         self._saved.append(path)
         while len(self._saved) > self.keep:
@@ -107,13 +87,13 @@ class CheckpointReloadBridge(WeightBridge):
         self.last_stats = stats
         return stats
 
-    def _restart(self, path: Path, version: int) -> dict:
-        """Stop our server (by PID) and start it again from ``path`` at ``version``."""
-        t0 = time.perf_counter()
-        # Same port, so the server's clients (and self.servers[0]) keep their URL.
-        self.server = self.server.restart(path, initial_version=version)
-        return {
-            "weight_version": str(version),
-            "stall_s": time.perf_counter() - t0,
-            "restarted": True,
-        }
+    def _apply(self, path: Path, version: int) -> list[dict]:
+        """Every server reloads ``path`` in place as ``version``; their answers."""
+        runs = self.runs.current()  # a server restarted after this read is re-synced later
+        answers = self.each(
+            lambda s: s.post(
+                "/bridge/reload", json={"path": str(path.resolve()), "version": version}
+            ).json()
+        )
+        self.runs.record(runs)
+        return answers

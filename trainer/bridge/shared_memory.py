@@ -24,9 +24,8 @@ class SharedMemoryBridge(StagedBridge):
         server_urls: Sequence[str],
         token: str | None = None,
         timeout: float = 600.0,
-        resident: bool = True,
     ):
-        super().__init__(server_urls, token=token, timeout=timeout, resident=resident)
+        super().__init__(server_urls, token=token, timeout=timeout)
         self.segment: ShmSegment | None = None
 
     def _open(self, plan: PackPlan) -> None:

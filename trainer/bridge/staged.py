@@ -39,12 +39,8 @@ class StagedBridge(WeightBridge):
         server_urls: Sequence[str],
         token: str | None = None,
         timeout: float = 600.0,
-        resident: bool = True,
     ):
         super().__init__(server_urls, token=token, timeout=timeout)
-        self.resident = resident
-        """Keep the trainer's parameters in the data plane's buckets (``ResidentWeights``):
-        syncs copy nothing. Off: every sync packs (copies) the weights into the buckets."""
         self._resident: ResidentWeights | None = None
         self.infos = self.each(ServerClient.info)
         for url, info in zip(server_urls, self.infos, strict=True):
@@ -57,7 +53,7 @@ class StagedBridge(WeightBridge):
         if len(dtypes) != 1:
             raise ValueError(f"servers disagree on dtype: {sorted(dtypes)}")
         self.dtype = dtypes.pop()
-        self.run_ids = [i["run_id"] for i in self.infos]
+        self.runs.record([i["run_id"] for i in self.infos])
         self.plan: PackPlan | None = None
         self.metas: list[TensorMeta] | None = None
         self._packer: Packer | None = None
@@ -71,6 +67,11 @@ class StagedBridge(WeightBridge):
     def _close_data_plane(self) -> None: ...
     def _buckets(self) -> list[torch.Tensor]: ...
     def _send(self) -> None: ...
+
+    def _adopt(self, packer: Packer, params: list[torch.nn.Parameter]) -> ResidentWeights | None:
+        """Move the trainer's parameters into the data plane's buckets (``ResidentWeights``),
+        so syncs copy nothing; called once per data plane."""
+        return ResidentWeights.adopt(packer, params)
 
     def _prepare(self, params: Sequence[tuple[str, torch.Tensor]]) -> None:
         metas = wire_metas(list(params), self.dtype)
@@ -94,7 +95,7 @@ class StagedBridge(WeightBridge):
         """A server restarted (new run_id): its transfer engine is gone. Set the data plane
         up again from scratch; nothing from the old run (group, segment) is reused."""
         self.infos = self.each(ServerClient.info)
-        self.run_ids = [i["run_id"] for i in self.infos]
+        self.runs.record([i["run_id"] for i in self.infos])
         self._drop_data_plane()
 
     def close(self) -> None:
@@ -115,14 +116,14 @@ class StagedBridge(WeightBridge):
         must be known before staging anywhere. (Local-only rounds skip this round trip:
         the run_id travels with the one call and a mismatch is a 409 with nothing staged.)
         """
-        if [h["run_id"] for h in self.each(ServerClient.health)] != self.run_ids:
+        if self.runs.restarted():
             self._reset()
 
     def _each_run(self, fn: Callable[[ServerClient, str], T]) -> list[T]:
         """``fn(server, its run_id)`` on every server concurrently."""
-        futures = [
-            self._pool.submit(fn, s, rid) for s, rid in zip(self.servers, self.run_ids, strict=True)
-        ]
+        ids = self.runs.ids
+        assert ids is not None  # recorded when the bridge was built
+        futures = [self._pool.submit(fn, s, rid) for s, rid in zip(self.servers, ids, strict=True)]
         return [f.result() for f in futures]
 
     @torch.no_grad()
@@ -155,8 +156,7 @@ class StagedBridge(WeightBridge):
         t1 = time.perf_counter()
         if self._packer is None:
             self._packer = Packer(self.plan, self._buckets())
-            if self.resident:
-                self._resident = ResidentWeights.adopt(self._packer, [p for _, p in params])
+            self._resident = self._adopt(self._packer, [p for _, p in params])
         copied = self._packer.pack([p.detach() for _, p in params])
         t2 = time.perf_counter()
         update_info: dict[str, Any] = {
