@@ -1,6 +1,6 @@
 """What an Atropos group sends beyond tokens, masks and scores, and what the GRPO trainer does
 with each field (docs/ATROPOS.md has the table). A group leased natively carries them in
-``extras.atropos`` (api/atropos_wire.py ``to_native``).
+``extras.atropos`` (api/atropos_convert.py ``to_native``).
 
 - applied: ``inference_logprobs`` (recomputed by the trainer's forward pass when the env sent
   none, ``inference_logprobs_missing``: never trained on zeros), ``advantages`` (per token,

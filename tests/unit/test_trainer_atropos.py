@@ -1,6 +1,6 @@
 """What the GRPO trainer does with the fields an Atropos environment sends (issue 28;
 trainer/atropos_fields.py): each group goes through the API's own conversion
-(``api.atropos_wire.prepare`` + ``to_native``, as a native lease serves it), then through the
+(``api.atropos_wire.prepare`` + ``api.atropos_convert.to_native``, as a native lease serves it), then through the
 trainer's real code. Hand-computed values on the micro Qwen2, both packing paths."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from api import atropos_wire
+from api.atropos_convert import to_native
 from api.protocol import ScoredGroup
 from tests.unit.test_trainer_core import _grpo_cfg, build_micro_model
 from trainer.atropos_fields import refusal
@@ -51,7 +52,7 @@ def item(**kw) -> dict:
 def leased(atropos_item: dict, gid: str = "g") -> ScoredGroup:
     """An Atropos group as the API stores it and a native lease serves it."""
     prepared = atropos_wire.prepare(msgspec.Raw(json.dumps(atropos_item).encode()), "zeros")
-    return ScoredGroup.model_validate_json(atropos_wire.to_native(prepared.payload, gid, "toy", 0))
+    return ScoredGroup.model_validate_json(to_native(prepared.payload, gid, "toy", 0))
 
 
 def ctx_for(cfg: GrpoConfig, reference: bool = False) -> StepContext:
