@@ -17,6 +17,7 @@ from trainer.gail.discriminator import Discriminator, balanced_accuracy, balance
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,9 @@ def completion_text(text: str) -> str:
 class GailReward:
     """Scores a leased batch's completions and trains the discriminator on it."""
 
-    def __init__(self, cfg: GailConfig, policy_tokenizer: Any, device: Any) -> None:
+    def __init__(
+        self, cfg: GailConfig, policy_tokenizer: PreTrainedTokenizerBase, device: str | torch.device
+    ) -> None:
         self.cfg = cfg
         self.policy_tokenizer = policy_tokenizer
         self.disc = Discriminator(cfg, policy_tokenizer, device)
