@@ -25,6 +25,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api import atropos_wire
 from api.atropos_book import AtroposBook
+from api.atropos_convert import from_native
 from api.config import ApiConfig
 from api.protocol import (
     AtroposEnvIdentifier,
@@ -203,7 +204,7 @@ def latest_example(request: Request) -> Response:
         )
         return JSONResponse({k: [] for k in empty})
     fmt, payload = latest
-    body = payload if fmt == "atropos" else atropos_wire.from_native(payload)
+    body = payload if fmt == "atropos" else from_native(payload)
     return Response(content=body, media_type="application/json")
 
 

@@ -29,6 +29,7 @@ import uuid
 from typing import Any
 
 from api.atropos_packing import EnvAllocation, QueueItem, form_batches
+from api.db import get_meta, set_meta
 from api.store import Store
 
 MIN_ENV_WEIGHT = 0.01
@@ -42,7 +43,10 @@ NOT_REGISTERED = {
 
 
 class AtroposBook:
-    """The Atropos routes' state, kept in the store's database (survives restarts)."""
+    """The Atropos routes' state, kept in the store's database (survives restarts). It owns
+    the trainer's registration (``meta.atropos``), the Atropos columns of ``envs`` and the
+    ``atropos`` batches, and works through the public methods of the store's components
+    (``Store.db``, ``Store.queue``, ``Store.envs``)."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -53,18 +57,16 @@ class AtroposBook:
         """The first registration (until ``/reset_data``) sets batch size and schedule, as
         in Atropos; every registration puts batches delivered and not yet acked back at the
         front (a restarted trainer gets what its predecessor may not have trained on)."""
-        s = self.store
-        with s._tx() as db:
-            if s._meta("atropos") is None:
-                s._set_meta("atropos", registration)
-                s._set_meta("step", registration.get("starting_step", 0))
+        with self.store.db.tx() as db:
+            if get_meta(db, "atropos") is None:
+                set_meta(db, "atropos", registration)
+                self.store.queue.set_step(db, registration.get("starting_step", 0))
             db.execute("UPDATE batches SET state='formed' WHERE kind='atropos' AND state='leased'")
         return uuid.uuid4().int
 
     def registration(self) -> dict[str, Any] | None:
-        with self.store.read() as db:
-            row = db.execute("SELECT value FROM meta WHERE key='atropos'").fetchone()
-        return None if row is None else json.loads(row[0])
+        with self.store.db.read() as db:
+            return get_meta(db, "atropos")
 
     def register_env(
         self,
@@ -75,10 +77,10 @@ class AtroposBook:
         min_batch_allocation: float | None,
     ) -> dict[str, Any]:
         s = self.store
-        with s._tx() as db:
-            if not s._meta("started", False):
+        with s.db.tx() as db:
+            if not s.queue.started(db):
                 return {"status": "wait for trainer to start"}
-            reg = s._meta("atropos") or {}
+            reg = get_meta(db, "atropos") or {}
             (same,) = db.execute(
                 "SELECT COUNT(*) FROM envs WHERE desired_name=?", (desired_name,)
             ).fetchone()
@@ -87,7 +89,7 @@ class AtroposBook:
             name = re.sub(r"[^A-Za-z0-9_.:\-]", "_", real_name)[:90]
             if db.execute("SELECT 1 FROM envs WHERE name=?", (name,)).fetchone():
                 name = f"{name}-{env_id}"  # a native env, or another name sanitised alike
-            vtime = float(s._meta("vtime", 0.0))
+            vtime = s.envs.virtual_time(db)
             db.execute(
                 "INSERT INTO envs(name, weight, group_size, pass, last_seen, atropos_id, "
                 "max_token_length, desired_name, atropos_weight, min_batch_allocation) "
@@ -110,13 +112,13 @@ class AtroposBook:
                 "env_id": env_id,
                 "wandb_name": real_name,
                 "checkpoint_dir": reg.get("checkpoint_dir", ""),
-                "starting_step": int(s._meta("step", 0)),
+                "starting_step": s.queue.current_step(db),
                 "checkpoint_interval": reg.get("save_checkpoint_interval", -1),
                 "num_steps": reg.get("num_steps", -1),
             }
 
     def disconnect(self, env_id: int) -> bool:
-        with self.store._tx() as db:
+        with self.store.db.tx() as db:
             cur = db.execute("UPDATE envs SET connected=0 WHERE atropos_id=?", (env_id,))
             return cur.rowcount > 0
 
@@ -130,13 +132,13 @@ class AtroposBook:
         Atropos's error reply (no trainer registered)."""
         s = self.store
         now = s.clock()
-        with s._tx() as db:
-            reg = s._meta("atropos")
+        with s.db.tx() as db:
+            reg = get_meta(db, "atropos")
             if reg is None:
                 return NOT_REGISTERED
-            s._set_meta("started", True)
-            s._expire_leases(db, now)  # a trainer that went away: its batch goes back
-            s._drop_stale(db)
+            s.queue.mark_started(db)
+            s.queue.expire_leases(db, now)  # a trainer that went away: its batch goes back
+            s.queue.drop_stale(db)
             if ack_previous:
                 db.execute(
                     "UPDATE groups SET state='acked', payload='' WHERE state='leased' AND "
@@ -157,13 +159,13 @@ class AtroposBook:
                 "UPDATE batches SET state='leased', deadline=? WHERE batch_id=?",
                 (now + lease_seconds, batch_id),
             )
-            payloads = s._payloads(db, members, want="atropos")
-            s.serve_rate.add(len(members), now)
+            payloads = s.queue.payloads(db, members, want="atropos")
+            s.queue.serve_rate.add(len(members), now)
         return batch_id, payloads
 
     def release(self, batch_id: str) -> None:
         """The trainer was gone before its batch was sent: serve that batch again next."""
-        with self.store._tx() as db:
+        with self.store.db.tx() as db:
             db.execute(
                 "UPDATE batches SET state='formed' WHERE batch_id=? AND state='leased'",
                 (batch_id,),
@@ -194,7 +196,7 @@ class AtroposBook:
         if not batches:
             return
         (base,) = db.execute("SELECT COALESCE(MAX(form_idx) + 1, 0) FROM batches").fetchone()
-        version = int(self.store._meta("policy_version", 0))
+        version = self.store.queue.live_version(db)
         for k, idxs in enumerate(batches):
             batch_id = uuid.uuid4().hex
             members = [rows[i][0] for i in idxs]
@@ -218,13 +220,13 @@ class AtroposBook:
                 "UPDATE groups SET state='leased', batch_id=? WHERE seq=?",
                 [(batch_id, seq) for seq in members],
             )
-        self.store._bump_step(len(batches))
+        self.store.queue.advance_step(db, len(batches))
 
     # -- status -------------------------------------------------------------------------
 
     def status_env(self, env_id: int) -> dict[str, Any] | None:
         """Atropos's ``/status-env`` for ``env_id`` (``None``: unknown id)."""
-        with self.store.read() as db:
+        with self.store.db.read() as db:
             envs = {
                 row[0]: row[1:]
                 for row in db.execute(
@@ -241,9 +243,8 @@ class AtroposBook:
                     "WHERE state='queued' GROUP BY atropos_env"
                 )
             }
-            meta = dict(db.execute("SELECT key, value FROM meta WHERE key IN ('step', 'atropos')"))
-        step = json.loads(meta.get("step", "0"))
-        batch_size = json.loads(meta.get("atropos", "{}")).get("batch_size", 0)
+            step = self.store.queue.current_step(db)
+            batch_size = (get_meta(db, "atropos") or {}).get("batch_size", 0)
         total = sum(ctx * max(0.0, w) for ctx, w, c, _, _ in envs.values() if c)
         ctx, weight, _, _, gs = envs[env_id]
         env_weight = max(MIN_ENV_WEIGHT, ctx * weight / total) if total else MIN_ENV_WEIGHT

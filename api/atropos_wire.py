@@ -1,5 +1,5 @@
-"""Atropos groups on the wire: parsing and checking posted ``ScoredData``, and converting
-between Atropos's shape and the native contract.
+"""Atropos groups on the wire: parsing and checking posted ``ScoredData`` (the conversion
+between Atropos's shape and the native contract is ``api.atropos_convert``).
 
 Groups posted on the Atropos routes are stored as Atropos JSON (every ``ScoredData`` field,
 ``distill_token_ids``/``distill_logprobs`` included), re-encoded compactly, and served on
@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from api.atropos_convert import ATROPOS_FIELDS
 from api.protocol import GROUP_ID_MAX, VERSION_MAX
 
 UNSET = msgspec.UNSET
@@ -51,7 +52,8 @@ class AtroposItemLoose(AtroposItem, forbid_unknown_fields=False):
     encoded again without them."""
 
 
-ATROPOS_FIELDS = AtroposItem.__struct_fields__
+if AtroposItem.__struct_fields__ != ATROPOS_FIELDS:  # the two lists must name the same fields
+    raise ImportError("api.atropos_convert.ATROPOS_FIELDS differs from AtroposItem's fields")
 _decode_list = msgspec.json.Decoder(list[msgspec.Raw])
 _decode_item = msgspec.json.Decoder(AtroposItem)
 _decode_loose = msgspec.json.Decoder(AtroposItemLoose)
@@ -193,57 +195,3 @@ def _check_finite(g: AtroposItem) -> None:
         for i, row in enumerate(_get(g, name) or ()):
             if not all(map(math.isfinite, row)):
                 raise ItemError(f"{name}[{i}] has a value that is not finite")
-
-
-# -- conversion between the two contracts ---------------------------------------------------
-
-
-def to_native(payload: str, group_id: str, env: str, policy_version: int) -> str:
-    """A stored Atropos group -> native ``ScoredGroup`` JSON (for a native lease): labels
-    become the 0/1 ``mask`` (kept verbatim in extras if they were not in label form),
-    missing logprobs become 0.0 with ``extras.atropos.inference_logprobs_missing``."""
-    g = json.loads(payload)
-    tokens, masks = g["tokens"], g["masks"]
-    logprobs = g.get("inference_logprobs")
-    extras = {
-        k: v
-        for k, v in g.items()
-        if k not in ("tokens", "masks", "scores", "inference_logprobs") and v is not None
-    }
-    mask01 = [[0 if m == -100 else 1 for m in mask] for mask in masks]
-    if any(_labels(t, m01) != m for t, m01, m in zip(tokens, mask01, masks, strict=True)):
-        extras["masks"] = masks
-    if logprobs is None:
-        extras["inference_logprobs_missing"] = True
-        logprobs = [[0.0] * len(t) for t in tokens]
-    seqs = [
-        {"tokens": t, "mask": m, "logprobs": lp, "score": s}
-        for t, m, lp, s in zip(tokens, mask01, logprobs, g["scores"], strict=True)
-    ]
-    group = {
-        "group_id": group_id,
-        "env": env,
-        "policy_version": policy_version,
-        "sequences": seqs,
-        "metrics": {},
-        "extras": {"atropos": extras},
-    }
-    return json.dumps(group, separators=(",", ":"))
-
-
-def from_native(payload: str) -> str:
-    """A stored native group -> Atropos ``ScoredData`` JSON (for ``GET /batch``)."""
-    group = json.loads(payload)
-    extras = group.get("extras", {}).get("atropos", {})
-    seqs = group["sequences"]
-    out: dict[str, Any] = {k: extras.get(k) for k in ATROPOS_FIELDS}
-    out["tokens"] = [s["tokens"] for s in seqs]
-    out["masks"] = extras.get("masks") or [_labels(s["tokens"], s["mask"]) for s in seqs]
-    out["scores"] = [s["score"] for s in seqs]
-    missing = extras.get("inference_logprobs_missing", False)
-    out["inference_logprobs"] = None if missing else [s["logprobs"] for s in seqs]
-    return json.dumps(out, separators=(",", ":"))
-
-
-def _labels(tokens: list[int], mask: list[int]) -> list[int]:
-    return [t if m else -100 for t, m in zip(tokens, mask, strict=False)]

@@ -1,17 +1,23 @@
-"""The API's SQLite schema, its in-place migration, and per-thread read connections.
+"""The API's SQLite schema, its in-place migration, its connections and transactions.
 
-One write connection (behind the store's lock) makes every change; reads that must not wait
-for it (Atropos ``/status-env``, polled ~10 times a second by every environment) use their
-own connection per thread: in WAL mode a reader sees the last committed state and neither
-blocks nor is blocked by the writer.
+One write connection behind one lock (``Database``) makes every change, in explicit
+transactions committed before the reply that reports them; reads that must not wait for it
+(Atropos ``/status-env``, polled ~10 times a second by every environment) use their own
+connection per thread: in WAL mode a reader sees the last committed state and neither blocks
+nor is blocked by the writer. The ``meta`` table holds single values (``get_meta`` /
+``set_meta``); each key is read and written by one component of the store only.
 """
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 import urllib.parse
-from typing import Literal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS groups (
@@ -128,3 +134,74 @@ class Readers:
                 db.close()
             self._all.clear()
         self._local = threading.local()
+
+
+class Database:
+    """The write connection, its lock and the per-thread readers of one database file."""
+
+    def __init__(self, path: str, synchronous: Synchronous) -> None:
+        if path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._lock = threading.RLock()
+        self._db = connect(path, synchronous)
+        self._readers = Readers(path)
+
+    def close(self) -> None:
+        with self._lock:
+            self._readers.close()
+            self._db.close()
+
+    @contextmanager
+    def tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction, committed (durably) before the caller replies.
+
+        Whatever fails -- the body, or the ``COMMIT`` itself (a full disk) -- the transaction
+        is rolled back and the first error raised. SQLite may already have rolled back by
+        itself (``SQLITE_FULL``, ``SQLITE_IOERR``): then there is nothing left to roll back,
+        and the connection is ready for the next transaction either way."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    try:
+                        self._db.execute("ROLLBACK")
+                    except sqlite3.Error:  # pragma: no cover - the error being raised says more
+                        pass
+                raise
+
+    @contextmanager
+    def locked(self) -> Iterator[sqlite3.Connection]:
+        """The write connection under the lock, outside any transaction: reads that must see
+        one consistent state, and no writer runs meanwhile."""
+        with self._lock:
+            yield self._db
+
+    @contextmanager
+    def read(self) -> Iterator[sqlite3.Connection]:
+        """A connection for reads that need not wait for writers (WAL snapshot); the write
+        connection under the lock for ``:memory:`` databases."""
+        db = self._readers.get()
+        if db is not None:
+            yield db
+            return
+        with self._lock:
+            yield self._db
+
+
+def get_meta(db: sqlite3.Connection, key: str, default: Any = None) -> Any:
+    """The value stored under ``key`` in ``meta`` (JSON), else ``default``."""
+    row = db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+    return default if row is None else json.loads(row[0])
+
+
+def set_meta(db: sqlite3.Connection, key: str, value: Any) -> None:
+    """Store ``value`` (JSON) under ``key``; call inside a write transaction."""
+    db.execute(
+        "INSERT INTO meta(key, value) VALUES(?, ?) "
+        "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+        (key, json.dumps(value)),
+    )

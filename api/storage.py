@@ -10,7 +10,7 @@ itself once space is back.
 - **SQLite's own errors**: a write that finds the disk full (``SQLITE_FULL``: the reserve
   was eaten by someone else, or there is none) is rolled back and answered 507; an I/O error
   (``SQLITE_IOERR_*``, e.g. a file-size limit or a failing device) 503. The transaction is
-  rolled back either way (``api.store.Store._tx``), so nothing of the request was stored.
+  rolled back either way (``api.db.Database.tx``), so nothing of the request was stored.
 
 Both statuses carry ``Retry-After`` and a ``detail`` naming the cause, the free space and
 the path; the project's retry policy (``api.retry``) retries 503 and 507 for every call,

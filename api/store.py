@@ -12,9 +12,16 @@ Groups posted on the Atropos routes can also be ``buffered`` (their size differs
 env's group size, as Atropos buffers them) until buffered groups add up to that size
 (``api.store_buffer``).
 Ingest is a group commit: concurrent pushes share one transaction and one fsync.
-Native batch formation (``lease``, in ``api.store_leases``) is a weighted fair share across environments by stride
-scheduling: each env has a ``pass`` that grows by ``sequences / weight`` whenever it is served,
-and the env with the smallest pass among those with data goes next. An env without data is
+
+``Store`` does the ingest (the group commit) and composes components that own their state
+and are reached through public methods only: ``api.db.Database`` (connection, lock,
+transactions), ``api.store_queue.Queue`` (versions, staleness, expiry, payloads, counters),
+``api.store_envs.Envs`` (envs, virtual time), ``api.store_leases.NativeLeases`` (native
+leases), ``api.store_status.StoreStatus`` (backpressure, ``/status``); the Atropos routes'
+``api.atropos_book.AtroposBook`` builds on the same components.
+Native batch formation (``NativeLeases.lease``) is a weighted fair share across environments
+by stride scheduling: each env has a ``pass`` that grows by ``sequences / weight`` whenever
+it is served, and the env with the smallest pass among those with data goes next. An env without data is
 skipped, so none can stall a batch; an env coming back after idling starts at the current
 virtual time rather than with a burst of credit. Within an env groups are served FIFO and a
 group is never split.
@@ -22,22 +29,22 @@ group is never split.
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from api.db import Readers, Synchronous, connect
+from api import store_buffer
+from api.db import Database, Synchronous
 from api.protocol import ScoredGroup
 from api.storage import DiskGuard
-from api.store_buffer import AtroposBufferMixin
-from api.store_leases import LeasedBatch, LeaseMixin, UnknownBatch
-from api.store_status import StatusMixin, _Rate
+from api.store_envs import Envs
+from api.store_leases import LeasedBatch, NativeLeases, UnknownBatch
+from api.store_queue import Queue
+from api.store_status import StoreStatus
 
 __all__ = ["IngestResult", "LeasedBatch", "Row", "Store", "UnknownBatch"]
 
@@ -76,7 +83,7 @@ class _Pending:
     error: BaseException | None = None
 
 
-class Store(LeaseMixin, StatusMixin, AtroposBufferMixin):
+class Store:
     """The API's state. Thread-safe: FastAPI runs sync routes in a thread pool."""
 
     def __init__(
@@ -87,144 +94,89 @@ class Store(LeaseMixin, StatusMixin, AtroposBufferMixin):
         default_batch_sequences: int = 64,
         env_timeout_s: float = 300.0,
         rate_window_s: float = 60.0,
-        clock: Any = time.time,
+        clock: Callable[[], float] = time.time,
         min_free_bytes: int = 0,
     ) -> None:
         self.path = str(path)
-        if self.path != ":memory:":
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        self.max_staleness = max_staleness
-        self.default_batch_sequences = default_batch_sequences
-        self.env_timeout_s = env_timeout_s
         self.clock = clock
-        self._lock = threading.RLock()
-        self._db = connect(self.path, synchronous)
+        self.db = Database(self.path, synchronous)
         self.disk = DiskGuard(self.path, min_free_bytes)
         """The free-space reserve below which pushes are refused (``api.storage``)."""
-        self.readers = Readers(self.path)
+        self.queue = Queue(max_staleness, rate_window_s)
+        self.envs = Envs(clock, env_timeout_s)
+        self.leases = NativeLeases(self.db, self.queue, self.envs, clock)
+        self.report = StoreStatus(
+            self.db, self.queue, self.envs, self.disk, clock, default_batch_sequences
+        )
         self._pending: list[_Pending] = []
         self._pending_lock = threading.Lock()
-        self.ingest_rate = _Rate(rate_window_s)
-        self.serve_rate = _Rate(rate_window_s)
         self.latest_payload: tuple[str, str] | None = None
         """(format, payload) of the last group stored, for Atropos ``/latest_example``."""
 
     def close(self) -> None:
-        with self._lock:
-            self.readers.close()
-            self._db.close()
+        self.db.close()
 
-    @contextmanager
-    def read(self) -> Iterator[sqlite3.Connection]:
-        """A connection for reads that need not wait for writers (WAL snapshot); the write
-        connection under the lock for ``:memory:`` databases."""
-        db = self.readers.get()
-        if db is not None:
-            yield db
-            return
-        with self._lock:
-            yield self._db
+    # -- the native routes (the components' work) ----------------------------------------
 
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction, committed (durably) before the caller replies.
+    def lease(
+        self,
+        max_tokens: int | None,
+        max_sequences: int | None,
+        lease_seconds: float,
+        allow_partial: bool = False,
+    ) -> LeasedBatch | None:
+        """Form and lease the next native batch (``NativeLeases.lease``)."""
+        return self.leases.lease(max_tokens, max_sequences, lease_seconds, allow_partial)
 
-        Whatever fails -- the body, or the ``COMMIT`` itself (a full disk) -- the transaction
-        is rolled back and the first error raised. SQLite may already have rolled back by
-        itself (``SQLITE_FULL``, ``SQLITE_IOERR``): then there is nothing left to roll back,
-        and the connection is ready for the next transaction either way."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._rollback()
-                raise
+    def ack(self, batch_id: str) -> tuple[str, int]:
+        return self.leases.ack(batch_id)
 
-    def _rollback(self) -> None:
-        if self._db.in_transaction:
-            try:
-                self._db.execute("ROLLBACK")
-            except sqlite3.Error:  # pragma: no cover - the error being raised says more
-                pass
+    def skip(self, batch_id: str) -> tuple[str, int]:
+        return self.leases.skip(batch_id)
 
-    # -- meta ----------------------------------------------------------------------------
+    def reject(self, batch_id: str, reasons: dict[str, str]) -> tuple[int, list[str]]:
+        return self.leases.reject(batch_id, reasons)
 
-    def _meta(self, key: str, default: Any = None) -> Any:
-        row = self._db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
-        return default if row is None else json.loads(row[0])
+    def rejections(self) -> dict[str, str]:
+        return self.leases.rejections()
 
-    def _set_meta(self, key: str, value: Any) -> None:
-        self._db.execute(
-            "INSERT INTO meta(key, value) VALUES(?, ?) "
-            "ON CONFLICT(key) DO UPDATE SET value=excluded.value",
-            (key, json.dumps(value)),
-        )
+    def wanted(self, env: str) -> tuple[int, int]:
+        """(groups ``env`` may push now, policy version): ``StoreStatus.wanted``."""
+        return self.report.wanted(env)
 
-    def get_meta(self, key: str, default: Any = None) -> Any:
-        with self._lock:
-            return self._meta(key, default)
+    def status(self) -> dict[str, Any]:
+        return self.report.status()
 
-    def set_meta(self, key: str, value: Any) -> None:
-        with self._tx():
-            self._set_meta(key, value)
+    def native_batch_size(self) -> int:
+        """Sequences per batch the native trainer leases (from its last lease), -1 before one:
+        what Atropos's ``/info`` reports when no Atropos trainer registered."""
+        with self.db.locked() as db:
+            return NativeLeases.batch_sequences(db, -1)
+
+    # -- versions ------------------------------------------------------------------------
 
     @property
     def policy_version(self) -> int:
-        with self._lock:
-            return int(self._meta("policy_version", 0))
+        with self.db.locked() as db:
+            return self.queue.live_version(db)
 
-    def _min_version(self) -> int:
-        return int(self._meta("policy_version", 0)) - self.max_staleness
+    def set_policy_version(self, version: int) -> int:
+        """Record the live weight version; returns how many queued groups it made stale."""
+        with self.db.tx() as db:
+            return self.queue.set_live_version(db, version)
 
     # -- environments --------------------------------------------------------------------
 
-    def register_env(
-        self,
-        name: str,
-        weight: float = 1.0,
-        group_size: int = 1,
-        atropos_id: int | None = None,
-        max_token_length: int = -1,
-    ) -> None:
+    def register_env(self, name: str, weight: float = 1.0, group_size: int = 1) -> None:
         """Create or update an env. A new env starts at the current virtual time."""
-        with self._tx() as db:
-            self._upsert_env(db, name, weight, group_size, atropos_id, max_token_length)
-
-    def _upsert_env(
-        self,
-        db: sqlite3.Connection,
-        name: str,
-        weight: float,
-        group_size: int,
-        atropos_id: int | None = None,
-        max_token_length: int = -1,
-    ) -> None:
-        vtime = float(self._meta("vtime", 0.0))
-        db.execute(
-            "INSERT INTO envs(name, weight, group_size, pass, last_seen, atropos_id, "
-            "max_token_length) VALUES(?, ?, ?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET "
-            "weight=excluded.weight, group_size=excluded.group_size, connected=1, "
-            "last_seen=excluded.last_seen, "
-            "atropos_id=COALESCE(excluded.atropos_id, envs.atropos_id), "
-            "max_token_length=MAX(excluded.max_token_length, envs.max_token_length)",
-            (name, weight, group_size, vtime, self.clock(), atropos_id, max_token_length),
-        )
-
-    def _touch_env(self, db: sqlite3.Connection, name: str, group_size: int) -> None:
-        """Auto-register an env seen for the first time (weight 1), else mark it alive."""
-        cur = db.execute("UPDATE envs SET last_seen=? WHERE name=?", (self.clock(), name))
-        if cur.rowcount == 0:
-            self._upsert_env(db, name, 1.0, group_size)
+        with self.db.tx() as db:
+            self.envs.upsert(db, name, weight, group_size)
 
     def set_connected(self, name: str, connected: bool) -> bool:
-        with self._tx() as db:
-            cur = db.execute("UPDATE envs SET connected=? WHERE name=?", (int(connected), name))
-            return cur.rowcount > 0
+        with self.db.tx() as db:
+            return self.envs.set_connected(db, name, connected)
 
     # -- ingest --------------------------------------------------------------------------
-
     def ingest(self, groups: Sequence[ScoredGroup]) -> IngestResult:
         """Store native groups; repeated ``group_id``s are counted, not stored."""
         rows = [
@@ -249,7 +201,7 @@ class Store(LeaseMixin, StatusMixin, AtroposBufferMixin):
         mine = _Pending(rows)
         with self._pending_lock:
             self._pending.append(mine)
-        with self._lock:
+        with self.db.locked():  # one committer at a time; the others' rows go with it
             if mine.result is None and mine.error is None:
                 with self._pending_lock:
                     batch, self._pending = self._pending, []
@@ -263,7 +215,7 @@ class Store(LeaseMixin, StatusMixin, AtroposBufferMixin):
     def _commit_pending(self, batch: list[_Pending]) -> None:
         now = self.clock()
         try:
-            with self._tx() as db:
+            with self.db.tx() as db:
                 for p in batch:
                     db.execute("SAVEPOINT push")
                     try:
@@ -280,19 +232,19 @@ class Store(LeaseMixin, StatusMixin, AtroposBufferMixin):
             raise
         for p in batch:
             if p.result is not None:
-                self.ingest_rate.add(p.result.accepted, now)
+                self.queue.ingest_rate.add(p.result.accepted, now)
                 if p.rows:
                     self.latest_payload = (p.rows[-1].format, p.rows[-1].payload)
 
     def _insert(self, db: sqlite3.Connection, rows: list[Row], now: float) -> IngestResult:
         result = IngestResult()
-        live = int(self._meta("policy_version", 0))
-        min_version = live - self.max_staleness
+        live = self.queue.live_version(db)
+        min_version = self.queue.min_version(db)
         envs: dict[int, tuple[str, int]] = {}
         for r in rows:
             state, env = "queued", r.env
             if r.atropos_env is not None:
-                env, state = self._atropos_placement(db, r.atropos_env, r.env, r.n_seqs, envs)
+                env, state = store_buffer.placement(db, r.atropos_env, r.env, r.n_seqs, envs)
             env = env or "atropos"
             version = live if r.policy_version is None else r.policy_version
             stale = version < min_version
@@ -314,55 +266,24 @@ class Store(LeaseMixin, StatusMixin, AtroposBufferMixin):
                     r.atropos_env,
                 ),
             )
-            self._touch_env(db, env, r.n_seqs)
+            self.envs.touch(db, env, r.n_seqs)
             if cur.rowcount == 0:
                 result.duplicates += 1
-                db.execute("UPDATE envs SET duplicates=duplicates+1 WHERE name=?", (env,))
+                self.envs.count_duplicate(db, env)
                 continue
             result.accepted += 1
             result.stale += stale
             if state == "buffered" and not stale:
                 result.buffered += 1
-                result.last_buffer_size = self._promote_buffered(
+                result.last_buffer_size = store_buffer.promote(
                     db, r.atropos_env, envs[r.atropos_env][1]
                 )
         return result
 
-    # -- versions and staleness ----------------------------------------------------------
-
-    def set_policy_version(self, version: int) -> int:
-        """Record the live weight version; returns how many queued groups it made stale."""
-        with self._tx() as db:
-            self._set_meta("policy_version", version)
-            return self._drop_stale(db)
-
-    def _drop_stale(self, db: sqlite3.Connection) -> int:
-        cur = db.execute(
-            "UPDATE groups SET state='dropped', payload='' "
-            "WHERE state='queued' AND policy_version < ?",
-            (self._min_version(),),
-        )
-        return cur.rowcount
-
-    def _expire_leases(self, db: sqlite3.Connection, now: float) -> int:
-        expired = [
-            r[0]
-            for r in db.execute(
-                "SELECT batch_id FROM batches WHERE state='leased' AND deadline < ?", (now,)
-            )
-        ]
-        for batch_id in expired:
-            db.execute(
-                "UPDATE groups SET state='queued' WHERE batch_id=? AND state='leased'", (batch_id,)
-            )
-            db.execute("UPDATE batches SET state='expired' WHERE batch_id=?", (batch_id,))
-        return len(expired)
-
     def reset(self) -> None:
         """Forget everything (Atropos ``/reset_data``)."""
-        with self._tx() as db:
+        with self.db.tx() as db:
             for table in ("groups", "envs", "batches", "meta"):
                 db.execute(f"DELETE FROM {table}")
         self.latest_payload = None
-        self.ingest_rate.events.clear()
-        self.serve_rate.events.clear()
+        self.queue.clear_rates()

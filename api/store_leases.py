@@ -1,16 +1,21 @@
 """Batch formation of the native routes (weighted fair share by stride scheduling, never
-splitting a group), leases and acks; a mixin of :class:`api.store.Store` (it uses the
-store's connection, lock and meta helpers)."""
+splitting a group), leases, acks, skips and rejections: ``NativeLeases``, a component of
+:class:`api.store.Store` built on the database, the queue and the envs (their public
+methods). It owns the ``batches`` rows of native leases, the ``rejections`` table and the
+trainer's batch size (``meta.batch_sequences``). It does not import the Atropos wire parser:
+an Atropos group is served natively through ``api.atropos_convert`` (``Queue.payloads``)."""
 
 from __future__ import annotations
 
 import math
 import sqlite3
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from api import atropos_wire
+from api.db import Database, get_meta, set_meta
+from api.store_envs import Envs
+from api.store_queue import Queue
 
 
 class UnknownBatch(KeyError):
@@ -34,9 +39,11 @@ class _Candidate:
     n_tokens: int
 
 
-class LeaseMixin:
-    """``lease`` / ``ack`` and the helpers the Atropos book shares (``_payloads``,
-    ``_bump_step``)."""
+class NativeLeases:
+    """``lease`` / ``ack`` / ``skip`` / ``reject`` of the native routes."""
+
+    def __init__(self, db: Database, queue: Queue, envs: Envs, clock: Callable[[], float]) -> None:
+        self.db, self.queue, self.envs, self.clock = db, queue, envs, clock
 
     def lease(
         self,
@@ -46,24 +53,25 @@ class LeaseMixin:
         allow_partial: bool = False,
     ) -> LeasedBatch | None:
         """Form and lease the next batch, or ``None`` when the queue cannot fill one."""
+        q = self.queue
         now = self.clock()
-        with self._tx() as db:
-            self._set_meta("started", True)
+        with self.db.tx() as db:
+            q.mark_started(db)
             self._remember_batch_size(db, max_tokens, max_sequences)
-            self._expire_leases(db, now)
-            self._drop_stale(db)
+            q.expire_leases(db, now)
+            q.drop_stale(db)
             chosen = self._form(
                 db, max_tokens or math.inf, max_sequences or math.inf, allow_partial
             )
             if not chosen:
                 return None  # the transaction commits the expiries/drops, no pass change
             batch_id = uuid.uuid4().hex
-            version = int(self._meta("policy_version", 0))
+            version = q.live_version(db)
             deadline = now + lease_seconds
             seqs = [c.seq for c in chosen]
             db.executemany(
                 "UPDATE groups SET state='leased', batch_id=? WHERE seq=?",
-                [(batch_id, s) for s in seqs],
+                [(batch_id, q) for q in seqs],
             )
             db.execute(
                 "INSERT INTO batches(batch_id, state, created, deadline, policy_version, "
@@ -78,37 +86,16 @@ class LeaseMixin:
                     sum(c.n_tokens for c in chosen),
                 ),
             )
-            payloads = self._payloads(db, seqs)
-            self._bump_step(1)
-            self.serve_rate.add(len(chosen), now)
+            payloads = q.payloads(db, seqs, want="native")
+            q.advance_step(db, 1)
+            q.serve_rate.add(len(chosen), now)
         return LeasedBatch(batch_id, deadline, version, payloads)
 
-    def _payloads(self, db: sqlite3.Connection, seqs: list[int], want: str = "native") -> list[str]:
-        """The groups' JSON in ``want``'s contract: as stored when they arrived in it,
-        converted otherwise (Atropos groups leased natively, native ones on ``/batch``)."""
-        by_seq: dict[int, str] = {}
-        for i in range(0, len(seqs), 500):  # SQLite caps bound parameters per statement
-            chunk = seqs[i : i + 500]
-            marks = ",".join("?" * len(chunk))
-            for seq, payload, fmt, gid, env, version in db.execute(
-                "SELECT seq, payload, format, group_id, env, policy_version FROM groups "
-                f"WHERE seq IN ({marks})",
-                chunk,
-            ):
-                if fmt == want:
-                    by_seq[seq] = payload
-                elif want == "native":
-                    by_seq[seq] = atropos_wire.to_native(payload, gid, env, version)
-                else:
-                    by_seq[seq] = atropos_wire.from_native(payload)
-        return [by_seq[s] for s in seqs]
-
-    def _bump_step(self, n: int) -> int:
-        """Batches formed so far (Atropos ``current_step``, from the trainer's
-        ``starting_step``); returns the new value."""
-        step = int(self._meta("step", 0)) + n
-        self._set_meta("step", step)
-        return step
+    @staticmethod
+    def batch_sequences(db: sqlite3.Connection, default: int) -> int:
+        """Sequences per batch the native trainer leases (from its last lease), else
+        ``default``."""
+        return int(get_meta(db, "batch_sequences", default))
 
     def _remember_batch_size(
         self, db: sqlite3.Connection, max_tokens: int | None, max_sequences: int | None
@@ -124,19 +111,14 @@ class LeaseMixin:
             per_seq = (row[0] / row[1]) if row and row[1] else None
             seqs = int(max_tokens // per_seq) if (per_seq and max_tokens) else None
         if seqs:
-            self._set_meta("batch_sequences", max(1, seqs))
+            set_meta(db, "batch_sequences", max(1, seqs))
 
     def _form(
         self, db: sqlite3.Connection, max_tokens: float, max_seqs: float, allow_partial: bool
     ) -> list[_Candidate]:
         """Pick groups by weighted fair share; update the envs' passes. [] = no batch."""
-        envs = {
-            name: [weight, pass_]
-            for name, weight, pass_ in db.execute("SELECT name, weight, pass FROM envs")
-        }
-        vtime = float(self._meta("vtime", 0.0))
-        for e in envs.values():  # an env back from idling gets no burst of old credit
-            e[1] = max(e[1], vtime)
+        envs = self.envs.passes(db)  # an env back from idling gets no burst of credit
+        vtime = self.envs.virtual_time(db)
         heads = {name: self._queue_iter(db, name) for name in envs}
         current = {name: next(it, None) for name, it in heads.items()}
         current = {k: v for k, v in current.items() if v is not None}
@@ -169,11 +151,10 @@ class LeaseMixin:
         full = bool(blocked) or tokens >= max_tokens or seqs >= max_seqs
         if not chosen or not (full or allow_partial):
             return []
-        db.executemany("UPDATE envs SET pass=? WHERE name=?", [(e[1], n) for n, e in envs.items()])
         # The virtual time moves to the smallest pass among envs still backlogged (or just
         # served): where an env that had nothing to offer rejoins.
         backlog = blocked or [c.env for c in chosen]
-        self._set_meta("vtime", max(vtime, min(envs[n][1] for n in backlog)))
+        self.envs.advance(db, envs, max(vtime, min(envs[n][1] for n in backlog)))
         return chosen
 
     def _queue_iter(self, db: sqlite3.Connection, env: str) -> Iterator[_Candidate]:
@@ -203,7 +184,7 @@ class LeaseMixin:
         served again, and the rest of the batch is acked or skipped as usual. Idempotent.
         Returns how many of them are now rejected and the ids that are not this batch's."""
         now = self.clock()
-        with self._tx() as db:
+        with self.db.tx() as db:
             if db.execute("SELECT 1 FROM batches WHERE batch_id=?", (batch_id,)).fetchone() is None:
                 raise UnknownBatch(batch_id)
             done, missing = 0, []
@@ -225,14 +206,14 @@ class LeaseMixin:
 
     def rejections(self) -> dict[str, str]:
         """Every group the trainer refused, with its reason."""
-        with self._tx() as db:
+        with self.db.tx() as db:
             return dict(db.execute("SELECT group_id, reason FROM rejections").fetchall())
 
     def _close_batch(self, batch_id: str, state: str, clear_payload: bool) -> tuple[str, int]:
         """Move a batch and its groups to the final ``state`` (``acked`` or ``skipped``). A
         batch already in either final state stays as it is (``already_<state>``); after an
         expired lease only its groups back in the queue move (``<state>_late``)."""
-        with self._tx() as db:
+        with self.db.tx() as db:
             row = db.execute("SELECT state FROM batches WHERE batch_id=?", (batch_id,)).fetchone()
             if row is None:
                 raise UnknownBatch(batch_id)

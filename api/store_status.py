@@ -1,61 +1,42 @@
-"""Backpressure and ``/status`` of the native routes; a mixin of :class:`api.store.Store`."""
+"""Backpressure and ``/status`` of the native routes: ``StoreStatus``, a component of
+:class:`api.store.Store` that reads the database through the queue's, the envs' and the
+native leases' public methods (it owns no state)."""
 
 from __future__ import annotations
 
 import math
 import sqlite3
-from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
-from api.storage import is_storage_error
+from api.db import Database
+from api.storage import DiskGuard, is_storage_error
+from api.store_envs import Envs
+from api.store_leases import NativeLeases
+from api.store_queue import Queue
 
 
-@dataclass
-class _Rate:
-    """Events per second over a sliding window (in memory: a rate need not survive a crash)."""
-
-    window: float
-    events: deque[tuple[float, int]] = field(default_factory=deque)
-
-    def add(self, n: int, now: float) -> None:
-        self.events.append((now, n))
-        self.trim(now)
-
-    def trim(self, now: float) -> None:
-        while self.events and self.events[0][0] < now - self.window:
-            self.events.popleft()
-
-    def per_s(self, now: float) -> float:
-        self.trim(now)
-        return sum(n for _, n in self.events) / self.window
-
-
-class StatusMixin:
+class StoreStatus:
     """``wanted`` (backpressure) and ``status``."""
 
-    def _batch_sequences(self) -> int:
-        return int(self._meta("batch_sequences", self.default_batch_sequences))
-
-    def native_batch_size(self) -> int:
-        """Sequences per batch the native trainer leases (from its last lease), -1 before one:
-        what Atropos's ``/info`` reports when no Atropos trainer registered."""
-        return int(self.get_meta("batch_sequences", -1))
-
-    def _active_envs(self, db: sqlite3.Connection, now: float) -> dict[str, tuple[float, int]]:
-        """Envs that count in the shares: connected and seen lately, or with queued data."""
-        rows = db.execute(
-            "SELECT name, weight, group_size FROM envs WHERE connected=1 AND (last_seen >= ? "
-            "OR EXISTS (SELECT 1 FROM groups WHERE state='queued' AND env=envs.name))",
-            (now - self.env_timeout_s,),
-        )
-        return {name: (weight, gs) for name, weight, gs in rows}
+    def __init__(
+        self,
+        db: Database,
+        queue: Queue,
+        envs: Envs,
+        disk: DiskGuard,
+        clock: Callable[[], float],
+        default_batch_sequences: int,
+    ) -> None:
+        self.db, self.queue, self.envs, self.disk, self.clock = db, queue, envs, disk, clock
+        self.default_batch_sequences = default_batch_sequences
+        """The trainer's batch size (sequences) assumed before its first lease."""
 
     def _queued_seqs(self, db: sqlite3.Connection) -> dict[str, int]:
         rows = db.execute(
             "SELECT env, SUM(n_seqs) FROM groups WHERE state='queued' AND policy_version >= ? "
             "GROUP BY env",
-            (self._min_version(),),
+            (self.queue.min_version(db),),
         )
         return {env: int(n) for env, n in rows}
 
@@ -64,41 +45,47 @@ class StatusMixin:
         trainer consumes before the data goes stale: ``(max_staleness + 1)`` batches; none
         while the disk is below the reserve (pushes would be refused, ``api.storage``)."""
         now = self.clock()
-        with self._tx() as db:
-            self._touch_env(db, env, 1)
-            active = self._active_envs(db, now)
+        with self.db.tx() as db:
+            self.envs.touch(db, env, 1)
+            active = self.envs.active(db, now)
             queued = self._queued_seqs(db)
-            version = int(self._meta("policy_version", 0))
-            wanted = 0 if self.disk.below_reserve() else self._wanted(env, active, queued)
+            version = self.queue.live_version(db)
+            below = self.disk.below_reserve()
+            wanted = 0 if below else self._wanted(db, env, active, queued)
             return wanted, version
 
     def _wanted(
-        self, env: str, active: dict[str, tuple[float, int]], queued: dict[str, int]
+        self,
+        db: sqlite3.Connection,
+        env: str,
+        active: dict[str, tuple[float, int]],
+        queued: dict[str, int],
     ) -> int:
         if env not in active:
             return 0
-        capacity = (self.max_staleness + 1) * self._batch_sequences()
+        batch = NativeLeases.batch_sequences(db, self.default_batch_sequences)
+        capacity = (self.queue.max_staleness + 1) * batch
         weight, group_size = active[env]
         share = weight / sum(w for w, _ in active.values())
         room = min(share * capacity - queued.get(env, 0), capacity - sum(queued.values()))
         return max(0, math.floor(room / group_size))
 
     def status(self) -> dict[str, Any]:
+        q = self.queue
         now = self.clock()
         try:
-            with self._tx() as db:  # expire leases first, so the counts are current
-                self._expire_leases(db, now)
+            with self.db.tx() as db:  # expire leases first, so the counts are current
+                q.expire_leases(db, now)
         except sqlite3.Error as e:  # a full disk: report what is stored, leases as they are
             if not is_storage_error(e):
                 raise
-        with self._lock:  # reads only; no writer runs meanwhile
-            db = self._db
+        with self.db.locked() as db:  # reads only; no writer runs meanwhile
             counts: dict[str, dict[str, int]] = {}
-            for env, state, n, s in db.execute(
+            for env, state, n, n_seqs in db.execute(
                 "SELECT env, state, COUNT(*), SUM(n_seqs) FROM groups GROUP BY env, state"
             ):
                 counts.setdefault(env, {})[state] = n
-                counts[env][state + "_seqs"] = s
+                counts[env][state + "_seqs"] = n_seqs
             versions = {
                 env: (lo, hi)
                 for env, lo, hi in db.execute(
@@ -106,7 +93,7 @@ class StatusMixin:
                     "WHERE state='queued' GROUP BY env"
                 )
             }
-            active = self._active_envs(db, now)
+            active = self.envs.active(db, now)
             queued = self._queued_seqs(db)
             envs = []
             for name, weight, gs, connected, dups in db.execute(
@@ -130,17 +117,17 @@ class StatusMixin:
                         "duplicate_groups": dups,
                         "min_queued_version": lo,
                         "max_queued_version": hi,
-                        "wanted": self._wanted(name, active, queued),
+                        "wanted": self._wanted(db, name, active, queued),
                     }
                 )
             batch_counts = dict(
                 db.execute("SELECT state, COUNT(*) FROM batches GROUP BY state").fetchall()
             )
             return {
-                "current_step": int(self._meta("step", 0)),
+                "current_step": q.current_step(db),
                 "queue_size": sum(e["queued_groups"] for e in envs),
-                "policy_version": int(self._meta("policy_version", 0)),
-                "max_staleness": self.max_staleness,
+                "policy_version": q.live_version(db),
+                "max_staleness": q.max_staleness,
                 "envs": envs,
                 "queued_groups": sum(e["queued_groups"] for e in envs),
                 "active_leases": batch_counts.get("leased", 0),
@@ -149,8 +136,8 @@ class StatusMixin:
                 "skipped_batches": batch_counts.get("skipped", 0),
                 "rejected_groups": sum(e["rejected_groups"] for e in envs),
                 "dropped_groups": sum(e["dropped_groups"] for e in envs),
-                "ingest_groups_per_s": self.ingest_rate.per_s(now),
-                "serve_groups_per_s": self.serve_rate.per_s(now),
-                "rate_window_s": self.ingest_rate.window,
+                "ingest_groups_per_s": q.ingest_rate.per_s(now),
+                "serve_groups_per_s": q.serve_rate.per_s(now),
+                "rate_window_s": q.ingest_rate.window,
                 **self.disk.status(),
             }

@@ -34,15 +34,22 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import RESULTS, machine, model_dir, parse_list, write_result  # noqa: E402
 
+if TYPE_CHECKING:
+    from api.protocol import ScoredGroup
 
-def make_groups(vocab: int, n_groups: int, size: int, prompt: int, completion: int) -> list:
+
+def make_groups(
+    vocab: int, n_groups: int, size: int, prompt: int, completion: int
+) -> list[ScoredGroup]:
     import torch
+
+    from api.protocol import ScoredGroup
 
     g = torch.Generator().manual_seed(0)
     groups = []
@@ -59,7 +66,8 @@ def make_groups(vocab: int, n_groups: int, size: int, prompt: int, completion: i
                     "spans": {"rationale": [0] * prompt + [1] * completion},
                 }
             )
-        groups.append({"group_id": f"g{gi}", "policy_version": 0, "sequences": seqs})
+        group = {"group_id": f"g{gi}", "env": "bench", "policy_version": 0, "sequences": seqs}
+        groups.append(ScoredGroup.model_validate(group))
     return groups
 
 

@@ -30,12 +30,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.common import RESULTS, machine, parse_list, write_result  # noqa: E402
+
+if TYPE_CHECKING:
+    from api.protocol import ScoredGroup
 
 PACKINGS = ("padded", "prefix_tree")
 
@@ -61,7 +64,11 @@ def real_prompts(tokenizer: Any, n: int, max_tokens: int, seed: int) -> list[lis
     return [prompt_ids(r, tokenizer, max_tokens, False) for r in rng.sample(rows, n)]
 
 
-def groups_of(prompts: list[list[int]], size: int, lo: int, hi: int, vocab: int, seed: int):
+def groups_of(
+    prompts: list[list[int]], size: int, lo: int, hi: int, vocab: int, seed: int
+) -> list[ScoredGroup]:
+    from api.protocol import ScoredGroup
+
     rng = random.Random(seed)
     out = []
     for g, prompt in enumerate(prompts):
@@ -81,7 +88,8 @@ def groups_of(prompts: list[list[int]], size: int, lo: int, hi: int, vocab: int,
                     },
                 }
             )
-        out.append({"group_id": f"g{g}", "policy_version": 0, "sequences": seqs})
+        group = {"group_id": f"g{g}", "env": "bench", "policy_version": 0, "sequences": seqs}
+        out.append(ScoredGroup.model_validate(group))
     return out
 
 

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -39,9 +40,16 @@ from bench.common import (  # noqa: E402
     write_result,
 )
 
+if TYPE_CHECKING:
+    from api.protocol import ScoredGroup
 
-def synthetic_groups(n_groups: int, gs: int, seq_len: int, vocab: int, seed: int) -> list[dict]:
+
+def synthetic_groups(
+    n_groups: int, gs: int, seq_len: int, vocab: int, seed: int
+) -> list[ScoredGroup]:
     """Scored groups in the data contract with random content (scores differ within a group)."""
+    from api.protocol import ScoredGroup
+
     rng = random.Random(seed)
     prompt = seq_len * 3 // 4
     groups = []
@@ -63,7 +71,8 @@ def synthetic_groups(n_groups: int, gs: int, seq_len: int, vocab: int, seed: int
                     },
                 }
             )
-        groups.append({"group_id": f"g{g}", "env": "bench", "policy_version": 0, "sequences": seqs})
+        group = {"group_id": f"g{g}", "env": "bench", "policy_version": 0, "sequences": seqs}
+        groups.append(ScoredGroup.model_validate(group))
     return groups
 
 

@@ -1,6 +1,6 @@
 """What an Atropos group sends beyond tokens, masks and scores, and what the GRPO trainer does
 with each field (docs/ATROPOS.md has the table). A group leased natively carries them in
-``extras.atropos`` (api/atropos_wire.py ``to_native``).
+``extras.atropos`` (api/atropos_convert.py ``to_native``).
 
 - applied: ``inference_logprobs`` (recomputed by the trainer's forward pass when the env sent
   none, ``inference_logprobs_missing``: never trained on zeros), ``advantages`` (per token,
@@ -20,10 +20,15 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from api.protocol import ScoredGroup, ScoredSequence
 from trainer.config import GrpoConfig
+
+if TYPE_CHECKING:
+    from api.client import ApiClient
 
 log = logging.getLogger(__name__)
 
@@ -40,25 +45,20 @@ UNSUPPORTED_FIELDS = {
 TEMPERATURE_TOLERANCE = 1e-6
 
 
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-    return obj.get(name, default) if isinstance(obj, Mapping) else getattr(obj, name, default)
-
-
-def atropos_extras(group: Any) -> dict[str, Any]:
+def atropos_extras(group: ScoredGroup) -> dict[str, Any]:
     """The Atropos fields of a leased group (``{}`` for a native group)."""
-    extras = _get(group, "extras", None) or {}
-    return dict(_get(extras, "atropos", None) or {})
+    return dict(group.extras.get("atropos") or {})
 
 
 def metadata_keys(cfg: GrpoConfig) -> set[str]:
     return {k.strip() for k in cfg.atropos_metadata_keys.split(",") if k.strip()}
 
 
-def refusal(group: Any, cfg: GrpoConfig) -> str | None:
+def refusal(group: ScoredGroup, cfg: GrpoConfig) -> str | None:
     """Why the trainer cannot train ``group`` as sent (the reason names the field or key), or
     ``None``. Called at lease time, before anything is trained."""
     extras = atropos_extras(group)
-    seqs = list(_get(group, "sequences", []) or [])
+    seqs = group.sequences
     meta = metadata_keys(cfg)
     wants_env_ref = cfg.kl_reference == "env" and cfg.kl_beta > 0
     if wants_env_ref and extras.get("ref_logprobs") is None:
@@ -97,13 +97,13 @@ def refusal(group: Any, cfg: GrpoConfig) -> str | None:
     return None
 
 
-def _per_token(name: str, rows: Any, seqs: list[Any]) -> str | None:
+def _per_token(name: str, rows: Any, seqs: Sequence[ScoredSequence]) -> str | None:
     if rows is None:
         return None
     if len(rows) != len(seqs):
         return f"{name} has {len(rows)} rows, the group {len(seqs)} sequences"
     for i, (row, seq) in enumerate(zip(rows, seqs, strict=True)):
-        n = len(_get(seq, "tokens", []))
+        n = len(seq.tokens)
         if row is None or len(row) != n:
             got = "none" if row is None else len(row)
             return (
@@ -148,9 +148,23 @@ def _temperature(where: str, value: Any, cfg: GrpoConfig) -> str | None:
     )
 
 
-def sequence_fields(group: Any, n: int) -> list[dict[str, Any]]:
-    """Per sequence of a group: ``advantages``, ``ref_logprobs`` (per token or None),
-    ``logprobs_missing`` and ``zero_advantage`` (bools), for trainer/batch.py."""
+@dataclass(frozen=True)
+class SequenceFields:
+    """The Atropos fields of one sequence of a group, for trainer/batch.py."""
+
+    advantages: list[float] | None
+    """Per-token advantages, aligned to the tokens (``None``: the group-normalised score)."""
+    ref_logprobs: list[float] | None
+    """Per-token reference logprobs, aligned to the tokens (``None``: the reference model's)."""
+    logprobs_missing: bool
+    """The env sent no inference logprobs (the ones leased are placeholders)."""
+    zero_advantage: bool
+    """``overrides[i].set_advantage_to_zero``."""
+
+
+def sequence_fields(group: ScoredGroup) -> list[SequenceFields]:
+    """The Atropos fields of each sequence of ``group``, in order."""
+    n = len(group.sequences)
     extras = atropos_extras(group)
     adv = extras.get("advantages") or [None] * n
     ref = extras.get("ref_logprobs") or [None] * n
@@ -160,17 +174,19 @@ def sequence_fields(group: Any, n: int) -> list[dict[str, Any]]:
     for i in range(n):
         entry = overrides[i] if i < len(overrides) and isinstance(overrides[i], Mapping) else {}
         out.append(
-            {
-                "advantages": adv[i] if i < len(adv) else None,
-                "ref_logprobs": ref[i] if i < len(ref) else None,
-                "logprobs_missing": missing,
-                "zero_advantage": bool(entry.get("set_advantage_to_zero", False)),
-            }
+            SequenceFields(
+                advantages=adv[i] if i < len(adv) else None,
+                ref_logprobs=ref[i] if i < len(ref) else None,
+                logprobs_missing=missing,
+                zero_advantage=bool(entry.get("set_advantage_to_zero", False)),
+            )
         )
     return out
 
 
-def refuse(api: Any, cfg: GrpoConfig, batch_id: str, groups: list[Any]) -> list[Any]:
+def refuse(
+    api: ApiClient, cfg: GrpoConfig, batch_id: str, groups: list[ScoredGroup]
+) -> list[ScoredGroup]:
     """The groups of a leased batch the trainer can train as sent; the others are marked
     ``rejected`` at the API (``POST /batches/{id}/reject``: kept, never served again), each
     logged with the field or key that made it so."""
@@ -178,12 +194,11 @@ def refuse(api: Any, cfg: GrpoConfig, batch_id: str, groups: list[Any]) -> list[
     for g in groups:
         reason = refusal(g, cfg)
         if reason is not None:
-            gid = str(_get(g, "group_id"))
-            reasons[gid] = reason
+            reasons[g.group_id] = reason
             log.error(
-                "batch %s: group %s (env %s) refused: %s", batch_id, gid, _get(g, "env"), reason
+                "batch %s: group %s (env %s) refused: %s", batch_id, g.group_id, g.env, reason
             )
     if not reasons:
         return groups
     api.reject(batch_id, reasons)
-    return [g for g in groups if str(_get(g, "group_id")) not in reasons]
+    return [g for g in groups if g.group_id not in reasons]

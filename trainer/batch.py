@@ -4,12 +4,13 @@ trainer/atropos_fields.py) -> padded tensors in token-budget micro-batches."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from api.protocol import ScoredGroup
 from trainer.atropos_fields import sequence_fields
 
 log = logging.getLogger(__name__)
@@ -50,32 +51,24 @@ class SeqItem:
     group's statistics)."""
 
 
-def _field(obj: Any, name: str, default: Any = None) -> Any:
-    return obj.get(name, default) if isinstance(obj, Mapping) else getattr(obj, name, default)
-
-
-def flatten_groups(groups: Sequence[Any], max_seq_len: int) -> tuple[list[SeqItem], int]:
-    """Validate and flatten groups (dicts or pydantic objects), with the Atropos fields of
+def flatten_groups(groups: Sequence[ScoredGroup], max_seq_len: int) -> tuple[list[SeqItem], int]:
+    """Validate and flatten leased groups, with the Atropos fields of
     trainer/atropos_fields.py. Returns the items and the number of sequences dropped as
-    malformed (named in the log with their group id)."""
+    malformed (named in the log with their group id): shorter than 2 tokens, nothing to train
+    (mask all 0), or per-token fields not aligned to the tokens."""
     items: list[SeqItem] = []
     dropped = 0
     for g_idx, group in enumerate(groups):
-        version = int(_field(group, "policy_version", 0) or 0)
-        seqs = list(_field(group, "sequences", []))
-        for seq, extra in zip(seqs, sequence_fields(group, len(seqs)), strict=True):
-            tokens = list(_field(seq, "tokens", []))
-            mask = list(_field(seq, "mask", []))
-            logprobs = list(_field(seq, "logprobs", []))
-            spans = _field(seq, "spans", None) or {}
-            rationale = list(_field(spans, "rationale", None) or [0] * len(tokens))
-            per_token = [extra[k] for k in ("advantages", "ref_logprobs") if extra[k] is not None]
-            lengths = {len(tokens), len(mask), len(logprobs), len(rationale)}
+        for seq, extra in zip(group.sequences, sequence_fields(group), strict=True):
+            tokens, mask = list(seq.tokens), list(seq.mask)
+            rationale = list(seq.spans.get("rationale") or [0] * len(tokens))
+            per_token = [x for x in (extra.advantages, extra.ref_logprobs) if x is not None]
+            lengths = {len(tokens), len(mask), len(seq.logprobs), len(rationale)}
             lengths |= {len(x) for x in per_token}
             if len(lengths) != 1 or len(tokens) < 2 or not any(mask):
                 log.warning(
                     "dropping a malformed sequence of group %s (lengths %s, %d masked)",
-                    _field(group, "group_id"),
+                    group.group_id,
                     sorted(lengths),
                     sum(mask),
                 )
@@ -85,17 +78,17 @@ def flatten_groups(groups: Sequence[Any], max_seq_len: int) -> tuple[list[SeqIte
                 SeqItem(
                     tokens,
                     mask,
-                    [float(x) for x in logprobs],
+                    [float(x) for x in seq.logprobs],
                     rationale,
-                    float(_field(seq, "score")),
+                    float(seq.score),
                     g_idx,
                     len(items),
-                    version,
+                    group.policy_version,
                     trainable=len(tokens) <= max_seq_len,
-                    advantages=_floats(extra["advantages"]),
-                    ref_logprobs=_floats(extra["ref_logprobs"]),
-                    logprobs_missing=extra["logprobs_missing"],
-                    zero_advantage=extra["zero_advantage"],
+                    advantages=_floats(extra.advantages),
+                    ref_logprobs=_floats(extra.ref_logprobs),
+                    logprobs_missing=extra.logprobs_missing,
+                    zero_advantage=extra.zero_advantage,
                 )
             )
     return items, dropped

@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
+from api.protocol import ScoredGroup
 from trainer.atropos_fields import refuse
-from trainer.batch import _field, flatten_groups
+from trainer.batch import flatten_groups
 from trainer.checkpoint import CheckpointWriteError
 from trainer.config import GrpoConfig
 from trainer.dist_weights import SyncReplica, make_replica
@@ -175,7 +176,7 @@ def train(cfg: GrpoConfig) -> Run:
     return run
 
 
-def _next_batch(run: Run, api: Any, weights: WeightSync | None) -> tuple[str, list[Any]]:
+def _next_batch(run: Run, api: Any, weights: WeightSync | None) -> tuple[str, list[ScoredGroup]]:
     """The next batch to train, on every rank: rank 0 (or the only process) leases until a
     batch holds something to train, then hands it to the other ranks, which wait for it."""
     d = run.dist
@@ -195,7 +196,9 @@ def _next_batch(run: Run, api: Any, weights: WeightSync | None) -> tuple[str, li
     return got
 
 
-def _lease_trainable(api: Any, cfg: GrpoConfig, weights: Any, state: Any) -> tuple[str, list]:
+def _lease_trainable(
+    api: Any, cfg: GrpoConfig, weights: Any, state: Any
+) -> tuple[str, list[ScoredGroup]]:
     """Lease until a batch has a sequence to train; ack the ones that have none. Groups the
     trainer cannot train as sent (trainer/atropos_fields.py) are refused at the API with
     their reason and left out; the rest of the batch trains."""
@@ -300,7 +303,9 @@ def _ack_checkpointed(api: Any, recent: list[dict[str, Any]]) -> None:
                 raise
 
 
-def _lease(api: Any, cfg: GrpoConfig, weights: WeightSync, version: int) -> tuple[str, list[Any]]:
+def _lease(
+    api: Any, cfg: GrpoConfig, weights: WeightSync, version: int
+) -> tuple[str, list[ScoredGroup]]:
     """Poll the API until it leases a batch; give up after ``wait_timeout`` seconds.
 
     A lease that failed transiently (``ApiError.transient``: e.g. the API died mid-request,
@@ -326,27 +331,27 @@ def _lease(api: Any, cfg: GrpoConfig, weights: WeightSync, version: int) -> tupl
         policy = RetryPolicy(deadline_s=max(0.0, deadline - time.monotonic()))
         got = retry_call(lease, "lease", waitable, policy, logger=log)
         if got is not None:
-            return str(_field(got, "batch_id")), list(_field(got, "groups"))
+            return got.batch_id, list(got.groups)
         weights.resync_if_restarted(version)
         if time.monotonic() > deadline:
             raise TimeoutError(f"no batch from {cfg.api_url} for {cfg.wait_timeout:.0f}s")
         time.sleep(cfg.poll_interval)
 
 
-def _untrained(groups: list[Any], recent: list[dict[str, Any]]) -> list[Any]:
+def _untrained(groups: list[ScoredGroup], recent: list[dict[str, Any]]) -> list[ScoredGroup]:
     """The groups this lineage has not trained on (by group id, the idempotency key)."""
     seen = {gid for b in recent for gid in b["group_ids"]}
-    return [g for g in groups if _field(g, "group_id") not in seen]
+    return [g for g in groups if g.group_id not in seen]
 
 
-def _remember(state: Any, batch_id: str, groups: list[Any]) -> None:
-    state.recent_batches.append(
-        {"batch_id": batch_id, "group_ids": [str(_field(g, "group_id")) for g in groups]}
-    )
+def _remember(state: Any, batch_id: str, groups: list[ScoredGroup]) -> None:
+    state.recent_batches.append({"batch_id": batch_id, "group_ids": [g.group_id for g in groups]})
     del state.recent_batches[:-RECENT_BATCHES]
 
 
-def _skipped(api: Any, run: Run, batch_id: str, groups: list[Any], stats: dict[str, Any]) -> None:
+def _skipped(
+    api: Any, run: Run, batch_id: str, groups: list[ScoredGroup], stats: dict[str, Any]
+) -> None:
     """A batch whose gradient was not finite: the optimizer did not step (trainer/optim.py),
     so nothing is counted as trained. The step counter, the policy version, the checkpoint
     lineage and the inference weights stay as they are (no sync for nothing), the API marks
@@ -357,7 +362,7 @@ def _skipped(api: Any, run: Run, batch_id: str, groups: list[Any], stats: dict[s
     if not run.is_main:  # every rank saw the same reduced norm; rank 0 tells the API
         return
     api.skip(batch_id)
-    group_ids = [str(_field(g, "group_id")) for g in groups]
+    group_ids = [g.group_id for g in groups]
     run.metrics.log(
         state.step,
         {

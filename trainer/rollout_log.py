@@ -22,9 +22,13 @@ import json
 import random
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
-from trainer.batch import _field
+from api.protocol import ScoredGroup
+from trainer.metrics import MetricsLogger
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 PROMPT_TAIL_CHARS = 600
 """How much of the prompt's end a sample keeps (the current page and the question)."""
@@ -43,6 +47,24 @@ COLUMNS = (
 FENCE = "`" * 3
 
 
+class RolloutRow(TypedDict):
+    """One sampled completion (the module docstring's format)."""
+
+    step: int
+    policy_version: int
+    group_id: str
+    score: float
+    prompt_tail: str
+    completion: str
+    action: dict[str, Any] | None
+    error: str | None
+    gold_action: Any
+    """``extras.gold.action`` decoded from its JSON string (as sent when it does not parse)."""
+    reward: dict[str, float] | None
+    valid: bool | None
+    exact: bool | None
+
+
 def _json_field(value: Any) -> Any:
     """A JSON string (the data contract's ``gold.action``) decoded; anything else as is."""
     if isinstance(value, str):
@@ -54,33 +76,36 @@ def _json_field(value: Any) -> Any:
 
 
 def sample_rollouts(
-    groups: Sequence[Any], step: int, k: int, tokenizer: Any, seed: int = 0
-) -> list[dict[str, Any]]:
+    groups: Sequence[ScoredGroup],
+    step: int,
+    k: int,
+    tokenizer: PreTrainedTokenizerBase,
+    seed: int = 0,
+) -> list[RolloutRow]:
     """``k`` completions drawn uniformly (seeded by ``seed`` and ``step``) from the groups of a
     step, as the rows described in the module docstring, in batch order."""
-    where = [
-        (g, s) for g, grp in enumerate(groups) for s in range(len(_field(grp, "sequences", [])))
-    ]
+    where = [(g, s) for g, grp in enumerate(groups) for s in range(len(grp.sequences))]
     picked = sorted(random.Random(f"rollouts-{seed}-{step}").sample(where, min(k, len(where))))
     return [rollout_row(groups[g], s, step, tokenizer) for g, s in picked]
 
 
-def rollout_row(group: Any, s: int, step: int, tokenizer: Any) -> dict[str, Any]:
+def rollout_row(
+    group: ScoredGroup, s: int, step: int, tokenizer: PreTrainedTokenizerBase
+) -> RolloutRow:
     """The row of completion ``s`` of ``group`` (the module docstring's format)."""
-    seq = _field(group, "sequences")[s]
-    tokens, mask = list(_field(seq, "tokens", [])), list(_field(seq, "mask", []))
-    prompt = [t for t, m in zip(tokens, mask, strict=False) if not m]
-    completion = [t for t, m in zip(tokens, mask, strict=False) if m]
-    extras = _field(group, "extras", None) or {}
+    seq = group.sequences[s]
+    prompt = [t for t, m in zip(seq.tokens, seq.mask, strict=True) if not m]
+    completion = [t for t, m in zip(seq.tokens, seq.mask, strict=True) if m]
+    extras = group.extras
     seen = extras.get("rollouts") or []
     seen = seen[s] if s < len(seen) and isinstance(seen[s], Mapping) else {}
     reward = seen.get("reward")
     prompt_text = tokenizer.decode(prompt, skip_special_tokens=False)
     return {
         "step": step,
-        "policy_version": int(_field(group, "policy_version", 0) or 0),
-        "group_id": str(_field(group, "group_id", "")),
-        "score": float(_field(seq, "score", 0.0)),
+        "policy_version": group.policy_version,
+        "group_id": group.group_id,
+        "score": seq.score,
         "prompt_tail": prompt_text[-PROMPT_TAIL_CHARS:],
         "completion": tokenizer.decode(completion, skip_special_tokens=True),
         "action": seen.get("action"),
@@ -92,14 +117,14 @@ def rollout_row(group: Any, s: int, step: int, tokenizer: Any) -> dict[str, Any]
     }
 
 
-def batch_format_rate(groups: Sequence[Any]) -> dict[str, float]:
+def batch_format_rate(groups: Sequence[ScoredGroup]) -> dict[str, float]:
     """``{"format_rate": ...}``: the share of the batch's completions with a valid format (the
     groups' ``metrics.valid``, weighted by group size); empty when no group reports it."""
     num = den = 0.0
     for group in groups:
-        valid = (_field(group, "metrics", None) or {}).get("valid")
-        n = len(_field(group, "sequences", []))
-        if isinstance(valid, int | float) and n:
+        valid = group.metrics.get("valid")
+        n = len(group.sequences)
+        if isinstance(valid, int | float):
             num, den = num + float(valid) * n, den + n
     return {"format_rate": num / den} if den else {}
 
@@ -118,7 +143,7 @@ def _fenced(text: str) -> str:
     return f"{FENCE}\n{inner}\n{FENCE}"
 
 
-def markdown(rows: Sequence[Mapping[str, Any]]) -> str:
+def markdown(rows: Sequence[RolloutRow]) -> str:
     """The rows as one TensorBoard text entry (markdown: a heading and fenced texts per row)."""
     parts = []
     for r in rows:
@@ -147,11 +172,18 @@ class RolloutLog:
     appended and closed per step) and hands them to the metrics logger's TensorBoard / W&B
     sinks (``MetricsLogger.log_text`` / ``log_table``)."""
 
-    def __init__(self, path: Path, k: int, tokenizer: Any, metrics: Any, seed: int = 0) -> None:
+    def __init__(
+        self,
+        path: Path,
+        k: int,
+        tokenizer: PreTrainedTokenizerBase,
+        metrics: MetricsLogger,
+        seed: int = 0,
+    ) -> None:
         self.path, self.k, self.tokenizer = path, k, tokenizer
         self.metrics, self.seed = metrics, seed
 
-    def record(self, step: int, groups: Sequence[Any]) -> list[dict[str, Any]]:
+    def record(self, step: int, groups: Sequence[ScoredGroup]) -> list[RolloutRow]:
         """Sample, write and mirror step ``step``'s rollouts; returns the rows."""
         if self.k <= 0 or not groups:
             return []

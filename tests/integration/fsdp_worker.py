@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+from api.protocol import ScoredGroup
 from trainer.batch import flatten_groups
 from trainer.config import GrpoConfig
 from trainer.dist_weights import SyncReplica, make_replica
@@ -33,7 +34,7 @@ VOCAB = 2600  # token ids drawn below the tiny model's vocabulary (2646)
 
 def make_groups(
     seed: int, n_groups: int = 3, size: int = 4, shared: bool = False
-) -> list[dict[str, Any]]:
+) -> list[ScoredGroup]:
     """Groups of different lengths, so micro-batches differ in size and count per rank;
     ``shared``: a group's members continue one 24-token prompt (a prefix tree to pack)."""
     g = torch.Generator().manual_seed(seed)
@@ -56,7 +57,8 @@ def make_groups(
                     "spans": {"rationale": [0] * n_prompt + [1] * (n_comp - 1) + [0]},
                 }
             )
-        groups.append({"group_id": f"g{seed}-{gi}", "policy_version": 0, "sequences": seqs})
+        group = {"group_id": f"g{seed}-{gi}", "env": "toy", "policy_version": 0, "sequences": seqs}
+        groups.append(ScoredGroup.model_validate(group))
     return groups
 
 

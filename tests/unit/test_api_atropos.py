@@ -220,7 +220,7 @@ def test_status_env_does_not_wait_for_the_store_lock(client: TestClient) -> None
         client.request("GET", "/status-env", json={"env_id": eid}).raise_for_status()
         answered.set()
 
-    with store._lock:  # a long write in progress
+    with store.db.locked():  # a long write in progress
         t = threading.Thread(target=ask)
         t.start()
         assert answered.wait(60)

@@ -35,8 +35,8 @@ def grp(gid: str, n_tokens: int = 8, n_seqs: int = 2) -> dict:
 
 
 def stored_ids(store: Store) -> set[str]:
-    with store._lock:
-        return {r[0] for r in store._db.execute("SELECT group_id FROM groups")}
+    with store.db.locked() as db:
+        return {r[0] for r in db.execute("SELECT group_id FROM groups")}
 
 
 def test_below_the_reserve_pushes_get_507_while_leases_and_acks_go_on(tmp_path: Path) -> None:
@@ -75,14 +75,15 @@ def test_sqlite_full_is_a_507_rolled_back_and_the_store_goes_on(tmp_path: Path) 
             c.post("/groups", json={"groups": [grp(f"ok{i}") for i in range(5)]}).json()["accepted"]
             == 5
         )
-        with store._lock:
-            pages = store._db.execute("PRAGMA page_count").fetchone()[0]
-            store._db.execute(f"PRAGMA max_page_count={pages + 2}")  # the "disk" is full
+        with store.db.locked() as db:
+            pages = db.execute("PRAGMA page_count").fetchone()[0]
+            db.execute(f"PRAGMA max_page_count={pages + 2}")  # the "disk" is full
         big = [grp(f"big{i}", n_tokens=2000) for i in range(4)]
         r = c.post("/groups", json={"groups": big})
         assert r.status_code == 507, r.text
         assert "SQLITE_FULL" in r.json()["detail"] and "rolled back" in r.json()["detail"]
-        assert not store._db.in_transaction  # the next transaction can begin
+        with store.db.locked() as db:
+            assert not db.in_transaction  # the next transaction can begin
         assert stored_ids(store) == {f"ok{i}" for i in range(5)}  # none of the refused push
 
         # Concurrent pushes share one group commit: each gets all-or-nothing.
@@ -109,13 +110,13 @@ def test_sqlite_full_is_a_507_rolled_back_and_the_store_goes_on(tmp_path: Path) 
 
         lease = c.post("/batches/lease", json={"max_sequences": 4, "lease_seconds": 30})
         assert lease.status_code in (200, 507)  # a lease may need a page too
-        with store._lock:
-            store._db.execute("PRAGMA max_page_count=1073741823")  # space is back
+        with store.db.locked() as db:
+            db.execute("PRAGMA max_page_count=1073741823")  # space is back
         r = c.post("/groups", json={"groups": big})
         assert r.json()["accepted"] == 4, r.text
         assert c.get("/status").json()["storage_refusals"] >= 1
-        with store._lock:
-            assert store._db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        with store.db.locked() as db:
+            assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     store.close()
 
 

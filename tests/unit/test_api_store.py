@@ -214,3 +214,48 @@ def test_state_survives_reopen(tmp_path: Path, clock: Clock) -> None:
     env = s2.status()["envs"][0]
     assert (env["weight"], env["dropped_groups"], env["acked_groups"]) == (2.0, 2, 1)
     s2.close()
+
+
+NATIVE_LEASE_OF_AN_ATROPOS_GROUP = """
+import json, sys
+from api import routes  # the native routes, as the API's app includes them
+from api.protocol import ScoredGroup
+from api.store import Row, Store
+
+payload = sys.stdin.read()
+store = Store(sys.argv[1], synchronous="NORMAL")
+store.ingest_rows([Row("a1", None, 0, 2, 8, payload, "atropos", 0)])
+batch = store.lease(None, 2, 30.0)
+group = ScoredGroup.model_validate_json(batch.payloads[0])
+store.close()
+print(json.dumps({"group_id": group.group_id, "masks": [s.mask for s in group.sequences],
+                  "loaded": sorted(m for m in sys.modules if m in ("api.atropos_wire", "msgspec"))}))
+"""
+
+
+def test_the_native_lease_path_does_not_load_the_atropos_wire_parser(tmp_path: Path) -> None:
+    """A fresh interpreter serves an Atropos group (stored as the Atropos route stores it)
+    on a native lease without importing ``api.atropos_wire`` (or msgspec): the conversion is
+    ``api.atropos_convert``."""
+    import json
+    import subprocess
+    import sys
+
+    import msgspec
+
+    from api import atropos_wire
+    from launch.procs import REPO_ROOT
+
+    item = {"tokens": [[1, 2, 3, 4]] * 2, "masks": [[-100, -100, 3, 4]] * 2, "scores": [1, 0]}
+    posted = atropos_wire.prepare(msgspec.Raw(json.dumps(item).encode()), "zeros")
+    out = subprocess.run(
+        [sys.executable, "-c", NATIVE_LEASE_OF_AN_ATROPOS_GROUP, str(tmp_path / "api.sqlite")],
+        input=posted.payload,
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        check=True,
+        timeout=120,
+    )
+    got = json.loads(out.stdout)
+    assert got == {"group_id": "a1", "masks": [[0, 0, 1, 1]] * 2, "loaded": []}

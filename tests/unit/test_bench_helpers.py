@@ -83,10 +83,11 @@ def test_atropos_and_native_payloads_carry_the_same_content() -> None:
     """What the API benchmark sends to the Atropos routes is, once our API converts it, what
     it sends to the native route: the two measure the same work."""
     from api import atropos_wire
+    from api.atropos_convert import to_native
     from api.protocol import ScoredGroup
 
     posted = atropos_wire.prepare(atropos_group(5, 4, 32), "reject")
-    converted = atropos_wire.to_native(posted.payload, "g", "bench", 0)
+    converted = to_native(posted.payload, "g", "bench", 0)
     ours = ScoredGroup.model_validate_json(converted).sequences
     native = ScoredGroup.model_validate(native_group(5, 4, 32)).sequences
     assert [s.model_dump() for s in ours] == [s.model_dump() for s in native]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from api.protocol import ScoredGroup
 from env_server.prompts import format_target
 from trainer.batch import flatten_groups
 from trainer.checkpoint import load_extra_state
@@ -57,7 +58,7 @@ def test_discriminator_learns_to_separate_two_sets(tokenizer) -> None:
     assert after > 0.9, (before, after)
 
 
-def _groups(tokenizer, n: int, with_gold: bool = True) -> list[dict]:
+def _groups(tokenizer, n: int, with_gold: bool = True) -> list[ScoredGroup]:
     rng = random.Random(n)
     prompt = tokenizer.encode("<|im_start|>user\n<html/><|im_end|>\n<|im_start|>assistant\n")
     groups = []
@@ -82,15 +83,14 @@ def _groups(tokenizer, n: int, with_gold: bool = True) -> list[dict]:
                 "action": '{"name": "product_mug", "type": "click"}',
             }
         }
-        groups.append(
-            {
-                "group_id": str(uuid.uuid4()),
-                "env": "shop_r1",
-                "policy_version": 0,
-                "sequences": seqs,
-                "extras": extras if with_gold else {},
-            }
-        )
+        group = {
+            "group_id": str(uuid.uuid4()),
+            "env": "shop_r1",
+            "policy_version": 0,
+            "sequences": seqs,
+            "extras": extras if with_gold else {},
+        }
+        groups.append(ScoredGroup.model_validate(group))
     return groups
 
 

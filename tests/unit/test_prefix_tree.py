@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from api.protocol import ScoredGroup
 from tests.unit.test_trainer_core import VOCAB, build_micro_model
 from trainer.batch import SeqItem, flatten_groups, tree_micro_batches
 from trainer.config import GrpoConfig, SftConfig
@@ -142,7 +143,7 @@ def test_tree_micro_batches_keep_groups_together() -> None:
     assert len(tree_micro_batches(items[:2], 10_000, 16, parts=3)) == 2
 
 
-def make_groups(shared: bool, seed: int, n_groups: int = 3, size: int = 4) -> list[dict]:
+def make_groups(shared: bool, seed: int, n_groups: int = 3, size: int = 4) -> list[ScoredGroup]:
     """Groups whose members share a prompt (``shared``) or share nothing; completions of
     different lengths, two members identical, real-looking logprobs and rationale spans."""
     g = torch.Generator().manual_seed(seed)
@@ -166,7 +167,8 @@ def make_groups(shared: bool, seed: int, n_groups: int = 3, size: int = 4) -> li
                     "spans": {"rationale": [0] * len(prompt) + [1] * (n - 1) + [0]},
                 }
             )
-        groups.append({"group_id": f"g{seed}-{gi}", "policy_version": 0, "sequences": seqs})
+        group = {"group_id": f"g{seed}-{gi}", "env": "toy", "policy_version": 0, "sequences": seqs}
+        groups.append(ScoredGroup.model_validate(group))
     return groups
 
 

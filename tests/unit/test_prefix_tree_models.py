@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from api.protocol import ScoredGroup
 from trainer.batch import flatten_groups
 from trainer.config import GrpoConfig
 from trainer.grpo_step import StepContext, accumulate
@@ -20,7 +21,7 @@ from trainer.optim import build_optimizer, build_scheduler
 pytestmark = pytest.mark.unit
 
 
-def groups(vocab: int, prompt_len: int, comp_len: int, size: int, seed: int) -> list[dict]:
+def groups(vocab: int, prompt_len: int, comp_len: int, size: int, seed: int) -> list[ScoredGroup]:
     """Two groups sharing their prompt, one sharing nothing, and one sequence too long."""
     g = torch.Generator().manual_seed(seed)
     rand = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
@@ -41,11 +42,11 @@ def groups(vocab: int, prompt_len: int, comp_len: int, size: int, seed: int) -> 
                     "score": float((si * 5 + gi) % 3),
                 }
             )
-        out.append({"group_id": f"g{gi}", "policy_version": 0, "sequences": seqs})
+        out.append({"group_id": f"g{gi}", "env": "toy", "policy_version": 0, "sequences": seqs})
     out[0]["sequences"][0]["tokens"] += rand(prompt_len)  # over max_seq_len: left out
     out[0]["sequences"][0]["mask"] += [1] * prompt_len
     out[0]["sequences"][0]["logprobs"] += [-1.0] * prompt_len
-    return out
+    return [ScoredGroup.model_validate(g) for g in out]
 
 
 def compare(model_dir: Path, tmp: Path, lora_r: int, prompt_len: int, comp_len: int) -> None:

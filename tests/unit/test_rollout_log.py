@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from api.protocol import ScoredGroup
 from env_server.data.corpus import iter_corpus_texts
 from env_server.data.dataset import build_dataset
 from env_server.inference import Completion, CompletionBatch
@@ -35,7 +36,7 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def groups(tokenizer) -> list[dict]:
+def groups(tokenizer) -> list[ScoredGroup]:
     """Two groups of two completions each: one right answer, one that is not JSON."""
     rows = build_dataset(num_sessions=40, seed=0)["train"].to_list()
     out = []
@@ -53,19 +54,19 @@ def groups(tokenizer) -> list[dict]:
             weight_version=version,
         )
         group = build_group(row, batch, tokenizer, RewardConfig(), policy_version=version)
-        out.append(json.loads(json.dumps(group)))  # as the trainer gets it: through JSON
+        out.append(ScoredGroup.model_validate_json(json.dumps(group)))  # as the trainer gets it
     return out
 
 
 def test_groups_carry_what_the_reward_saw(groups) -> None:
     g = groups[0]
-    gold = json.loads(g["extras"]["gold"]["action"])
-    good, bad = g["extras"]["rollouts"]
-    assert len(g["extras"]["rollouts"]) == len(g["sequences"])
+    gold = json.loads(g.extras["gold"]["action"])
+    good, bad = g.extras["rollouts"]
+    assert len(g.extras["rollouts"]) == len(g.sequences)
     assert good["action"] == gold and good["error"] is None and good["exact"] is True
-    assert sum(good["reward"].values()) == pytest.approx(g["sequences"][0]["score"])
+    assert sum(good["reward"].values()) == pytest.approx(g.sequences[0].score)
     assert bad["action"] is None and bad["error"] and bad["exact"] is False
-    assert sum(bad["reward"].values()) == g["sequences"][1]["score"] == 0.0
+    assert sum(bad["reward"].values()) == g.sequences[1].score == 0.0
 
 
 def test_sample_rollouts_decodes_and_labels(groups, tokenizer) -> None:
@@ -87,7 +88,7 @@ def test_sample_rollouts_decodes_and_labels(groups, tokenizer) -> None:
 
 def test_groups_of_another_env_still_sample(groups, tokenizer) -> None:
     """No extras (an Atropos env): the texts are decoded, the reward details are null."""
-    bare = [{k: v for k, v in g.items() if k != "extras"} for g in groups]
+    bare = [g.model_copy(update={"extras": {}}) for g in groups]
     row = sample_rollouts(bare, 1, 1, tokenizer)[0]
     assert row["completion"] and row["action"] is None and row["reward"] is None
     assert row["valid"] is None and row["gold_action"] is None
@@ -95,7 +96,7 @@ def test_groups_of_another_env_still_sample(groups, tokenizer) -> None:
 
 def test_batch_format_rate(groups) -> None:
     assert batch_format_rate(groups) == {"format_rate": 0.5}
-    assert batch_format_rate([{"sequences": [{}]}]) == {}
+    assert batch_format_rate([g.model_copy(update={"metrics": {}}) for g in groups]) == {}
 
 
 def test_rollout_log_writes_jsonl_and_tensorboard_text(groups, tokenizer, tmp_path: Path) -> None:

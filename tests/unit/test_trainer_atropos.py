@@ -1,6 +1,6 @@
 """What the GRPO trainer does with the fields an Atropos environment sends (issue 28;
 trainer/atropos_fields.py): each group goes through the API's own conversion
-(``api.atropos_wire.prepare`` + ``to_native``, as a native lease serves it), then through the
+(``api.atropos_wire.prepare`` + ``api.atropos_convert.to_native``, as a native lease serves it), then through the
 trainer's real code. Hand-computed values on the micro Qwen2, both packing paths."""
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from api import atropos_wire
+from api.atropos_convert import to_native
+from api.protocol import ScoredGroup
 from tests.unit.test_trainer_core import _grpo_cfg, build_micro_model
 from trainer.atropos_fields import refusal
 from trainer.batch import flatten_groups
@@ -47,10 +49,10 @@ def item(**kw) -> dict:
     }
 
 
-def leased(atropos_item: dict, gid: str = "g") -> dict:
+def leased(atropos_item: dict, gid: str = "g") -> ScoredGroup:
     """An Atropos group as the API stores it and a native lease serves it."""
     prepared = atropos_wire.prepare(msgspec.Raw(json.dumps(atropos_item).encode()), "zeros")
-    return json.loads(atropos_wire.to_native(prepared.payload, gid, "toy", 0))
+    return ScoredGroup.model_validate_json(to_native(prepared.payload, gid, "toy", 0))
 
 
 def ctx_for(cfg: GrpoConfig, reference: bool = False) -> StepContext:
@@ -60,7 +62,7 @@ def ctx_for(cfg: GrpoConfig, reference: bool = False) -> StepContext:
     return StepContext(lm, ref, opt, build_scheduler(opt, cfg), cfg)
 
 
-def trainer_logprobs(ctx: StepContext, group: dict) -> list[list[float]]:
+def trainer_logprobs(ctx: StepContext, group: ScoredGroup) -> list[list[float]]:
     """The micro model's own logprobs of each sequence's tokens, aligned to tokens."""
     items, _ = flatten_groups([group], 64)
     mb = prepare(items, 0, torch.device("cpu"), packed=False, min_shared=16)
@@ -292,10 +294,10 @@ def test_refuse_marks_the_groups_rejected_at_the_api_and_trains_the_rest(
         assert httpx.post(api_url + "/scored_data", json=p).json()["status"] == "received"
     api = ApiClient(api_url)
     lease = api.lease(max_tokens=10_000, max_sequences=9, lease_seconds=60)
-    groups = [g.model_dump() for g in lease.groups]
+    groups = list(lease.groups)
     with caplog.at_level(logging.ERROR, logger="trainer.atropos_fields"):
         kept = refuse(api, GrpoConfig(temperature=1.0), lease.batch_id, groups)
-    assert [g["group_id"] for g in kept] == ["ok"]
+    assert [g.group_id for g in kept] == ["ok"]
     logged = " ".join(r.getMessage() for r in caplog.records)
     assert "group_overrides.curriculum_bucket" in logged and "overrides[0].temperature" in logged
     assert api.ack(lease.batch_id).groups_acked == 1

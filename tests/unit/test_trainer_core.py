@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from api.protocol import ScoredGroup, ScoredSequence
 from trainer.batch import collate, flatten_groups, micro_batches
 from trainer.checkpoint import (
     TrainerState,
@@ -58,7 +59,7 @@ def micro_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_micro_model(tmp_path_factory.mktemp("micro"))
 
 
-def make_groups(n_groups: int = 2, size: int = 3, seed: int = 0) -> list[dict]:
+def make_groups(n_groups: int = 2, size: int = 3, seed: int = 0) -> list[ScoredGroup]:
     g = torch.Generator().manual_seed(seed)
     groups = []
     for gi in range(n_groups):
@@ -75,7 +76,8 @@ def make_groups(n_groups: int = 2, size: int = 3, seed: int = 0) -> list[dict]:
                     "spans": {"rationale": [0] * n_prompt + [1] * (n_comp - 1) + [0]},
                 }
             )
-        groups.append({"group_id": f"g{seed}-{gi}", "policy_version": 0, "sequences": seqs})
+        group = {"group_id": f"g{seed}-{gi}", "env": "toy", "policy_version": 0, "sequences": seqs}
+        groups.append(ScoredGroup.model_validate(group))
     return groups
 
 
@@ -110,8 +112,9 @@ def test_fp32_master_weights_keep_tiny_updates() -> None:
 
 def test_flatten_microbatch_collate() -> None:
     groups = make_groups()
-    groups[0]["sequences"].append(
-        {"tokens": [1, 2, 3], "mask": [0, 1], "logprobs": [0.0] * 3, "score": 1.0}
+    nothing_to_train = [0, 0, 0]  # a sequence without completion tokens is dropped
+    groups[0].sequences.append(
+        ScoredSequence(tokens=[1, 2, 3], mask=nothing_to_train, logprobs=[0.0] * 3, score=1.0)
     )
     items, dropped = flatten_groups(groups, max_seq_len=8)
     assert dropped == 1 and len(items) == 6

@@ -85,8 +85,8 @@ def test_grpo_step_with_a_minus_1e4_inference_logprob_trains(
     ctx = StepContext(lm, Reference(lm), opt, build_scheduler(opt, cfg), cfg)
     groups = make_groups(seed=1)
     for g in groups:  # A > 0 and A < 0 members alike get a -1e4 inference logprob
-        for s in g["sequences"]:
-            s["logprobs"][-2] = -1e4
+        for s in g.sequences:
+            s.logprobs[-2] = -1e4
     before = _params(lm.model)
     stats = grpo_step(ctx, flatten_groups(groups, cfg.max_seq_len)[0])
     assert math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"]), stats
@@ -128,8 +128,8 @@ def test_grpo_step_on_overflowing_rewards_is_skipped_not_applied(
     ctx = StepContext(lm, Reference(lm), opt, sched, cfg)
     groups = make_groups(seed=1)
     for g in groups:
-        for i, s in enumerate(g["sequences"]):
-            s["score"] = 3e38 if i % 2 == 0 else -3e38
+        for i, s in enumerate(g.sequences):
+            s.score = 3e38 if i % 2 == 0 else -3e38
     before = _params(lm.model)
     stats = grpo_step(ctx, flatten_groups(groups, cfg.max_seq_len)[0])
     assert not math.isfinite(stats["grad_norm"])

@@ -9,23 +9,32 @@ import json
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from api.protocol import ScoredGroup
 from trainer.gail.config import STATE_NAME, GailConfig
 from trainer.gail.discriminator import Discriminator, balanced_accuracy, balanced_bce
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
 
-def _field(obj: Any, name: str, default: Any = None) -> Any:
-    return obj.get(name, default) if isinstance(obj, Mapping) else getattr(obj, name, default)
+class Completion(Protocol):
+    """What the discriminator reads of a flattened sequence (``trainer.batch.SeqItem``; not
+    imported: ``trainer.batch`` imports ``trainer.config``, which imports this package)."""
+
+    tokens: list[int]
+    mask: list[int]
 
 
-def gold_text(group: Any) -> str | None:
+def gold_text(group: ScoredGroup) -> str | None:
     """The human rationale+action of a group (``extras.gold``), rendered like the SFT target."""
     from env_server.prompts import format_target
 
-    gold = (_field(group, "extras", None) or {}).get("gold")
+    gold = group.extras.get("gold")
     if not isinstance(gold, Mapping) or not str(gold.get("rationale") or "").strip():
         return None
     action = gold.get("action")
@@ -51,7 +60,9 @@ def completion_text(text: str) -> str:
 class GailReward:
     """Scores a leased batch's completions and trains the discriminator on it."""
 
-    def __init__(self, cfg: GailConfig, policy_tokenizer: Any, device: Any) -> None:
+    def __init__(
+        self, cfg: GailConfig, policy_tokenizer: PreTrainedTokenizerBase, device: str | torch.device
+    ) -> None:
         self.cfg = cfg
         self.policy_tokenizer = policy_tokenizer
         self.disc = Discriminator(cfg, policy_tokenizer, device)
@@ -63,7 +74,7 @@ class GailReward:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.disc.load_state_dict(state)
 
-    def texts(self, items: Sequence[Any]) -> list[str]:
+    def texts(self, items: Sequence[Completion]) -> list[str]:
         """Decoded completion of each item (tokens under mask 1)."""
         out = []
         for it in items:
@@ -71,7 +82,9 @@ class GailReward:
             out.append(completion_text(self.policy_tokenizer.decode(ids, skip_special_tokens=True)))
         return out
 
-    def __call__(self, groups: Sequence[Any], items: Sequence[Any]):
+    def __call__(
+        self, groups: Sequence[ScoredGroup], items: Sequence[Completion]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """``(bonus [len(items)] tensor, metrics)``; updates D unless in eval mode."""
         import torch
 
