@@ -12,6 +12,7 @@ batch is back in the queue by the time its successor leases, first in line again
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -28,7 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from api.client import ApiClient
-from launch.lifeline import descendants, group_members, signal_group
+from launch.lifeline import ProcInfo, descendants, group_members, is_running, signal_group
 from launch.procs import ManagedProcess, tail
 from settings.ports import free_port
 from trainer.checkpoint import list_checkpoints, missing_parts
@@ -38,6 +39,9 @@ GROUP = 4
 WAIT_S = 900.0
 """Longest wait for any one thing (a trainer start on a loaded 2-core box takes ~20-60 s)."""
 RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")
+ORPHAN_S = 30.0
+"""How long the processes below a killed trainer may outlive it (a torchrun rank dies with
+torchrun at once: trainer/agent_death.py; torchrun stops the other rank within its grace)."""
 
 
 def fabricate_groups(model_dir: Path, n: int) -> list[dict]:
@@ -227,7 +231,8 @@ def kill_inside_write(
     """Wait until ``proc`` starts writing the checkpoint of a step >= ``min_step``, wait a
     random time in ``[0, window_s]``, SIGKILL it (one process: its group; torchrun: one
     random rank, whose death torchrun turns into the others', or the whole group), wait
-    until every process of the group is gone, and say where the kill landed."""
+    until every process of the group and every process that ran below it (torchrun's ranks,
+    each in a session of its own) is gone, and say where the kill landed."""
     root = lin.save / "checkpoints"
     deadline = time.monotonic() + WAIT_S
     # what the previous kill left (a 2-rank write's ``.tmp-step_N-sharded`` has no PID in its
@@ -250,6 +255,7 @@ def kill_inside_write(
     delay = rng.uniform(0.0, window_s)
     time.sleep(delay)
     target = "process group" if lin.procs == 1 else rng.choice(["rank 0", "rank 1", "group"])
+    below = descendants(proc.pid)  # torchrun's ranks run in sessions of their own
     if target.startswith("rank"):
         try:
             os.kill(rank_pid(proc.pid, int(target[-1])), signal.SIGKILL)
@@ -264,12 +270,30 @@ def kill_inside_write(
         assert time.monotonic() < deadline, f"{proc.name}'s processes outlived the kill"
         time.sleep(0.1)
     proc.stop()  # unregister it from the lifeline
+    wait_gone(below, proc.name)
     return {
         "step": step,
         "delay_s": round(delay, 3),
         "killed": target,
         "phase": _phase(lin, step, in_tmp),
     }
+
+
+def wait_gone(procs: list[ProcInfo], name: str) -> None:
+    """Wait up to ``ORPHAN_S`` for ``procs`` (what ran below a killed trainer) to be gone;
+    SIGKILL and name those still running: a rank that outlives torchrun goes on training and
+    writing checkpoints beside the resumed trainer, and every check after the kill is void."""
+    deadline = time.monotonic() + ORPHAN_S
+    while alive := [p for p in procs if is_running(p.pid, p.starttime)]:
+        if time.monotonic() > deadline:
+            for p in alive:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
+            raise AssertionError(
+                f"{len(alive)} process(es) below {name} outlived it by {ORPHAN_S:.0f} s "
+                f"(PIDs {[p.pid for p in alive]}): orphaned ranks, now SIGKILLed"
+            )
+        time.sleep(0.05)
 
 
 def _phase(lin: Lineage, step: int, in_tmp: list[str] | None) -> str:

@@ -11,6 +11,8 @@ import logging
 import sys
 
 from settings.cli import report, resolve_args
+from trainer import PARENT_AT_START
+from trainer.agent_death import die_with_agent
 from trainer.config import SECTIONS, GrpoConfig, SftConfig, build_parser
 
 EXIT_CHECKPOINT_WRITE = 74
@@ -22,6 +24,7 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_agent(PARENT_AT_START)  # a torchrun rank dies with torchrun (agent_death.py)
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (cls, help_text) in COMMANDS.items():

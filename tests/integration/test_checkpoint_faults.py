@@ -17,6 +17,9 @@ trains in the same order (bench/trainer_faults.py), compared with an uninterrupt
   at its step; the resumed run starts from it; at the end every acked batch was trained once
   and the weights equal the uninterrupted run's (bitwise in one process; within 1e-5 at 2
   ranks, whose sums run in another order than the one-process reference's).
+- **torchrun killed**: torchrun starts each rank in a session of its own, so a SIGKILL to
+  torchrun's process group reaches torchrun alone; the ranks must die with it
+  (trainer/agent_death.py) instead of training on, orphaned, beside a resumed trainer.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import os
 import random
 import re
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,9 +46,12 @@ from bench.trainer_faults import (
     max_diff,
     reference,
     torn_run,
+    wait_gone,
 )
-from launch.procs import tail
+from launch.lifeline import descendants, signal_group
+from launch.procs import ManagedProcess, tail
 from launch.vllm_server import start_bridge_server
+from settings.ports import free_port
 
 pytestmark = pytest.mark.integration
 STEPS = 6
@@ -143,3 +150,41 @@ def test_sigkill_inside_checkpoint_writes_resumes_exactly(
         print(f"TORN_CHECKPOINT procs={procs} {out}")
     finally:
         lin.stop()
+
+
+def test_a_sigkill_to_torchrun_takes_its_ranks(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The 2-rank trainer waiting for its API (nothing listens); SIGKILL to torchrun's process
+    group: both ranks are gone within ``ORPHAN_S`` (before trainer/agent_death.py they ran on
+    for good, and the torn-checkpoint trials saw two trainers in one lineage)."""
+    nobody = f"http://127.0.0.1:{free_port()}"
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    argv += ["-m", "trainer", "grpo", "--model-name", str(tiny_model_dir), "--device", "cpu"]
+    argv += ["--save-path", str(tmp_path / "trainer"), "--api-url", nobody, "--overwrite"]
+    argv += ["--inference-url", nobody, "--weight-bridge-mode", "none", "--no-tensorboard"]
+    argv += ["--reconnect-timeout", "900", "--wait-timeout", "900"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = ManagedProcess("torchrun", argv, tmp_path / "trainer.log", env=env).start()
+    try:
+        deadline = time.monotonic() + 600  # two ranks importing torch on a loaded 2-core box
+        while not all(f"rank {r} of 2" in proc.log_path.read_text() for r in (0, 1)):
+            assert proc.alive() and time.monotonic() < deadline, tail(proc.log_path, 40)
+            time.sleep(0.2)
+        ranks = [p for p in descendants(proc.pid) if "trainer" in _cmdline(p.pid)]
+        assert len(ranks) == 2, ranks
+        assert all(p.pgrp != proc.pid for p in ranks)  # out of reach of a signal to the group
+        signal_group(proc.pid, signal.SIGKILL)
+        proc.popen.wait(timeout=60)
+        t0 = time.monotonic()
+        wait_gone(ranks, "torchrun")  # raises if a rank is still running after ORPHAN_S
+        print(f"TORCHRUN_KILLED ranks {[p.pid for p in ranks]} gone {time.monotonic() - t0:.2f} s")
+    finally:
+        proc.stop()
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
