@@ -6,6 +6,7 @@ recorded in ``pids.json``), with the log tails in the failure message."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -56,8 +57,11 @@ class LauncherRun:
             return {}
 
     def _progress(self) -> tuple:
+        """Every file's size and mtime. ``os.walk`` skips a directory that vanishes while it
+        walks (``Path.rglob`` raises: a checkpoint's ``.tmp-*`` directory is renamed away)."""
         files: list[tuple[str, int, int]] = []
-        for path in [self.out_path, *self.run_dir.rglob("*")]:
+        found = [Path(d) / n for d, dirs, names in os.walk(self.run_dir) for n in dirs + names]
+        for path in [self.out_path, *found]:
             try:
                 st = path.stat()
             except OSError:
