@@ -72,9 +72,7 @@ class SiblingSet:
     """Flat indices into ``[S * n_max]`` of the real (unpadded) query rows, in packed order."""
     alone: list[torch.Tensor] = field(default_factory=list)
     """Per child attended alone, the packed positions of its ancestors and then its own
-    tokens (``[A + n]``); its output rows are the last ``n``."""
-    alone_lengths: list[int] = field(default_factory=list)
-    """``n`` of each ``alone`` child."""
+    tokens (``[A + n]``); its output rows are those after the ``A`` ancestors."""
 
 
 @dataclass
@@ -113,7 +111,6 @@ class PackedTree:
                 mask,
                 s.valid.to(device),
                 [a.to(device) for a in s.alone],
-                s.alone_lengths,
             )
 
         return PackedTree(
@@ -217,7 +214,7 @@ def pack(seqs: Sequence[Sequence[int]], min_shared: int = MIN_SHARED_TOKENS) -> 
     rows = []  # the packed position of each output row, in the order the calls produce them
     for s in sets:
         rows.append(s.queries.reshape(-1)[s.valid])
-        rows.extend(a[len(a) - n :] for a, n in zip(s.alone, s.alone_lengths, strict=True))
+        rows.extend(a[len(s.ancestors) :] for a in s.alone)
     return PackedTree(
         torch.tensor([ids], dtype=torch.long),
         torch.tensor([positions], dtype=torch.long),
@@ -245,7 +242,7 @@ def _sibling_set(nodes: Sequence[Node], parent: int, kids: list[int]) -> Sibling
     batched = [i for i in kids if nodes[i].length <= len(anc)]
     own = [torch.arange(nodes[i].offset, nodes[i].offset + nodes[i].length) for i in alone]
     plan = _batched(anc, nodes, batched)
-    return SiblingSet(anc, *plan, [torch.cat([anc, o]) for o in own], [len(o) for o in own])
+    return SiblingSet(anc, *plan, [torch.cat([anc, o]) for o in own])
 
 
 def _batched(

@@ -56,14 +56,14 @@ def _tree_attention(
     for s in prefix_tree.sets:
         if s.queries.numel():
             pieces.append(_batched(q, k, v, s, rep, dropout, scaling))
-        for pos, n in zip(s.alone, s.alone_lengths, strict=True):
+        for pos in s.alone:
             ks, vs = k[None, :, pos], v[None, :, pos]  # [1, H_kv, A + n, D]: 4-d for the kernels
             if rep > 1:
                 ks, vs = ks.repeat_interleave(rep, dim=1), vs.repeat_interleave(rep, dim=1)
             out = F.scaled_dot_product_attention(
                 q[None, :, pos], ks, vs, dropout_p=dropout, is_causal=True, scale=scaling
             )
-            pieces.append(out[0, :, len(pos) - n :].transpose(0, 1))
+            pieces.append(out[0, :, len(s.ancestors) :].transpose(0, 1))
     return torch.cat(pieces)[prefix_tree.order].unsqueeze(0), None
 
 

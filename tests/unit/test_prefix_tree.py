@@ -48,9 +48,9 @@ def assert_rebuilds(seqs: list[list[int]], min_shared: int = 4) -> None:
     rows = []
     for st in tree.sets:
         rows.append(st.queries.reshape(-1)[st.valid])
-        for a, n in zip(st.alone, st.alone_lengths, strict=True):
-            assert a[: len(a) - n].tolist() == st.ancestors.tolist()
-            rows.append(a[len(a) - n :])
+        for a in st.alone:
+            assert a[: len(st.ancestors)].tolist() == st.ancestors.tolist()
+            rows.append(a[len(st.ancestors) :])
     assert torch.cat(rows)[tree.order].tolist() == list(range(tree.packed_tokens))
 
 
@@ -61,8 +61,10 @@ def test_a_child_longer_than_its_ancestors_attends_alone() -> None:
     seqs = [prompt + [1, 2], prompt + [3] * 50, prompt + [4, 5, 6]]
     tree = pack(seqs, min_shared=16)
     root, kids = tree.sets
-    assert root.alone_lengths == [40] and root.queries.numel() == 0  # a root: causal alone
-    assert kids.alone_lengths == [50] and kids.queries.shape == (2, 3)
+    assert [len(a) for a in root.alone] == [
+        40
+    ] and root.queries.numel() == 0  # a root: causal alone
+    assert [len(a) - 40 for a in kids.alone] == [50] and kids.queries.shape == (2, 3)
     assert kids.mask is not None and kids.mask.shape == (2, 1, 3, 43)
     assert_rebuilds(seqs)
 
