@@ -2,13 +2,13 @@
 (SIGKILL included). ``launch.procs.ManagedProcess.start`` sets up two guards (Linux):
 
 1. **Parent-death signal.** Between fork and exec the child asks the kernel
-   (``prctl(PR_SET_PDEATHSIG, SIGKILL)``) to be killed when its parent dies. The kernel tracks
-   the parent *thread*, so the signal is only asked for when the child is started from the
-   main thread (a worker thread that ends would take the child with it). It reaches the
-   direct child only, not the processes a service starts itself (vLLM's engine core and its
-   worker, a multiprocessing resource tracker): vLLM 0.32's engine core does not watch its
-   API server and keeps running when that one is SIGKILLed (with its worker and resource
-   tracker: still there 30 s later, docs/TESTING.md).
+   (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, ``procutil.parent_death``) to be killed when its
+   parent dies. The kernel tracks the parent *thread*, so the signal is only asked for when
+   the child is started from the main thread (a worker thread that ends would take the child
+   with it). It reaches the direct child only, not the processes a service starts itself
+   (vLLM's engine core and its worker, a multiprocessing resource tracker): vLLM 0.32's
+   engine core does not watch its API server and keeps running when that one is SIGKILLed
+   (with its worker and resource tracker: still there 30 s later, docs/TESTING.md).
 2. **A reaper.** One small process per starting process (``python -m launch.lifeline``), in
    its own session (a signal to the starter's process group or terminal does not reach it),
    reads a pipe whose only write end the starter holds. Every service runs in its own
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -37,8 +36,9 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, NamedTuple
 
+from procutil import parent_death
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PR_SET_PDEATHSIG = 1
 DEFAULT_GRACE_S = 5.0
 """Seconds between the reaper's SIGTERM and its SIGKILL (vLLM shuts its engine down on
 SIGTERM in about a second)."""
@@ -134,23 +134,17 @@ def stop_groups(pgids: Iterable[int], grace: float = DEFAULT_GRACE_S) -> list[in
 
 # ---------------------------------------------------------------------------- the child side
 
-_libc: ctypes.CDLL | None = None
-if sys.platform.startswith("linux"):
-    with contextlib.suppress(OSError):
-        _libc = ctypes.CDLL(None, use_errno=True)  # resolved here: not between fork and exec
-
 
 def die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child get SIGKILL when this thread dies; None where
-    that cannot work (not Linux, or not the main thread: see the module docstring)."""
-    if _libc is None or threading.current_thread() is not threading.main_thread():
+    """A ``preexec_fn`` that makes the child get SIGKILL when this thread dies
+    (``procutil.parent_death.die_with``); None where that cannot work (not Linux, or not the
+    main thread: see the module docstring)."""
+    if not parent_death.SUPPORTED or threading.current_thread() is not threading.main_thread():
         return None
-    prctl, parent = _libc.prctl, os.getpid()
+    die_with, parent = parent_death.die_with, os.getpid()
 
     def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl: nobody will signal us
-            os.kill(os.getpid(), signal.SIGKILL)
+        die_with(parent)  # a failed request is not fatal: the reaper still stops the group
 
     return preexec
 

@@ -9,19 +9,18 @@ writing checkpoints into the save path that a restarted trainer then resumes fro
 (docs/FAULT_TOLERANCE.md, "A torn checkpoint": two trainers in one lineage).
 
 ``die_with_agent`` asks the kernel to SIGKILL this rank when its parent, torchrun's agent,
-exits (``prctl(PR_SET_PDEATHSIG)``; the agent starts its ranks from its main thread, the one
-the kernel watches). No torch import: ``python -m trainer`` calls it first thing.
+exits (``procutil.parent_death.die_with``: ``prctl(PR_SET_PDEATHSIG)``, the primitive the
+launcher's children use too; the agent starts its ranks from its main thread, the one the
+kernel watches). No torch import: ``python -m trainer`` calls it first thing.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
-import sys
 from collections.abc import Mapping
 
-PR_SET_PDEATHSIG = 1
+from procutil import parent_death
+
 AGENT_VAR = "TORCHELASTIC_RUN_ID"
 """Set by torch elastic's agent (torchrun) in every rank's environment, and only there."""
 
@@ -37,12 +36,8 @@ def die_with_agent(parent: int, environ: Mapping[str, str] | None = None) -> boo
     ``parent`` is already gone (this process was reparented). ``parent``: ``os.getppid()``
     read as early as possible (``trainer.PARENT_AT_START``, read as the package loads).
     Returns whether the request was made (False: not a torchrun rank, or not Linux)."""
-    if not started_by_agent(environ) or not sys.platform.startswith("linux"):
+    if not started_by_agent(environ) or not parent_death.SUPPORTED:
         return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
+    if err := parent_death.die_with(parent):  # torchrun already gone: SIGKILLed in there
         raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")
-    if os.getppid() != parent:  # torchrun died before the request: nobody will signal us
-        os.kill(os.getpid(), signal.SIGKILL)
     return True

@@ -11,15 +11,14 @@ The env is an ordinary ``BaseEnv`` subclass: it asks the server for ``group_size
 completions of a prompt, scores them, and lets atroposlib post the group (its own
 ``handle_send_to_api`` / ``_send_scored_data_to_api``). The only addition records, in
 ``$TOY_RECORD_DIR``, every group just before it is posted (``intent``) and after the API
-answered 2xx (``acked``), so the test can check what the trainer was served against them.
+answered 2xx (``acked``), so the test can check what the trainer was served against them
+(atropos_post_recorder.py).
 """
 
-import json
 import os
 import random
 import sys
 import time
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -101,11 +100,12 @@ def openai_server(port: int) -> None:
 
 
 def env_main() -> None:
+    from atropos_post_recorder import PostRecorder
     from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig
 
     record_dir = Path(os.environ["TOY_RECORD_DIR"])
 
-    class ToyEnv(BaseEnv):
+    class ToyEnv(PostRecorder, BaseEnv):
         name = "toy"
 
         @classmethod
@@ -115,7 +115,6 @@ def env_main() -> None:
 
         async def setup(self) -> None:
             self.counter = 0
-            self.record = (record_dir / f"env-{os.getpid()}.jsonl").open("a", buffering=1)
 
         async def get_next_item(self) -> str:
             self.counter += 1
@@ -148,22 +147,11 @@ def env_main() -> None:
         async def evaluate(self, *args: Any, **kwargs: Any) -> None:
             return None
 
-        def _post_json_with_compression(self, session: Any, url: str, payload: Any, **kw: Any):
-            items = payload if isinstance(payload, list) else [payload]
-            for g in items:
-                self.record.write(json.dumps({"event": "intent", "group": g}) + "\n")
-            posted = super()._post_json_with_compression(session, url, payload, **kw)
+        def record_path(self) -> str:
+            return str(record_dir / f"env-{os.getpid()}.jsonl")
 
-            @asynccontextmanager
-            async def recorded():
-                async with posted as resp:
-                    yield resp
-                    ok = resp.status < 300
-                if ok:
-                    for g in items:
-                        self.record.write(json.dumps({"event": "acked", "group": g}) + "\n")
-
-            return recorded()
+        def record_entry(self, group: dict[str, Any]) -> dict[str, Any]:
+            return {"group": group}
 
     ToyEnv.cli()
 

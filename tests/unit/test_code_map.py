@@ -11,7 +11,7 @@ from launch.procs import REPO_ROOT
 
 pytestmark = pytest.mark.unit
 CODE_MAP = REPO_ROOT / "docs" / "CODE_MAP.md"
-PACKAGES = ("api", "env_server", "launch", "settings", "trainer", "vllm_patching")
+PACKAGES = ("api", "env_server", "launch", "procutil", "settings", "trainer", "vllm_patching")
 FILE = re.compile(r"[\w./]+\.(py|sh|md|yaml)|[\w/]+/")
 """A file (``api/store.py``, ``parse.py``) or a folder (``trainer/gail/``)."""
 MODULE = re.compile(rf"(?:{'|'.join(PACKAGES)})(?:\.\w+)+")

@@ -18,7 +18,7 @@ import pytest
 from launch.procs import REPO_ROOT
 
 pytestmark = pytest.mark.unit
-PACKAGES = ("api", "env_server", "launch", "settings", "trainer", "vllm_patching")
+PACKAGES = ("api", "env_server", "launch", "procutil", "settings", "trainer", "vllm_patching")
 
 
 def _has_main_guard(path: Path) -> bool:

@@ -16,7 +16,7 @@ import pytest
 from launch.procs import REPO_ROOT
 
 pytestmark = pytest.mark.unit
-PACKAGES = ("api", "env_server", "launch", "settings", "trainer", "vllm_patching")
+PACKAGES = ("api", "env_server", "launch", "procutil", "settings", "trainer", "vllm_patching")
 KNOWN_MODULE_CYCLES: list[list[str]] = []
 """Lazy imports that go both ways (issue #19, item 9): none left."""
 KNOWN_PACKAGE_CYCLES: list[list[str]] = []
@@ -115,3 +115,14 @@ def test_package_cycles_are_only_the_known_ones() -> None:
             if a != b:
                 packages[a].add(b)
     assert _cycles(packages) == KNOWN_PACKAGE_CYCLES
+
+
+def test_procutil_imports_no_package_of_ours() -> None:
+    """``procutil`` is shared by ``launch`` and the services (the trainer): it must stay a
+    leaf, or a service would import ``launch`` through it."""
+    graph = _graph(top_only=False)
+    for module, targets in graph.items():
+        if module.split(".")[0] == "procutil":
+            assert {t.split(".")[0] for t in targets} <= {"procutil"}, (module, targets)
+    assert "procutil.parent_death" in graph["trainer.agent_death"]
+    assert "procutil.parent_death" in graph["launch.lifeline"]
