@@ -145,7 +145,7 @@ def test_the_resolved_files_are_what_the_services_parse(tmp_path: Path) -> None:
     assert parsed.precision == "fp32" and parsed.eval_generate == 0
     # an interrupted SFT (checkpoints there) continues, else it starts over
     interrupted = (Path(parsed.save_path) / "checkpoints").is_dir()
-    assert (parsed.resume, parsed.overwrite) == (interrupted, not interrupted)
+    assert (parsed.resume, parsed.overwrite) == ("latest" if interrupted else None, not interrupted)
     # vLLM: the preset's and the recipe's options, read in place by the server's own parser
     vllm = files["vllm"]
     values = yaml.safe_load(vllm.read_text())
