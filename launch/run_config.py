@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, FilePath
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, FilePath
 
 from api.config import ApiConfig
 from env_server.config import EnvConfig
@@ -95,8 +95,9 @@ class RunConfig(_Keys):
     """For humans."""
     preset: Literal["cpu-tiny", "cpu-smol", "gpu-0.5b", "gpu-3b"] = "cpu-tiny"
     """The file recipes/presets/<name>.yaml, the lowest file of the run (command line)."""
-    recipe: FilePath | None = None
-    """This run's file, over the preset (recipes/<model>/<task>/*.yaml; command line)."""
+    recipe: FilePath | None = Field(None, validation_alias=AliasChoices("recipe", "config"))
+    """This run's file, over the preset (recipes/<model>/<task>/*.yaml; command line; alias
+    ``--config``, the services' name of their one file)."""
     model: str | None = None
     """What vLLM serves and GRPO starts from (also the env's tokenizer)."""
     seed: int | None = None

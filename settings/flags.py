@@ -96,21 +96,19 @@ def add_config_flags(
     *,
     files: bool = True,
 ) -> None:
-    """``--recipe``, ``--config``, ``--print-config`` and one flag per field of ``cls``."""
+    """``--config`` (alias ``--recipe``), ``--print-config`` and one flag per field of ``cls``."""
     if files:
         parser.add_argument(
-            "--recipe",
-            type=Path,
-            default=None,
-            help="YAML recipe (recipes/<model>/<task>/*.yaml); its shared keys and this "
-            "service's section set options, flags override them.",
-        )
-        parser.add_argument(
             "--config",
+            "--recipe",
+            dest="config",
             type=Path,
-            default=None,
-            help="Flat YAML of this service's options (applied over --recipe, under flags); "
-            "launch/run_all.sh writes one per service into <run>/config/.",
+            action="append",
+            metavar="FILE",
+            help="YAML file: a run file (recipes/<model>/<task>/*.yaml, a preset; its shared "
+            "keys and this service's section apply) or a flat file of this service's options "
+            "(what launch/run_all.sh writes to <run>/config/). Several apply in order; the "
+            "environment and flags override them.",
         )
         parser.add_argument(
             "--print-config",

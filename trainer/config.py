@@ -1,6 +1,6 @@
-"""Trainer configs (pydantic) and their command line (``settings.cli``): a recipe (``--recipe``:
-shared keys, ``trainer:``, then ``trainer.sft:``/``trainer.grpo:``) < a flat ``--config`` < env
-vars < flags. Every field is documented once, by its docstring; ``--help`` prints those.
+"""Trainer configs (pydantic) and their command line (``settings.cli``): a file (``--config``,
+alias ``--recipe``: a run file's shared keys, ``trainer:``, then ``trainer.sft:``/
+``trainer.grpo:``, or a flat file of the options) < env vars < flags. Every field is documented once, by its docstring; ``--help`` prints those.
 
 This module imports no torch, so ``python -m trainer ... --help`` and config errors are fast.
 """
@@ -354,7 +354,7 @@ SECTIONS: dict[type[_Config], str] = {SftConfig: "trainer.sft", GrpoConfig: "tra
 
 
 def build_parser(cls: type[_Config], parser: argparse.ArgumentParser) -> None:
-    """``--recipe``/``--config``/``--print-config`` and one ``--kebab-case`` flag per field, its
+    """``--config``/``--print-config`` and one ``--kebab-case`` flag per field, its
     help = the field's docstring (``settings.flags.add_config_flags``)."""
     add_config_flags(parser, cls)
 
