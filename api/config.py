@@ -71,14 +71,14 @@ class ApiConfig(BaseModel):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """``--recipe``/``--config``/``--print-config`` and one flag per :class:`ApiConfig` field."""
+    """``--config``/``--print-config`` and one flag per :class:`ApiConfig` field."""
     ap = argparse.ArgumentParser(prog="python -m api", description=ApiConfig.__doc__)
     add_config_flags(ap, ApiConfig)
     return ap
 
 
 def resolve_config(argv: list[str] | None = None) -> cli.Resolved:
-    """Recipe (``api:`` + shared keys) < --config < $SHOP_R1_API_TOKEN < flags, validated (a bad
+    """File (``--config``) < env vars ($SHOP_R1_API_TOKEN) < flags, validated (a bad
     value exits with a clear message; ``--print-config`` prints the result and exits)."""
     return cli.parse(ApiConfig, argv, prog="python -m api", section="api")
 

@@ -1,7 +1,7 @@
 """Config of the environment service and its command line (``settings.cli``).
 
-A YAML recipe (``--recipe``: shared keys + the ``env:`` section, docs/RECIPES.md), a flat
-``--config``, environment variables, then flags; one ``--kebab-case`` flag per field, whose help
+A YAML file (``--config``, alias ``--recipe``: a run file's shared keys + ``env:`` section,
+or a flat file of these options; docs/RECIPES.md), environment variables, then flags; one ``--kebab-case`` flag per field, whose help
 is the field's docstring. No torch here: ``--help`` and config errors are instant.
 """
 
@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_config(argv: list[str] | None = None) -> cli.Resolved:
-    """Recipe (shared keys + ``env:``) < --config < env vars < flags, validated (a bad value
+    """File (``--config``) < env vars < flags, validated (a bad value
     exits with a clear message; ``--print-config`` prints the result and exits)."""
     return cli.parse(EnvConfig, argv, prog="python -m env_server", section="env")
 

@@ -19,15 +19,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, FilePath
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, FilePath
 
 from api.config import ApiConfig
 from env_server.config import EnvConfig
 from launch.launch_config import LaunchConfig
-from settings.flags import none_words
+from settings.flags import none_words, pop_setters
 from settings.layers import SHORTCUTS, Resolved, cli_source, env_layer, expand, resolve
 from settings.paths import PRESETS_DIR
-from settings.recipe import RecipeError, load_recipe
+from settings.recipe import RecipeError, deep_merge, load_recipe
 from trainer.config import GrpoConfig, SftConfig
 
 Mode = Literal["shared_vllm", "lora_only", "none"]
@@ -95,8 +95,9 @@ class RunConfig(_Keys):
     """For humans."""
     preset: Literal["cpu-tiny", "cpu-smol", "gpu-0.5b", "gpu-3b"] = "cpu-tiny"
     """The file recipes/presets/<name>.yaml, the lowest file of the run (command line)."""
-    recipe: FilePath | None = None
-    """This run's file, over the preset (recipes/<model>/<task>/*.yaml; command line)."""
+    recipe: FilePath | None = Field(None, validation_alias=AliasChoices("recipe", "config"))
+    """This run's file, over the preset (recipes/<model>/<task>/*.yaml; command line; alias
+    ``--config``, the services' name of their one file)."""
     model: str | None = None
     """What vLLM serves and GRPO starts from (also the env's tokenizer)."""
     seed: int | None = None
@@ -171,14 +172,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def cli_layer(argv: Sequence[str]) -> dict[str, Any]:
     """The values the command line gives (``--env-args``/``--trainer-args`` expanded last)."""
-    argv = _launch_flags(argv)
+    argv, setters = pop_setters(RunConfig, _launch_flags(argv))
     first = none_words(RunConfig, cli_source(RunConfig, argv, root_parser=_parser())())
     more = _dotted(first.get("env_args"), "env") + _dotted(
         first.get("trainer_args"), "trainer.grpo"
     )
-    if not more:
-        return first
-    return none_words(RunConfig, cli_source(RunConfig, [*argv, *more], root_parser=_parser())())
+    if more:
+        more, more_setters = pop_setters(RunConfig, more)
+        setters = deep_merge(setters, more_setters)
+        first = none_words(
+            RunConfig, cli_source(RunConfig, [*argv, *more], root_parser=_parser())()
+        )
+    return deep_merge(first, setters)
 
 
 def file_layers(preset: str, recipe: Path | None) -> list[tuple[str, dict[str, Any]]]:

@@ -18,6 +18,7 @@ from typing import Any
 from launch.procs import ManagedProcess
 from settings.ports import free_port
 from vllm_patching.protocol import TOKEN_ENV
+from vllm_patching.serve import expand_files, unset_flags
 
 
 @dataclass
@@ -98,6 +99,10 @@ def server_env(
     return env
 
 
+SERVER_DEFAULTS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "2048"]
+"""vLLM options of the embedded CPU models, for what the server's file and flags leave unset."""
+
+
 def server_argv(
     model: str | Path,
     port: int,
@@ -120,11 +125,6 @@ def server_argv(
         str(port),
         "--served-model-name",
         served_model_name,
-        "--enforce-eager",
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "2048",
         "--weight-bridge-mode",
         mode,
         "--bridge-config",
@@ -134,7 +134,8 @@ def server_argv(
     ]
     if single_copy:
         argv.append("--single-copy")
-    return [*argv, *extra]
+    # the defaults only where neither a file (--config) nor a flag of ``extra`` sets them
+    return [*argv, *unset_flags(SERVER_DEFAULTS, expand_files(list(extra))), *extra]
 
 
 def spawn_bridge_server(

@@ -1,10 +1,10 @@
 """One command line for every service (docs/RECIPES.md): a service's config class gets one
-``--kebab-case`` flag per field (``settings.flags``), and a run file, a section file and the
-environment fill it (``settings.layers``). Precedence, lowest first:
+``--kebab-case`` flag per field (``settings.flags``), and one file and the environment fill it
+(``settings.layers``). Precedence, lowest first:
 
-    field defaults < run file (``--recipe``: its shortcuts, then this service's section)
-                   < section file (``--config``: this service's options only; what
-                     launch/run_all.sh writes for each service)
+    field defaults < file (``--config FILE``, alias ``--recipe``: a run file, whose shortcuts
+                     and this service's section apply, or a flat file of this service's
+                     options, as launch/run_all.sh writes; several apply in order)
                    < environment (``SHOP_R1_<SECTION>__<FIELD>``, declared names) < flags
 
 This module imports neither torch nor any service package, so every ``--help`` stays instant
@@ -24,36 +24,50 @@ from pydantic import BaseModel
 from settings.flags import add_config_flags, flag_values
 from settings.layers import SHORTCUTS, Layer, Resolved, env_layer, expand, snake
 from settings.layers import resolve as resolve_layers
-from settings.recipe import load_recipe, read_yaml
+from settings.recipe import SECTIONS, TOP_KEYS, load_recipe, read_yaml
 
 __all__ = ["Resolved", "config_file_data", "parse", "parse_config", "report", "resolve"]
 M = TypeVar("M", bound=BaseModel)
 
 
+def is_run_file(data: Mapping[str, Any]) -> bool:
+    """A run file (``RunConfig`` as YAML: shortcuts and sections) rather than one service's
+    flat options: it has a section (or ``base``), or every top-level key is a run file's. The
+    keys both kinds may hold (``seed``, ``model``, ``rewards``, ``weight_bridge_mode``,
+    ``single_copy``) set the same field of a service either way."""
+    keys = set(data)
+    return bool(keys & {*SECTIONS, "launch", "base"}) or bool(keys) and keys <= {*TOP_KEYS}
+
+
+def file_values(path: Path, section: str) -> dict[str, Any]:
+    """Service ``section``'s values in ``path``: a run file's shortcuts and section (``base:``
+    and ``${VAR}`` followed) or a flat file as it is."""
+    data = read_yaml(path)
+    if not is_run_file(data):
+        return snake(data)
+    values: Any = expand(load_recipe(path), SHORTCUTS)
+    for part in section.split("."):
+        values = values.get(part) or {} if isinstance(values, dict) else {}
+    return values
+
+
 def section_layers(
     cls: type[BaseModel],
     section: str,
-    recipe: Path | None = None,
-    config: Path | None = None,
+    config: Sequence[Path] = (),
     flags: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> list[Layer]:
-    """The layers of service ``section`` (``api``, ``env``, ``trainer.sft``, ...)."""
-    layers: list[Layer] = []
-    if recipe is not None:
-        values: Any = expand(load_recipe(recipe), SHORTCUTS)
-        for part in section.split("."):
-            values = values.get(part) or {} if isinstance(values, dict) else {}
-        layers.append((f"recipe {recipe}", values))
-    if config is not None:
-        layers.append((f"config {config}", snake(read_yaml(config))))
+    """The layers of service ``section`` (``api``, ``env``, ``trainer.sft``, ...): the files
+    in order, the environment, the flags."""
+    layers: list[Layer] = [(f"file {p}", file_values(p, section)) for p in config]
     layers.append(("environment", env_layer(cls, section, environ)))
     layers.append(("flag", dict(flags or {})))
     return layers
 
 
 def resolve(cls: type[M], *, section: str, **files: Any) -> Resolved:
-    """defaults < ``recipe`` < ``config`` < environment < ``flags`` (and ``environ``: the
+    """defaults < ``config`` files < environment < ``flags`` (and ``environ``: the
     environment, default ``os.environ``), validated."""
     return resolve_layers(cls, section_layers(cls, section, **files))
 
@@ -63,8 +77,7 @@ def resolve_args(cls: type[M], ns: argparse.Namespace, section: str) -> Resolved
     return resolve(
         cls,
         section=section,
-        recipe=getattr(ns, "recipe", None),
-        config=getattr(ns, "config", None),
+        config=getattr(ns, "config", None) or (),
         flags=flag_values(cls, ns),
     )
 

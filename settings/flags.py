@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,6 +39,49 @@ def from_env(name: str, **extra: Any) -> dict[str, Any]:
     return {"env": name, **extra}
 
 
+def flag_const(value: str) -> dict[str, Any]:
+    """``json_schema_extra`` of an optional-value flag: ``--resume`` alone is ``--resume latest``."""
+    return {"flag_const": value}
+
+
+def expand_setters(cls: type[BaseModel], data: Any) -> Any:
+    """A before-validator's work: each of ``cls.setter_aliases`` given in ``data`` (a name that
+    sets several fields, e.g. ``clip_eps``) replaced by the fields it sets, over their own."""
+    if not isinstance(data, Mapping):
+        return data
+    data = dict(data)
+    for name, targets in getattr(cls, "setter_aliases", {}).items():
+        if name in data:
+            value = data.pop(name)
+            data.update(dict.fromkeys(targets, value))
+    return data
+
+
+def setter_paths(cls: type[BaseModel], prefix: str = "") -> list[str]:
+    """Dotted names of every ``setter_aliases`` entry in ``cls`` and its sections."""
+    out = [prefix + n for n in getattr(cls, "setter_aliases", {})]
+    for name, info in cls.model_fields.items():
+        sub = model_type(info.annotation)
+        out += setter_paths(sub, f"{prefix}{name}.") if sub is not None else []
+    return out
+
+
+def pop_setters(cls: type[BaseModel], argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
+    """``argv`` without its setter-alias flags (``--trainer.grpo.clip-eps X``), and those as a
+    nested mapping (``{"trainer": {"grpo": {"clip_eps": "X"}}}``) for :func:`expand_setters`."""
+    flags = {"--" + p.replace("_", "-"): p for p in setter_paths(cls)}
+    rest: list[str] = []
+    values: dict[str, Any] = {}
+    it = iter(argv)
+    for a in it:
+        flag, eq, value = a.partition("=")
+        if flag in flags:
+            _set_dotted(values, flags[flag], value if eq else next(it, ""))
+        else:
+            rest.append(a)
+    return rest, values
+
+
 def _extra(info: Any) -> dict[str, Any]:
     extra = info.json_schema_extra
     return extra if isinstance(extra, dict) else {}
@@ -53,21 +96,19 @@ def add_config_flags(
     *,
     files: bool = True,
 ) -> None:
-    """``--recipe``, ``--config``, ``--print-config`` and one flag per field of ``cls``."""
+    """``--config`` (alias ``--recipe``), ``--print-config`` and one flag per field of ``cls``."""
     if files:
         parser.add_argument(
-            "--recipe",
-            type=Path,
-            default=None,
-            help="YAML recipe (recipes/<model>/<task>/*.yaml); its shared keys and this "
-            "service's section set options, flags override them.",
-        )
-        parser.add_argument(
             "--config",
+            "--recipe",
+            dest="config",
             type=Path,
-            default=None,
-            help="Flat YAML of this service's options (applied over --recipe, under flags); "
-            "launch/run_all.sh writes one per service into <run>/config/.",
+            action="append",
+            metavar="FILE",
+            help="YAML file: a run file (recipes/<model>/<task>/*.yaml, a preset; its shared "
+            "keys and this service's section apply) or a flat file of this service's options "
+            "(what launch/run_all.sh writes to <run>/config/). Several apply in order; the "
+            "environment and flags override them.",
         )
         parser.add_argument(
             "--print-config",
@@ -85,8 +126,16 @@ def add_config_flags(
         cli_hide_none_type=True,
         cli_parse_none_str="null",
     )
+    for name, targets in getattr(cls, "setter_aliases", {}).items():
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            metavar="VALUE",
+            default=argparse.SUPPRESS,
+            help=f"Sets {' and '.join(targets)} both (a declared alias, not a field).",
+        )
     dests = {a.dest for a in parser._actions} - before
-    _literal_choices(parser, cls, dests)
+    _refine_actions(parser, cls, dests)
     sources = dict(parser.get_default(_SOURCES) or {})
     sources[cls] = (source, dests)
     parser.set_defaults(**{_SOURCES: sources})
@@ -103,14 +152,15 @@ def _leaf_fields(cls: type[BaseModel], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _literal_choices(
-    parser: argparse.ArgumentParser, cls: type[BaseModel], dests: set[str]
-) -> None:
+def _refine_actions(parser: argparse.ArgumentParser, cls: type[BaseModel], dests: set[str]) -> None:
     """argparse ``choices`` for ``Literal`` fields, so a wrong value is refused at once with
-    argparse's "invalid choice" (``none``/``null`` too where the field is optional)."""
+    argparse's "invalid choice" (``none``/``null`` too where the field is optional); an
+    optional value for fields declared with :func:`flag_const`."""
     leaves = _leaf_fields(cls)
     for action in parser._actions:
         info = leaves.get(action.dest) if action.dest in dests else None
+        if info is not None and "flag_const" in _extra(info):
+            action.nargs, action.const = "?", _extra(info)["flag_const"]
         inner, optional = unwrap(info.annotation) if info is not None else (None, False)
         if typing.get_origin(inner) is Literal:
             action.choices = [str(c) for c in typing.get_args(inner)]
@@ -122,7 +172,8 @@ def flag_values(cls: type[BaseModel], ns: argparse.Namespace) -> dict[str, Any]:
     """The flags actually given, as a nested dict of field values (``none`` -> None)."""
     source, dests = getattr(ns, _SOURCES)[cls]
     given = argparse.Namespace(**{d: v for d, v in vars(ns).items() if d in dests})
-    return none_words(cls, source(parsed_args=given)())
+    setters = {n: getattr(ns, n) for n in getattr(cls, "setter_aliases", {}) if hasattr(ns, n)}
+    return none_words(cls, source(parsed_args=given)()) | setters
 
 
 def none_words(cls: type[BaseModel], values: dict[str, Any]) -> dict[str, Any]:

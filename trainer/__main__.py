@@ -1,4 +1,4 @@
-"""``python -m trainer sft|grpo [--recipe recipe.yaml] [--config flat.yaml] [--flag value ...]``.
+"""``python -m trainer sft|grpo [--config FILE] [--flag value ...]``.
 
 Thin entry point: parse and validate the config first (no torch import, so ``--help`` and
 config errors are instant), log the resolved config, then import the trainer and run it.

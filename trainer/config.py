@@ -1,6 +1,6 @@
-"""Trainer configs (pydantic) and their command line (``settings.cli``): a recipe (``--recipe``:
-shared keys, ``trainer:``, then ``trainer.sft:``/``trainer.grpo:``) < a flat ``--config`` < env
-vars < flags. Every field is documented once, by its docstring; ``--help`` prints those.
+"""Trainer configs (pydantic) and their command line (``settings.cli``): a file (``--config``,
+alias ``--recipe``: a run file's shared keys, ``trainer:``, then ``trainer.sft:``/
+``trainer.grpo:``, or a flat file of the options) < env vars < flags. Every field is documented once, by its docstring; ``--help`` prints those.
 
 This module imports no torch, so ``python -m trainer ... --help`` and config errors are fast.
 """
@@ -8,12 +8,12 @@ This module imports no torch, so ``python -m trainer ... --help`` and config err
 from __future__ import annotations
 
 import argparse
-from typing import Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from settings.cli import resolve_args
-from settings.flags import add_config_flags, from_env
+from settings.flags import add_config_flags, expand_setters, flag_const, from_env
 from settings.paths import DATA_DIR, RUNS_DIR, SFT_MODEL_DIR, TINY_MODEL_DIR
 from settings.ports import API_URL, HOST, VLLM_PORT
 from trainer.gail import GailConfig
@@ -31,14 +31,17 @@ class CommonConfig(_Config):
     save_path: str = ""
     """Output directory: the final model (save_pretrained, safetensors) goes here, resumable
     checkpoints under ``<save_path>/checkpoints``, metrics in ``<save_path>/metrics.jsonl``."""
-    resume: bool = False
-    """Continue from the latest complete checkpoint in ``<save_path>/checkpoints`` (weights,
-    optimizer, scheduler, RNG, step, data position / consumed batches); the same as
-    ``--resume-from-checkpoint latest``."""
-    resume_from_checkpoint: str | None = None
-    """``latest`` (the newest checkpoint under ``<save_path>/checkpoints``; nothing there yet:
-    start fresh) or the path of one checkpoint directory (``.../checkpoints/step_000042``,
-    possibly of another run: training continues from it into ``save_path``)."""
+    resume: str | None = Field(
+        None,
+        validation_alias=AliasChoices("resume", "resume_from_checkpoint"),
+        json_schema_extra=flag_const("latest"),
+    )
+    """Continue from a checkpoint (weights, optimizer, scheduler, RNG, step, data position /
+    consumed batches): ``latest``, the newest complete one in ``<save_path>/checkpoints``
+    (nothing there yet: start fresh), or the path of one checkpoint directory
+    (``.../checkpoints/step_000042``, possibly of another run: training continues from it into
+    ``save_path``). ``--resume`` alone and ``resume: true`` mean ``latest``; ``false``: start
+    fresh. Alias: ``--resume-from-checkpoint``."""
     overwrite: bool = False
     """Delete the checkpoints already in ``<save_path>/checkpoints`` and start over (without
     it, and without ``--resume``, a directory holding checkpoints is refused)."""
@@ -121,18 +124,25 @@ class CommonConfig(_Config):
     hub_private: bool = True
     """Create the hub repo as private if it does not exist."""
 
+    @field_validator("resume", mode="before")
+    @classmethod
+    def _resume_words(cls, value: object) -> object:
+        """``true`` (``--resume``, the launcher's files) is ``latest``; ``false`` is unset."""
+        word = str(value).strip().lower() if isinstance(value, bool | str) else None
+        if word in ("true", "1", "yes", "on"):
+            return "latest"
+        return None if word in ("false", "0", "no", "off") else value
+
     @model_validator(mode="after")
     def _check(self) -> CommonConfig:
         if self.training_steps < 1 or self.save_every < 1 or self.keep_checkpoints < 1:
             raise ValueError("training_steps, save_every and keep_checkpoints must be >= 1")
         if self.lr <= 0 or self.max_seq_len < 8:
             raise ValueError("lr must be > 0 and max_seq_len >= 8")
-        if self.resume_from_checkpoint is not None and not self.resume_from_checkpoint.strip():
-            raise ValueError("resume_from_checkpoint must be 'latest' or a checkpoint path")
-        # --resume is the old spelling of --resume-from-checkpoint latest: keep both in step.
-        if self.resume and self.resume_from_checkpoint is None:
-            self.resume_from_checkpoint = "latest"
-        self.resume = self.resume_from_checkpoint is not None
+        if self.resume is not None and not self.resume.strip():
+            raise ValueError(
+                "resume (resume_from_checkpoint) must be 'latest' or a checkpoint path"
+            )
         if self.use_wandb and self.wandb_project is None:
             self.wandb_project = "shop-r1"
         if self.hub_repo_id is not None and "/" not in self.hub_repo_id:
@@ -258,8 +268,6 @@ class GrpoConfig(CommonConfig):
     """PPO clip: ratio lower bound is 1 - clip_low."""
     clip_high: float = 0.2
     """PPO clip: ratio upper bound is 1 + clip_high (0.28 = DAPO's clip-higher)."""
-    clip_eps: float | None = Field(None, gt=0)
-    """Atropos' symmetric clip: sets both ``clip_low`` and ``clip_high``."""
     tis_cap: float | None = None
     """Truncated importance weight cap for the inference/trainer mismatch; None = ratio taken
     directly against the inference logprobs."""
@@ -314,12 +322,20 @@ class GrpoConfig(CommonConfig):
     """Optional discriminator reward (GRAIL; trainer/gail/, docs/GAIL.md): off unless
     ``GAIL_USE=1``, ``gail: {use: true}`` in the recipe, or ``--gail.use``."""
 
+    setter_aliases: ClassVar[dict[str, tuple[str, ...]]] = {"clip_eps": ("clip_low", "clip_high")}
+    """Names that set several fields (a flag and a file key, never a field): Atropos'
+    symmetric ``--clip-eps X`` is ``clip_low`` and ``clip_high`` both X, over their own
+    values (``settings.flags.expand_setters``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _setters(cls, data: Any) -> Any:
+        return expand_setters(cls, data)
+
     @model_validator(mode="after")
     def _check_grpo(self) -> GrpoConfig:
         if self.temperature <= 0:
             raise ValueError("temperature must be > 0")
-        if self.clip_eps is not None:
-            self.clip_low = self.clip_high = self.clip_eps
         if self.tis_cap is not None and self.tis_cap < 1.0:
             raise ValueError("tis_cap must be >= 1 (a cap below 1 down-weights every token)")
         if self.tis_level == "sequence" and self.tis_cap is None:
@@ -338,7 +354,7 @@ SECTIONS: dict[type[_Config], str] = {SftConfig: "trainer.sft", GrpoConfig: "tra
 
 
 def build_parser(cls: type[_Config], parser: argparse.ArgumentParser) -> None:
-    """``--recipe``/``--config``/``--print-config`` and one ``--kebab-case`` flag per field, its
+    """``--config``/``--print-config`` and one ``--kebab-case`` flag per field, its
     help = the field's docstring (``settings.flags.add_config_flags``)."""
     add_config_flags(parser, cls)
 

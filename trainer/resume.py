@@ -32,7 +32,7 @@ def _as_checkpoint(path: Path) -> Path:
     if found:  # a run directory: its newest checkpoint
         return found[-1]
     raise SystemExit(
-        f"error: --resume-from-checkpoint {path}: not a checkpoint directory (no {STATE_FILE} "
+        f"error: --resume {path}: not a checkpoint directory (no {STATE_FILE} "
         "and model/) and no checkpoints/step_* under it"
     )
 
@@ -41,15 +41,15 @@ def resume_checkpoint(cfg: CommonConfig) -> Path | None:
     """The checkpoint to load (checked as described above), or None to start fresh."""
     save_path = Path(cfg.save_path)
     own = _checkpoints(save_path)
-    # resume=True alone means latest (also for configs built with model_copy, unvalidated)
-    spec = cfg.resume_from_checkpoint or ("latest" if cfg.resume else None)
+    # True means latest (a config built with model_copy is not validated)
+    spec = "latest" if cfg.resume is True else cfg.resume or None
     if spec is None:
         return None
     if spec == "latest":
         return own[-1] if own else None
     path = Path(spec).expanduser()
     if not path.exists():
-        raise SystemExit(f"error: --resume-from-checkpoint {path}: no such directory")
+        raise SystemExit(f"error: --resume {path}: no such directory")
     ckpt = _as_checkpoint(path).resolve()
     own_resolved = [p.resolve() for p in own]
     if not own or ckpt == own_resolved[-1]:

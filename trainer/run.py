@@ -153,7 +153,7 @@ def _checkpoint_to_resume(cfg: CommonConfig, d: Dist | None) -> Path | None:
 
 def _decide_resume(cfg: CommonConfig) -> Path | None:
     save_path = Path(cfg.save_path)
-    if cfg.resume:  # --resume / --resume-from-checkpoint latest|PATH (trainer/resume.py)
+    if cfg.resume:  # --resume latest|PATH (trainer/resume.py)
         for line in clean_partial(save_path):  # what a kill mid-write or mid-prune left
             log.warning("checkpoints: %s", line)
         resumed_from = resume_checkpoint(cfg)

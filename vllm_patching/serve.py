@@ -1,17 +1,16 @@
-"""``python -m vllm_patching.serve [--recipe R.yaml] [--config F.yaml] --model PATH [vLLM args]
+"""``python -m vllm_patching.serve [--config FILE] --model PATH [vLLM args]
 --weight-bridge-mode ...``
 
 Runs vLLM's own OpenAI server (in this process) with the bridge plugin enabled: parses the
 bridge flags, passes every other flag to vLLM, sets the environment the plugin reads, writes
 the per-run bridge config file, then hands over to ``vllm.entrypoints.openai.api_server``.
 
-``--recipe``: the recipe's ``vllm:`` section (and its shared ``model``, ``seed``,
-``output_dir``) become arguments placed before the command line's, a flag given on the command
-line replacing the recipe's (docs/RECIPES.md): ``key: value`` -> ``--key value``, ``true`` ->
-``--key``, ``false`` -> ``--no-key`` (bridge options: omitted), a list -> ``--key a b``, a
-mapping -> ``--key '<json>'``. ``--config F.yaml``: a flat mapping of the same keys (what
-launch/run_all.sh writes to ``<run>/config/vllm.yaml``), expanded in place: flags after it
-win, flags before it lose (vLLM takes the last value of a flag).
+``--config FILE`` (alias ``--recipe``): a run file's ``vllm:`` section (and its shared
+``model``, ``seed``, ``output_dir``), or a flat file of the same keys (what launch/run_all.sh
+writes to ``<run>/config/vllm.yaml``), become arguments placed before the command line's, a
+flag given on the command line replacing the file's (docs/RECIPES.md): ``key: value`` ->
+``--key value``, ``true`` -> ``--key``, ``false`` -> ``--no-key`` (bridge options: omitted),
+a list -> ``--key a b``, a mapping -> ``--key '<json>'``.
 """
 
 from __future__ import annotations
@@ -48,20 +47,12 @@ BRIDGE_KEYS = {
 """``vllm:`` recipe keys that are this wrapper's options; every other key goes to vLLM."""
 
 
-def recipe_argv(path: Path) -> list[str]:
-    """A recipe's ``vllm:`` section (plus the shared keys vLLM reads) as arguments."""
-    from settings.layers import SHORTCUTS, expand
-    from settings.recipe import load_recipe
+def file_argv(path: Path) -> list[str]:
+    """A file's ``vllm:`` options as arguments: a run file's section (and the shortcuts vLLM
+    reads) or a flat file (``settings.cli.file_values``)."""
+    from settings.cli import file_values
 
-    return mapping_argv(expand(load_recipe(path), SHORTCUTS).get("vllm") or {})
-
-
-def config_argv(path: Path) -> list[str]:
-    """A flat config file of ``vllm:`` keys as arguments."""
-    from settings.layers import snake
-    from settings.recipe import read_yaml
-
-    return mapping_argv(snake(read_yaml(path)))
+    return mapping_argv(file_values(path, "vllm"))
 
 
 def mapping_argv(values: dict[str, object]) -> list[str]:
@@ -99,35 +90,27 @@ def _flag_groups(argv: list[str]) -> list[tuple[str | None, list[str]]]:
     return groups
 
 
+def unset_flags(defaults: list[str], given: list[str]) -> list[str]:
+    """The flags of ``defaults`` (with their values) that ``given`` does not set."""
+    names = {name for name, _ in _flag_groups(given) if name}
+    return [tok for name, toks in _flag_groups(defaults) if name not in names for tok in toks]
+
+
 def merge_argv(recipe: list[str], cli: list[str]) -> list[str]:
     """The recipe's arguments that the command line does not give, then the command line."""
-    given = {name for name, _ in _flag_groups(cli) if name}
-    kept = [tok for name, toks in _flag_groups(recipe) if name not in given for tok in toks]
-    return kept + list(cli)
+    return unset_flags(recipe, cli) + list(cli)
 
 
-def expand_config(argv: list[str]) -> list[str]:
-    """``argv`` with each ``--config PATH`` replaced, in place, by the file's arguments."""
-    out: list[str] = []
-    it = iter(argv)
-    for tok in it:
-        if tok == "--config":
-            out += config_argv(Path(next(it, "")))
-        elif tok.startswith("--config="):
-            out += config_argv(Path(tok.split("=", 1)[1]))
-        else:
-            out.append(tok)
-    return out
-
-
-def expand_recipe(argv: list[str]) -> list[str]:
-    """``argv`` with ``--recipe PATH`` replaced by the recipe's arguments (flags win) and
-    ``--config PATH`` by the file's (in place)."""
+def expand_files(argv: list[str]) -> list[str]:
+    """``argv`` with each ``--config FILE`` (alias ``--recipe``) replaced by the file's
+    arguments, placed before the command line's: a later file, then a flag, wins."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    p.add_argument("--recipe", type=Path, default=None)
+    p.add_argument("--config", "--recipe", dest="config", type=Path, action="append", default=[])
     ns, rest = p.parse_known_args(argv)
-    rest = expand_config(rest)
-    return rest if ns.recipe is None else merge_argv(recipe_argv(ns.recipe), rest)
+    files: list[str] = []
+    for path in ns.config:
+        files = merge_argv(files, file_argv(path))
+    return merge_argv(files, rest)
 
 
 PROG = "python -m vllm_patching.serve"
@@ -138,7 +121,7 @@ def bridge_parser() -> argparse.ArgumentParser:
     """The bridge's own options (every other argument goes to vLLM)."""
     p = argparse.ArgumentParser(
         PROG,
-        usage=f"{PROG} [--recipe R.yaml] --model PATH [bridge options] [vLLM options]",
+        usage=f"{PROG} [--config FILE] --model PATH [bridge options] [vLLM options]",
         description=__doc__,
         allow_abbrev=False,
         add_help=False,
@@ -189,9 +172,12 @@ def print_help(argv: list[str]) -> int:
         action="store_true",
         help="this help, then vLLM's (--help=GROUP: one group of vLLM's in full)",
     )
-    p.add_argument("--recipe", metavar="R.yaml", help="a recipe's vllm: section as arguments")
     p.add_argument(
-        "--config", metavar="F.yaml", help="a flat file of the same keys, expanded in place"
+        "--config",
+        "--recipe",
+        metavar="FILE",
+        help="a run file's vllm: section (or a flat file of the same keys) as arguments; "
+        "several apply in order, flags win",
     )
     p.add_argument("--model", metavar="PATH", help="model directory or hub id (required)")
     print(p.format_help())
@@ -238,7 +224,7 @@ def _detect_device() -> str:
 
 def build(argv: list[str]) -> tuple[BridgeSettings, list[str], dict[str, str]]:
     """Bridge settings, the vLLM argv and the environment to add (no side effects)."""
-    args, vllm_args = parse_args(expand_recipe(argv))
+    args, vllm_args = parse_args(expand_files(argv))
     model = _flag(vllm_args, "--model")
     if model is None:
         raise SystemExit(f"{PROG}: --model is required (--help lists the options)")

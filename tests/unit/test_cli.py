@@ -12,7 +12,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from settings import cli, flags
-from vllm_patching.serve import expand_recipe, merge_argv
+from vllm_patching.serve import expand_files, merge_argv
 
 pytestmark = pytest.mark.unit
 
@@ -62,8 +62,7 @@ def _parse(argv: list[str], environ: dict[str, str] | None = None) -> cli.Resolv
     return cli.resolve(
         Demo,
         section="trainer.grpo",
-        recipe=ns.recipe,
-        config=ns.config,
+        config=ns.config or (),
         flags=flags.flag_values(Demo, ns),
         environ=environ or {},
     )
@@ -130,14 +129,14 @@ trainer:
     cfg = r.config
     assert cfg.model_name == "from-recipe-shared"  # shared key 'model' -> trainer.model_name
     assert cfg.mode == "slow" and cfg.cap == 2.0 and cfg.table == {"a": 1.0}  # recipe
-    assert cfg.lr == 0.2  # --config beats the recipe
+    assert cfg.lr == 0.2  # files apply in order: the flat one, after, beats the run file
     assert cfg.token == "env-token" and cfg.gail.beta == 0.7  # env beats recipe and config
     assert cfg.gail.use  # nested: the recipe's other keys survive the env layer
     assert cfg.seed == 7  # flags beat everything
     r2 = _parse(["--recipe", str(recipe), "--gail.beta", "0.1"], environ={"GAIL_BETA": "0.7"})
     assert r2.config.gail.beta == 0.1 and r2.config.gail.use
     assert r.sources["seed"] == "flag" and r.sources["token"] == "environment"
-    assert r.sources["lr"].startswith("config") and r.sources["mode"].startswith("recipe")
+    assert r.sources["lr"] == f"file {config}" and r.sources["mode"] == f"file {recipe}"
     assert _parse([]).config == Demo()
 
 
@@ -152,7 +151,8 @@ def test_report_masks_secrets_and_says_where_values_came_from(tmp_path: Path) ->
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("modle: x\n", "unknown top-level key 'modle'"),
+        ("modle: x\ntrainer: {}\n", "unknown top-level key 'modle'"),
+        ("modle: x\n", "modle\n  Extra inputs are not permitted"),  # a flat file's key
         ("trainer:\n  grpo:\n    lr_typo: 1\n", "lr_typo\n  Extra inputs are not permitted"),
         ("trainer:\n  gail: {usee: true}\n", "gail.usee\n  Extra inputs are not permitted"),
         ("data: {directory: x}\n", "unknown key 'data.directory'"),
@@ -209,7 +209,7 @@ vllm:
   weight_bridge_mode: none
 """,
     )
-    argv = expand_recipe(["--recipe", str(recipe), "--dtype=bfloat16", "--port", "9"])
+    argv = expand_files(["--recipe", str(recipe), "--dtype=bfloat16", "--port", "9"])
     assert argv[:2] == ["--model", "/models/m"] and "--seed" in argv
     assert "--no-enable-prefix-caching" in argv and "--enforce-eager" in argv
     assert "--single-copy" not in argv and "--no-single-copy" not in argv

@@ -33,11 +33,17 @@ def _ckpt(save: Path, step: int) -> Path:
 
 
 def test_resume_flags() -> None:
-    assert _parse(SftConfig, []).resume_from_checkpoint is None
-    old = _parse(SftConfig, ["--resume"])
-    assert old.resume and old.resume_from_checkpoint == "latest"  # --resume is the alias
+    """One field, ``resume``: ``--resume`` alone is ``latest``, ``--resume-from-checkpoint`` its
+    declared alias; ``true``/``false`` (a file, the environment) are ``latest``/unset."""
+    assert _parse(SftConfig, []).resume is None
+    assert _parse(SftConfig, ["--resume"]).resume == "latest"
+    assert _parse(SftConfig, ["--resume", "--lr", "0.1"]).resume == "latest"
+    assert _parse(GrpoConfig, ["--resume", "/x/step_000004"]).resume == "/x/step_000004"
     new = _parse(GrpoConfig, ["--resume-from-checkpoint", "/x/step_000004"])
-    assert new.resume and new.resume_from_checkpoint == "/x/step_000004"
+    assert new.resume == "/x/step_000004"
+    assert SftConfig(resume=True).resume == "latest" and SftConfig(resume=False).resume is None
+    assert SftConfig.model_validate({"resume_from_checkpoint": "latest"}).resume == "latest"
+    assert "resume_from_checkpoint" not in SftConfig.model_fields
     with pytest.raises(SystemExit, match="resume_from_checkpoint"):
         _parse(SftConfig, ["--resume-from-checkpoint", " "])
 
@@ -48,28 +54,25 @@ def test_resume_checkpoint_resolution(tmp_path: Path) -> None:
     assert resume_checkpoint(cfg) is None  # latest, nothing yet: start fresh
     first, last = _ckpt(save, 2), _ckpt(save, 4)
     assert resume_checkpoint(cfg) == last
-    path_cfg = SftConfig(save_path=str(save), resume_from_checkpoint=str(last))
+    path_cfg = SftConfig(save_path=str(save), resume=str(last))
     assert resume_checkpoint(path_cfg) == last.resolve()
     assert (
-        resume_checkpoint(SftConfig(save_path=str(save), resume_from_checkpoint=str(save)))
-        == last.resolve()
+        resume_checkpoint(SftConfig(save_path=str(save), resume=str(save))) == last.resolve()
     )  # a run directory: its newest checkpoint
     with pytest.raises(SystemExit, match="not the newest"):
-        resume_checkpoint(SftConfig(save_path=str(save), resume_from_checkpoint=str(first)))
+        resume_checkpoint(SftConfig(save_path=str(save), resume=str(first)))
     foreign = _ckpt(other, 9)
     with pytest.raises(SystemExit, match="another run"):
-        resume_checkpoint(SftConfig(save_path=str(save), resume_from_checkpoint=str(foreign)))
-    got = resume_checkpoint(
-        SftConfig(save_path=str(save), resume_from_checkpoint=str(foreign), overwrite=True)
-    )
+        resume_checkpoint(SftConfig(save_path=str(save), resume=str(foreign)))
+    got = resume_checkpoint(SftConfig(save_path=str(save), resume=str(foreign), overwrite=True))
     assert got == foreign.resolve() and not (save / "checkpoints").exists()
     assert foreign.is_dir()  # the checkpoint resumed from is never touched
-    fresh = SftConfig(save_path=str(tmp_path / "new"), resume_from_checkpoint=str(foreign))
+    fresh = SftConfig(save_path=str(tmp_path / "new"), resume=str(foreign))
     assert resume_checkpoint(fresh) == foreign.resolve()
     with pytest.raises(SystemExit, match="no such directory"):
-        resume_checkpoint(SftConfig(save_path=str(save), resume_from_checkpoint="/nope/x"))
+        resume_checkpoint(SftConfig(save_path=str(save), resume="/nope/x"))
     with pytest.raises(SystemExit, match="not a checkpoint directory"):
-        resume_checkpoint(SftConfig(save_path=str(save), resume_from_checkpoint=str(tmp_path)))
+        resume_checkpoint(SftConfig(save_path=str(save), resume=str(tmp_path)))
 
 
 def test_max_eval_samples_caps_every_sft_evaluation() -> None:

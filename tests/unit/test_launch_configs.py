@@ -16,6 +16,7 @@ from env_server.config import parse_config as parse_env
 from env_server.reward import RewardConfig, score
 from launch.configs import resolve_for_run, write_service_config, write_service_configs
 from launch.run_config import parse_args
+from launch.vllm_server import server_argv
 from settings.layers import Resolved
 from settings.paths import PRESETS_DIR, REPO_ROOT
 from settings.recipe import load_recipe
@@ -145,7 +146,7 @@ def test_the_resolved_files_are_what_the_services_parse(tmp_path: Path) -> None:
     assert parsed.precision == "fp32" and parsed.eval_generate == 0
     # an interrupted SFT (checkpoints there) continues, else it starts over
     interrupted = (Path(parsed.save_path) / "checkpoints").is_dir()
-    assert (parsed.resume, parsed.overwrite) == (interrupted, not interrupted)
+    assert (parsed.resume, parsed.overwrite) == ("latest" if interrupted else None, not interrupted)
     # vLLM: the preset's and the recipe's options, read in place by the server's own parser
     vllm = files["vllm"]
     values = yaml.safe_load(vllm.read_text())
@@ -165,8 +166,17 @@ def test_the_resolved_files_are_what_the_services_parse(tmp_path: Path) -> None:
             "1024",
         ]
     )
-    assert _last(vllm_args, "--dtype") == "float32"  # a flag before the file loses to it...
-    assert _last(vllm_args, "--max-model-len") == "1024"  # ...one after it wins
+    assert _last(vllm_args, "--dtype") == "bfloat16"  # a flag wins over the file,
+    assert _last(vllm_args, "--max-model-len") == "1024"  # wherever it stands
+    assert "--enforce-eager" in vllm_args  # the file's, no flag sets it
+    # the launcher's vLLM defaults apply only where the file and the flags leave them unset
+    argv = server_argv("m", 1, "none", tmp_path / "b.json", extra=["--config", str(vllm)])
+    assert "--dtype" not in argv and "--max-model-len" not in argv  # the recipe's file sets them
+    (tmp_path / "gpu.yaml").write_text("dtype: bfloat16\n")
+    argv = server_argv(
+        "m", 1, "none", tmp_path / "b.json", extra=["--config", str(tmp_path / "gpu.yaml")]
+    )
+    assert "--dtype" not in argv and _last(argv, "--max-model-len") == "2048"
     assert settings.mode == "shared_vllm"
 
 

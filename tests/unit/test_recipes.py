@@ -29,10 +29,10 @@ TINY = REPO_ROOT / "recipes" / "tiny-qwen2" / "shop-r1"
 
 def _all(recipe: Path) -> dict[str, object]:
     return {
-        "api": resolve(ApiConfig, section="api", recipe=recipe).config,
-        "env": resolve(EnvConfig, section="env", recipe=recipe).config,
-        "sft": resolve(SftConfig, section="trainer.sft", recipe=recipe).config,
-        "grpo": resolve(GrpoConfig, section="trainer.grpo", recipe=recipe).config,
+        "api": resolve(ApiConfig, section="api", config=[recipe]).config,
+        "env": resolve(EnvConfig, section="env", config=[recipe]).config,
+        "sft": resolve(SftConfig, section="trainer.sft", config=[recipe]).config,
+        "grpo": resolve(GrpoConfig, section="trainer.grpo", config=[recipe]).config,
     }
 
 
@@ -106,7 +106,7 @@ def _check_twin(name: str, twin: Path, differ: tuple[str, ...] = ()) -> dict[str
 def test_tiny_grpo_recipe_matches_the_cpu_tiny_preset() -> None:
     cfgs = _check_twin("cpu-tiny", TINY / "grpo_no_dars.yaml")  # the no_dars ablation
     env, grpo = cfgs["env"], cfgs["grpo"]
-    sft = resolve(SftConfig, section="trainer.sft", recipe=TINY / "sft.yaml").config
+    sft = resolve(SftConfig, section="trainer.sft", config=[TINY / "sft.yaml"]).config
     assert env.max_prompt_tokens + env.max_tokens <= sft.max_seq_len
     assert grpo.batch_size == env.group_size * 4
     # the other recipes differ from the preset's twin in the reward only
@@ -172,7 +172,7 @@ def test_smol_recipes_match_the_cpu_smol_preset() -> None:
     assert grpo.model_name == preset.model == str(SMOL_SFT_MODEL_DIR)
     assert grpo.batch_size == env.group_size * 2 and grpo.lora_r == 0
     # SFT: the preset's SFT settings are the SFT recipe's; prompt + completion fit its sequences
-    sft = resolve(SftConfig, section="trainer.sft", recipe=SMOL / "sft.yaml").config
+    sft = resolve(SftConfig, section="trainer.sft", config=[SMOL / "sft.yaml"]).config
     assert sft.model_name == preset.launch.base_model == str(SMOL_MODEL_DIR)
     assert sft.save_path == preset.model
     assert env.max_prompt_tokens + env.max_tokens <= sft.max_seq_len

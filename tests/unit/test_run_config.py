@@ -18,7 +18,7 @@ from settings.layers import SHORTCUTS, env_layer, expand, resolve
 from settings.paths import REPO_ROOT
 from settings.recipe import load_recipe
 from trainer.config import GrpoConfig, SftConfig, build_parser, config_from_args
-from vllm_patching.serve import build, recipe_argv
+from vllm_patching.serve import build, file_argv
 
 pytestmark = pytest.mark.unit
 RECIPES = sorted((REPO_ROOT / "recipes").rglob("*.yaml"))
@@ -42,7 +42,7 @@ def test_every_recipe_loads_into_the_sections_each_service_parses(recipe: Path) 
         build_parser(cls, parser)
         got = config_from_args(cls, parser.parse_args(["--recipe", str(recipe)]))
         assert got == getattr(cfg.trainer, command), command
-    assert recipe_argv(recipe)[:2] == ["--model", cfg.vllm.model]
+    assert file_argv(recipe)[:2] == ["--model", cfg.vllm.model]
     settings, _, _ = build(["--recipe", str(recipe), "--bridge-device", "cpu"])
     assert settings.mode == (cfg.vllm.weight_bridge_mode or "shared_vllm")
 
@@ -129,3 +129,23 @@ def test_errors_name_the_problem(tmp_path: Path) -> None:
     bad.write_text("env: {group_sise: 3}\n")
     with pytest.raises(SystemExit, match="group_sise"):
         resolve_run(["--recipe", str(bad)])
+
+
+def test_one_file_flag_takes_a_run_file_or_a_flat_file(tmp_path: Path) -> None:
+    """``--config`` and ``--recipe`` are one flag on every command; a service's file is a run
+    file (its section) or a flat file of its own options, told apart by its keys."""
+    from settings.cli import file_values, is_run_file
+
+    assert (
+        resolve_run(["--config", str(GRPO)]).config == resolve_run(["--recipe", str(GRPO)]).config
+    )
+    assert parse_env(["--config", str(GRPO)]) == parse_env(["--recipe", str(GRPO)])
+    assert is_run_file({"seed": 1}) and is_run_file({"modle": 1, "env": {}})
+    assert not is_run_file({"seed": 1, "group_size": 8}) and not is_run_file({})
+    flat = tmp_path / "env.yaml"
+    flat.write_text("group-size: 3\nseed: 5\n")
+    assert file_values(flat, "env") == {"group_size": 3, "seed": 5}
+    later = tmp_path / "later.yaml"
+    later.write_text("group_size: 6\n")
+    both = parse_env(["--recipe", str(GRPO), "--config", str(flat), "--config", str(later)])
+    assert (both.group_size, both.seed) == (6, 5)  # files in order, the run file's under them

@@ -88,3 +88,20 @@ def test_atropos_flag_names_are_aliases_listed_in_help() -> None:
         "--use-wandb",
     ):
         assert pair in text, pair
+
+
+def test_clip_eps_is_an_alias_that_sets_both_bounds(tmp_path: Path) -> None:
+    """``clip_eps`` is no field: a file key and a flag (the service's, the launcher's dotted
+    one, inside ``--trainer-args``) that set ``clip_low`` and ``clip_high``, over their own."""
+    from launch.run_config import resolve_run
+
+    assert "clip_eps" not in GrpoConfig.model_fields
+    conf = tmp_path / "grpo.yaml"
+    conf.write_text("clip_eps: 0.3\nclip_high: 0.5\n")
+    cfg = _parse(["--config", str(conf)])
+    assert (cfg.clip_low, cfg.clip_high) == (0.3, 0.3)
+    assert "clip_eps" not in cfg.model_dump()  # written files hold the two fields only
+    assert (_parse(["--clip-low", "0.1"]).clip_low, _parse([]).clip_high) == (0.1, 0.2)
+    for argv in (["--trainer.grpo.clip-eps", "0.25"], ["--trainer-args=--clip-eps 0.25"]):
+        grpo = resolve_run(argv).config.trainer.grpo
+        assert (grpo.clip_low, grpo.clip_high) == (0.25, 0.25), argv

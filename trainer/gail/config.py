@@ -15,7 +15,7 @@ STATE_NAME = "gail"
 
 class GailConfig(BaseModel):
     """The discriminator reward (GRAIL). Fields marked (GAIL_X) read that environment variable
-    (``settings.cli`` precedence: defaults < recipe ``trainer.grpo.gail:`` < ``--config`` <
+    (``settings.cli`` precedence: defaults < file (``trainer.grpo.gail:`` of a run file) <
     environment < flags ``--gail.use``, ``--gail.weight 0.5``, ...)."""
 
     model_config = ConfigDict(extra="forbid")
