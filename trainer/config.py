@@ -264,9 +264,9 @@ class GrpoConfig(CommonConfig):
     ``--vllm-restart-interval``)."""
     temperature: float = 1.0
     """Sampling temperature the completions were drawn with; divides the trainer's logits."""
-    clip_low: float = 0.2
+    clip_low: float = Field(0.2, gt=0)
     """PPO clip: ratio lower bound is 1 - clip_low."""
-    clip_high: float = 0.2
+    clip_high: float = Field(0.2, gt=0)
     """PPO clip: ratio upper bound is 1 + clip_high (0.28 = DAPO's clip-higher)."""
     tis_cap: float | None = None
     """Truncated importance weight cap for the inference/trainer mismatch; None = ratio taken

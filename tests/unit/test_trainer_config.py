@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from trainer.config import GrpoConfig, build_parser, config_from_args
 
@@ -105,3 +106,11 @@ def test_clip_eps_is_an_alias_that_sets_both_bounds(tmp_path: Path) -> None:
     for argv in (["--trainer.grpo.clip-eps", "0.25"], ["--trainer-args=--clip-eps 0.25"]):
         grpo = resolve_run(argv).config.trainer.grpo
         assert (grpo.clip_low, grpo.clip_high) == (0.25, 0.25), argv
+
+
+def test_a_clip_bound_of_zero_is_refused() -> None:
+    """A zero clip range would freeze the ratio at 1: refused whether set as a bound or as
+    ``clip_eps`` (which sets both)."""
+    for kwargs in ({"clip_eps": 0}, {"clip_low": 0.0}, {"clip_high": -0.1}):
+        with pytest.raises(ValidationError):
+            GrpoConfig(**kwargs)
