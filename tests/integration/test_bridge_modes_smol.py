@@ -6,6 +6,8 @@ template, the environment's prompt builder), then a real optimizer step on the t
 model (full weights, or a LoRA adapter on q/k/v/o/gate/up/down), ``sync``, and vLLM's greedy
 output equals the stepped model's token for token (logprobs close), with the weight version
 advanced. One vLLM start per mode; the model is built once per run (``smol_model_dir``).
+transformers' greedy outputs, the costly part, are computed once per state of the trainer's
+model: before the sync, and reused as the next step's "before".
 The in-flight and restart behaviour of each mode is covered on the tiny model
 (test_bridge_modes.py); here the point is the real model's code path.
 """
@@ -70,14 +72,15 @@ Greedy = list[tuple[list[int], list[float]]]
 
 
 def hf_outputs(model: torch.nn.Module, prompts: list[list[int]]) -> Greedy:
+    """transformers' greedy decoding of every prompt on ``model`` as it is now."""
     return [hf_greedy(model, ids) for ids in prompts]
 
 
 def assert_serves(
     url: str, served: str, want: Greedy, prompts: list[list[int]], version: int
 ) -> None:
-    """vLLM's greedy tokens equal ``want`` (transformers' on the trainer's model as it is now,
-    ``hf_outputs``) on every prompt, logprobs close, served at ``version``."""
+    """vLLM's greedy tokens equal ``want`` (``hf_outputs`` of the weights just synced) on every
+    prompt, logprobs close, served at ``version``."""
     for ids, (want_ids, want_lp) in zip(prompts, want, strict=True):
         got_ids, got_lp, header = vllm_greedy(url, served, ids, n=N_TOKENS)
         assert got_ids == want_ids
