@@ -39,8 +39,8 @@ _pin_vllm_to_this_workers_core()
 
 SLOW_FIRST = (
     "test_launch_run_all",
-    "test_bridge_modes_smol",
     "test_bridge_modes",
+    "test_bridge_modes_smol",
     "test_launch_fsdp",
     "test_fault_tolerance",
     "test_atropos_e2e",
@@ -50,15 +50,18 @@ SLOW_FIRST = (
     "test_atropos_compat",
     "test_atropos_generate",
     "test_smol_model",
+    "test_prefix_tree_models",
     "test_trainer_grpo",
     "test_trainer_gail",
     "test_trainer_sft",
 )
 """Modules that start vLLM servers or train, longest first (measured, docs/TESTING.md). With
 ``--dist loadfile`` a free worker takes the next module in collection order, so the long ones
-start at once on the two workers and the short ones fill in behind. Next come the modules
-that use the session's ``vllm_server``, together, so that one worker tends to take them all
-(and start that server once)."""
+start at once on the two workers and the short ones fill in behind. ``test_prefix_tree_models``
+is a unit module, listed for its SmolLM2 runs: left among the unit tests it could be the last
+module of the run, on one worker while the other idles. Next come the modules that use the
+session's ``vllm_server``, together, so that one worker tends to take them all (and start that
+server once)."""
 
 
 def _rank(item: pytest.Item) -> int:

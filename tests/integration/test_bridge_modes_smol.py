@@ -6,6 +6,8 @@ template, the environment's prompt builder), then a real optimizer step on the t
 model (full weights, or a LoRA adapter on q/k/v/o/gate/up/down), ``sync``, and vLLM's greedy
 output equals the stepped model's token for token (logprobs close), with the weight version
 advanced. One vLLM start per mode; the model is built once per run (``smol_model_dir``).
+transformers' greedy outputs, the costly part, are computed once per state of the trainer's
+model: before the sync, and reused as the next step's "before".
 The in-flight and restart behaviour of each mode is covered on the tiny model
 (test_bridge_modes.py); here the point is the real model's code path.
 """
@@ -65,28 +67,41 @@ def hf_greedy(model: torch.nn.Module, ids: list[int]) -> tuple[list[int], list[f
     return toks, lps
 
 
+Greedy = list[tuple[list[int], list[float]]]
+"""transformers' greedy (tokens, logprobs) per prompt, for one state of the model."""
+
+
+def hf_outputs(model: torch.nn.Module, prompts: list[list[int]]) -> Greedy:
+    """transformers' greedy decoding of every prompt on ``model`` as it is now."""
+    return [hf_greedy(model, ids) for ids in prompts]
+
+
 def assert_serves(
-    url: str, served: str, model: torch.nn.Module, prompts: list[list[int]], version: int
-) -> list[list[float]]:
-    """vLLM's greedy tokens equal transformers' on every prompt; returns the logprobs."""
-    all_lp = []
-    for ids in prompts:
-        want_ids, want_lp = hf_greedy(model, ids)
+    url: str, served: str, want: Greedy, prompts: list[list[int]], version: int
+) -> None:
+    """vLLM's greedy tokens equal ``want`` (``hf_outputs`` of the weights just synced) on every
+    prompt, logprobs close, served at ``version``."""
+    for ids, (want_ids, want_lp) in zip(prompts, want, strict=True):
         got_ids, got_lp, header = vllm_greedy(url, served, ids, n=N_TOKENS)
         assert got_ids == want_ids
         assert got_lp == pytest.approx(want_lp, abs=5e-3)
         assert header == str(version)
-        all_lp.append(want_lp)
     assert httpx.get(f"{url}/bridge/health").json()["weight_version"] == str(version)
-    return all_lp
 
 
-def step_moves_outputs(model: torch.nn.Module, prompts: list[list[int]], lr: float) -> None:
-    """A real AdamW step (on the first prompt's next-token loss) that changes the outputs."""
-    before = [lp for ids in prompts for lp in hf_greedy(model, ids)[1]]
+def step_moves_outputs(
+    model: torch.nn.Module, prompts: list[list[int]], lr: float, before: Greedy | None = None
+) -> Greedy:
+    """A real AdamW step (on the first prompt's next-token loss) that changes the outputs;
+    returns the stepped model's ``hf_outputs``. ``before``: the model's outputs before the
+    step when already computed (transformers' greedy decoding is the costly part of this
+    module: each one is computed once per model state, never again for the same weights)."""
+    before = before if before is not None else hf_outputs(model, prompts)
     optimizer_step(model, prompts[0], lr=lr)
-    after = [lp for ids in prompts for lp in hf_greedy(model, ids)[1]]
-    assert after != pytest.approx(before, abs=1e-3), "the optimizer step changed nothing"
+    after = hf_outputs(model, prompts)
+    flat = lambda outs: [lp for _, lps in outs for lp in lps]  # noqa: E731
+    assert flat(after) != pytest.approx(flat(before), abs=1e-3), "the step changed nothing"
+    return after
 
 
 def _server(model_dir: Path, tmp_path_factory, mode: str, **kw) -> BridgeServer:
@@ -103,19 +118,20 @@ def test_broadcast_gloo_and_same_host(smol_model_dir, prompts, tmp_path_factory)
         gate = info["param_map"]["model.layers.29.mlp.gate_proj.weight"]
         assert gate["vllm_name"] == "model.layers.29.mlp.gate_up_proj.weight"
         model = hf_model(smol_model_dir)
-        assert_serves(url, SERVED, model, prompts, version=0)  # the converted model as served
-        step_moves_outputs(model, prompts, lr=3e-4)
+        outs = hf_outputs(model, prompts)
+        assert_serves(url, SERVED, outs, prompts, version=0)  # the converted model as served
+        outs = step_moves_outputs(model, prompts, lr=3e-4, before=outs)
         # the network path: gloo broadcast over loopback TCP (what another host gets)
         with make_bridge("shared_vllm", [url], token=TOKEN, shm_fast_path=False) as bridge:
             stats = bridge.sync(model, 1)
             assert stats.detail["servers"][0]["detail"]["workers"][0]["path"] == "gloo"
-            assert_serves(url, SERVED, model, prompts, version=1)
+            assert_serves(url, SERVED, outs, prompts, version=1)
         # same host: the worker maps the trainer's resident weights
-        step_moves_outputs(model, prompts, lr=3e-4)
+        outs = step_moves_outputs(model, prompts, lr=3e-4, before=outs)
         with make_bridge("shared_vllm", [url], token=TOKEN) as bridge:
             stats = bridge.sync(model, 2)
             assert stats.detail["servers"][0]["detail"]["workers"][0]["path"] == "shm"
-            assert_serves(url, SERVED, model, prompts, version=2)
+            assert_serves(url, SERVED, outs, prompts, version=2)
     finally:
         server.stop()
 
@@ -125,11 +141,11 @@ def test_single_copy_shared_memory(smol_model_dir, prompts, tmp_path_factory) ->
     try:
         url = server.base_url
         model = hf_model(smol_model_dir)
-        step_moves_outputs(model, prompts, lr=3e-4)
+        outs = step_moves_outputs(model, prompts, lr=3e-4)
         with make_bridge("shared_vllm", [url], single_copy=True, token=TOKEN) as bridge:
             stats = bridge.sync(model, 1)
             assert stats.detail["packed_bytes"] == 0 and stats.detail["resident_params"] > 0
-            assert_serves(url, SERVED, model, prompts, version=1)
+            assert_serves(url, SERVED, outs, prompts, version=1)
     finally:
         server.stop()
 
@@ -148,11 +164,12 @@ def test_lora_hot_swap(smol_model_dir, prompts, tmp_path_factory, tmp_path) -> N
         assert wrapped == set(LORA_TARGETS)
         bridge = make_bridge("lora_only", [url], token=TOKEN, save_dir=tmp_path / "adapters")
         try:
+            outs = None
             for version in (1, 2):  # a second adapter replaces the first while serving
-                step_moves_outputs(model, prompts, lr=2e-3)
+                outs = step_moves_outputs(model, prompts, lr=2e-3, before=outs)
                 bridge.sync(model, version)
                 assert bridge.served_model == f"{SERVED}-v{version}"
-                assert_serves(url, bridge.served_model, model, prompts, version=version)
+                assert_serves(url, bridge.served_model, outs, prompts, version=version)
         finally:
             bridge.close()
     finally:
@@ -164,9 +181,9 @@ def test_checkpoint_reload(smol_model_dir, prompts, tmp_path_factory, tmp_path) 
     try:
         url = server.base_url
         model = hf_model(smol_model_dir)
-        step_moves_outputs(model, prompts, lr=3e-4)
+        outs = step_moves_outputs(model, prompts, lr=3e-4)
         with make_bridge("none", [url], token=TOKEN, save_dir=tmp_path / "ckpt") as bridge:
             bridge.sync(model, 1)
-            assert_serves(url, SERVED, model, prompts, version=1)
+            assert_serves(url, SERVED, outs, prompts, version=1)
     finally:
         server.stop()
