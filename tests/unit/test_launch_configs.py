@@ -189,17 +189,17 @@ def test_cpu_smol_trains_at_auto_precision(tmp_path: Path) -> None:
     assert _run(["--preset", "cpu-smol"], tmp_path).config.trainer.sft.precision == "auto"
     confs = _resolve(["--preset", "cpu-smol"], tmp_path)
     assert confs["trainer_grpo"].config.precision == "auto"
-    assert confs["trainer_grpo"].config.batch_size == 8 and confs["env"].config.group_size == 4
+    assert confs["trainer_grpo"].config.batch_size == 32 and confs["env"].config.group_size == 8
 
 
 def test_a_preset_sets_its_own_steps_and_evaluation_size(tmp_path: Path) -> None:
-    """cpu-smol names 30 GRPO steps and 256 evaluation rows: they are the defaults of its run
+    """cpu-smol names 30 GRPO steps and 512 evaluation rows: they are the defaults of its run
     (run_all's 120 applies only to a preset that names none), and a flag still wins."""
     smol = _resolve(["--preset", "cpu-smol"], tmp_path / "a")["trainer_grpo"].config
     tiny = _resolve([], tmp_path / "b")["trainer_grpo"].config
     given = _resolve(["--preset", "cpu-smol", "--training-steps", "7"], tmp_path / "c")
     assert (smol.training_steps, tiny.training_steps) == (30, 120)
     assert given["trainer_grpo"].config.training_steps == 7
-    assert parse_args(["--preset", "cpu-smol"]).launch.eval_samples == 256  # the preset's
+    assert parse_args(["--preset", "cpu-smol"]).launch.eval_samples == 512  # the preset's
     assert parse_args([]).launch.eval_samples == 512
     assert parse_args(["--preset", "cpu-smol", "--eval-samples", "8"]).launch.eval_samples == 8

@@ -111,14 +111,18 @@ def test_rows_come_in_the_envs_order(tmp_path: Path) -> None:
     assert sorted(map(key, first)) == sorted(map(key, train))  # one epoch = each row once
 
 
-@pytest.mark.parametrize("preset", ["cpu-smol", "cpu-tiny"])
-def test_trl_config_holds_the_presets_settings(preset: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("preset", "reward", "scale"), [("cpu-smol", "full", "group"), ("cpu-tiny", "no_dars", "none")]
+)
+def test_trl_config_holds_the_presets_settings(
+    preset: str, reward: str, scale: str, tmp_path: Path
+) -> None:
     argv = run_all_argv(preset, tmp_path / "ours", 6, 2, 9)
     assert "--eval-samples" in argv and argv[argv.index("--eval-samples") + 1] == "0"
     plan = resolve(argv, 2)
     g, env = plan.grpo, plan.env
     assert (plan.steps, g.save_every, g.keep_checkpoints) == (6, 2, 9)
-    assert g.self_certainty_alpha == 0.0 and env.reward_variant == "no_dars"
+    assert g.self_certainty_alpha == 0.0 and env.reward_variant == reward
     kw = trl_args(plan, tmp_path / "trl", bf16=True)
     assert kw["per_device_train_batch_size"] == g.batch_size == plan.batch_size
     assert kw["num_generations"] == env.group_size
@@ -126,12 +130,12 @@ def test_trl_config_holds_the_presets_settings(preset: str, tmp_path: Path) -> N
     assert kw["learning_rate"] == g.lr and kw["beta"] == g.kl_beta
     assert kw["temperature"] == env.temperature == g.temperature
     assert kw["max_completion_length"] == env.max_tokens
-    assert kw["loss_type"] == "dr_grpo" and kw["scale_rewards"] == "none"
+    assert kw["loss_type"] == "dr_grpo" and kw["scale_rewards"] == scale
     assert kw["lr_scheduler_type"] == "constant" and kw["max_steps"] == 6
     assert kw["save_steps"] == 2 and kw["gradient_checkpointing"] is False
     assert kw["bf16"] is True and kw["num_iterations"] == kw["steps_per_generation"] == 1
     m = matched(plan)
-    assert m["samples_per_step"] == plan.batch_size and m["reward"] == "no_dars"
+    assert m["samples_per_step"] == plan.batch_size and m["reward"] == reward
     assert "self_certainty" in NOT_MATCHED and "loss_normaliser" in NOT_MATCHED
 
 

@@ -170,7 +170,7 @@ def test_smol_recipes_match_the_cpu_smol_preset() -> None:
     preset = load_preset("cpu-smol")
     env, grpo = cfgs["env"], cfgs["grpo"]
     assert grpo.model_name == preset.model == str(SMOL_SFT_MODEL_DIR)
-    assert grpo.batch_size == env.group_size * 2 and grpo.lora_r == 0
+    assert grpo.batch_size == env.group_size * 4 and grpo.lora_r == 0
     # SFT: the preset's SFT settings are the SFT recipe's; prompt + completion fit its sequences
     sft = resolve(SftConfig, section="trainer.sft", config=[SMOL / "sft.yaml"]).config
     assert sft.model_name == preset.launch.base_model == str(SMOL_MODEL_DIR)
