@@ -11,8 +11,9 @@ Besides the paper's metrics, ``metrics.json`` splits the mean Shop-R1 reward int
 (``reward_components``): with DARS = 1000 one ROUGE-L hit on the hard attribute outweighs
 every other credit, so the total alone hides whether format or type improved. It also gives
 the paper's ``binary`` reward (1 for an exact action match), standard errors, a 95% Wilson
-interval for exact match, and per-sample exact/reward vectors (``per_sample``) so that two
-evaluations of the same rows can be compared pairwise.
+interval for exact match, and per-sample vectors (``per_sample``: exact, reward, and the
+reward without its DARS part) so that two evaluations of the same rows can be compared
+pairwise.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def compute_metrics(
     support = {t: 0 for t in ACTION_TYPES}
     cfg = RewardConfig()
     rewards: list[float] = []
+    no_dars: list[float] = []
     hits: list[int] = []
     parts = dict.fromkeys(REWARD_COMPONENTS, 0.0)
     for gold, text in zip(golds, completions, strict=True):
@@ -74,7 +76,9 @@ def compute_metrics(
         hits.append(int(hit))
         r = score(text, dict(gold), cfg)
         rewards.append(r.total)
-        for k, v in reward_components(r, gold["type"], cfg).items():
+        split = reward_components(r, gold["type"], cfg)
+        no_dars.append(split["no_dars"])
+        for k, v in split.items():
             parts[k] += v
     per_type = {}
     for t in ACTION_TYPES:
@@ -108,7 +112,7 @@ def compute_metrics(
         "reward_components": {k: v / n for k, v in parts.items()},
         "per_type": per_type,
         "confusion": {"labels": labels, "matrix": {g: confusion[g] for g in ACTION_TYPES}},
-        "per_sample": {"exact": hits, "reward": rewards},
+        "per_sample": {"exact": hits, "reward": rewards, "reward_no_dars": no_dars},
     }
 
 

@@ -72,6 +72,7 @@ def eval_table(sft: dict, rl: dict, note: str) -> str:
         rows.append(f"| {label} | {_cell(sft, key, kind)} | {_cell(rl, key, kind)} | {rel} |")
     paired = _paired_line(sft, rl, "exact", "exact match", 100, " points")
     paired += _paired_line(sft, rl, "reward", "mean reward", 1, "")
+    paired += _paired_line(sft, rl, "reward_no_dars", "reward without the DARS part", 1, "")
     oracle = sft.get("oracle_exact_match")
     if oracle is not None:
         paired += f"- best reachable exact match on these rows (simulated users): {oracle:.1%}\n"

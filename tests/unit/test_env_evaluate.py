@@ -55,7 +55,11 @@ def test_reward_components_sum_to_the_total() -> None:
     assert summed == pytest.approx(m["mean_reward"])
     assert parts["no_dars"] == pytest.approx(m["mean_reward"] - parts["dars"])
     totals = [score(t, g).total for g, t in zip(GOLDS, OUTS, strict=True)]
-    assert m["per_sample"] == {"exact": [1, 0, 0, 0], "reward": pytest.approx(totals)}
+    assert m["per_sample"]["exact"] == [1, 0, 0, 0]
+    assert m["per_sample"]["reward"] == pytest.approx(totals)
+    # the reward without its DARS part, row by row: its mean is the no_dars part
+    assert sum(m["per_sample"]["reward_no_dars"]) / 4 == pytest.approx(parts["no_dars"])
+    assert m["per_sample"]["reward_no_dars"][0] == pytest.approx(totals[0] - 1000.0)
     assert m["binary_reward"] == m["exact_match"] == pytest.approx(0.25)
     assert m["mean_reward_se"] == pytest.approx(standard_error(totals))
     assert "reward parts: format 0.375" in format_table(m)
@@ -96,6 +100,9 @@ def test_eval_table_shows_every_part_and_the_paired_gain() -> None:
     for label in ("format (0.5)", "type (0.3)", "DARS x ROUGE-L", "without the DARS", "binary"):
         assert label in table
     assert "exact match, RL - SFT on the same 4 rows (paired): +25.00 points ± 25.00" in table
+    gain = sum(rl["per_sample"]["reward_no_dars"][:2]) / 4  # rows 0-1: 'bad' in the SFT run
+    line = f"reward without the DARS part, RL - SFT on the same 4 rows (paired): {gain:+.2f} ±"
+    assert line in table
     assert "best reachable exact match on these rows (simulated users): 50.0%" in table
     # Metrics without the new keys (an older metrics.json) still give the basic rows.
     old = {
