@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import CliSettingsSource, EnvSettingsSource
 
-from settings.flags import env_names
+from settings.flags import env_names, setter_paths
 from settings.recipe import RecipeError, model_type
 
 M = TypeVar("M", bound=BaseModel)
@@ -184,7 +184,8 @@ def env_layer(
 ) -> dict[str, Any]:
     """The environment's values for ``cls`` (the section at dotted ``path`` of a run):
     ``SHOP_R1_<PATH>__<FIELD>`` by pydantic-settings' convention (``__`` between levels), then
-    the variables fields declare (``SHOP_R1_API_TOKEN``, ``GAIL_USE``, ...), which win."""
+    the variables fields declare (``SHOP_R1_API_TOKEN``, ``GAIL_USE``, ...), which win. A
+    setter alias reads its own (``SHOP_R1_TRAINER__GRPO__CLIP_EPS``)."""
     environ = os.environ if environ is None else environ
     prefix = ENV_PREFIX + "".join(p.upper() + "__" for p in path.split(".") if p)
     source = EnvSettingsSource(
@@ -192,6 +193,10 @@ def env_layer(
     )
     source.env_vars = {k.lower(): v for k, v in environ.items()}
     out = snake(source())
+    for dotted in setter_paths(cls):  # no field, so pydantic-settings skips it at the top
+        value = source.env_vars.get((prefix + dotted.replace(".", "__")).lower())
+        if value:
+            _setdefault(out, dotted, value)
     for dotted, name in env_names(cls).items():
         if environ.get(name):
             *parents, last = dotted.split(".")

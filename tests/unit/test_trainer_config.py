@@ -114,3 +114,19 @@ def test_a_clip_bound_of_zero_is_refused() -> None:
     for kwargs in ({"clip_eps": 0}, {"clip_low": 0.0}, {"clip_high": -0.1}):
         with pytest.raises(ValidationError):
             GrpoConfig(**kwargs)
+
+
+def test_clip_eps_from_the_environment_sets_both_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SHOP_R1_TRAINER__GRPO__CLIP_EPS`` sets both bounds, as ``--clip-eps`` does: in the
+    run's environment (the launcher's ``resolve_run``) and in the service's own
+    (``python -m trainer grpo``)."""
+    from launch.run_config import resolve_run
+
+    environ = {"SHOP_R1_TRAINER__GRPO__CLIP_EPS": "0.3"}
+    grpo = resolve_run([], environ=environ).config.trainer.grpo
+    assert (grpo.clip_low, grpo.clip_high) == (0.3, 0.3)
+    assert _parse([]).clip_low == 0.2  # not set: the defaults
+    monkeypatch.setenv("SHOP_R1_TRAINER__GRPO__CLIP_EPS", "0.3")
+    cfg = _parse([])
+    assert (cfg.clip_low, cfg.clip_high) == (0.3, 0.3)
+    assert _parse(["--clip-eps", "0.25"]).clip_high == 0.25  # a flag over the environment
