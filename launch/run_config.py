@@ -24,10 +24,10 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, FilePath
 from api.config import ApiConfig
 from env_server.config import EnvConfig
 from launch.launch_config import LaunchConfig
-from settings.flags import none_words, pop_setters
-from settings.layers import SHORTCUTS, Resolved, cli_source, env_layer, expand, resolve
+from settings.flags import add_config_flags, flag_values
+from settings.layers import SHORTCUTS, Resolved, env_layer, expand, resolve
 from settings.paths import PRESETS_DIR
-from settings.recipe import RecipeError, deep_merge, load_recipe
+from settings.recipe import RecipeError, load_recipe
 from trainer.config import GrpoConfig, SftConfig
 
 Mode = Literal["shared_vllm", "lora_only", "none"]
@@ -170,20 +170,19 @@ def _parser() -> argparse.ArgumentParser:
     )
 
 
+def _flags(argv: Sequence[str]) -> dict[str, Any]:
+    parser = _parser()
+    add_config_flags(parser, RunConfig, files=False)
+    return flag_values(RunConfig, parser.parse_args(argv))
+
+
 def cli_layer(argv: Sequence[str]) -> dict[str, Any]:
     """The values the command line gives (``--env-args``/``--trainer-args`` expanded last)."""
-    argv, setters = pop_setters(RunConfig, _launch_flags(argv))
-    first = none_words(RunConfig, cli_source(RunConfig, argv, root_parser=_parser())())
-    more = _dotted(first.get("env_args"), "env") + _dotted(
-        first.get("trainer_args"), "trainer.grpo"
-    )
-    if more:
-        more, more_setters = pop_setters(RunConfig, more)
-        setters = deep_merge(setters, more_setters)
-        first = none_words(
-            RunConfig, cli_source(RunConfig, [*argv, *more], root_parser=_parser())()
-        )
-    return deep_merge(first, setters)
+    argv = _launch_flags(argv)
+    first = _flags(argv)
+    more = _dotted(first.get("env_args"), "env")
+    more += _dotted(first.get("trainer_args"), "trainer.grpo")
+    return _flags([*argv, *more]) if more else first
 
 
 def file_layers(preset: str, recipe: Path | None) -> list[tuple[str, dict[str, Any]]]:
