@@ -29,8 +29,7 @@ from settings.layers import SHORTCUTS, Resolved, env_layer, expand, resolve
 from settings.paths import PRESETS_DIR
 from settings.recipe import RecipeError, load_recipe
 from trainer.config import GrpoConfig, SftConfig
-
-Mode = Literal["shared_vllm", "lora_only", "none"]
+from vllm_patching.config import Mode, VllmConfig
 
 
 class _Keys(BaseModel):
@@ -55,26 +54,6 @@ class LoggingKeys(_Keys):
     """TensorBoard event files of both trainer commands."""
     log_level: Literal["debug", "info", "warning", "error"] | None = None
     """The API's log level."""
-
-
-class VllmConfig(_Keys):
-    """``vllm:``: the bridge's options and vLLM's own; any other key is a vLLM argument
-    (``key: value`` -> ``--key value``, vllm_patching/serve.py)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    """Model directory or hub id vLLM serves."""
-    seed: int | None = None
-    """vLLM's seed."""
-    weight_bridge_mode: Mode | None = None
-    """How trainer weights reach this server (docs/BRIDGE.md)."""
-    single_copy: bool | None = None
-    """shared_vllm: one weight copy in shared memory (CPU) / CUDA IPC (GPU)."""
-    bridge_config: str | None = None
-    """Where the server writes vllm_bridge_config.json."""
-    bridge_device: Literal["auto", "cpu", "cuda"] | None = None
-    """Device of the vLLM workers (picks the weight-transfer backend)."""
 
 
 class TrainerSection(_Keys):
