@@ -117,9 +117,6 @@ class RunConfig(_Keys):
     """``python -m vllm_patching.serve``."""
 
 
-CLI_ONLY = ("preset", "recipe", "env_args", "trainer_args")
-
-
 def _dotted(args: str | None, section: str) -> list[str]:
     """``--env-args='--group-size 8'`` -> ``--env.group-size 8``."""
     return [f"--{section}.{a[2:]}" if a.startswith("--") else a for a in shlex.split(args or "")]

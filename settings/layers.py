@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import EnvSettingsSource
 
-from settings.flags import env_names, setter_paths
-from settings.recipe import RecipeError, model_type
+from settings.flags import env_values, setter_paths
+from settings.recipe import RecipeError, deep_merge, model_type
 
 M = TypeVar("M", bound=BaseModel)
 ENV_PREFIX = "SHOP_R1_"
@@ -203,11 +203,4 @@ def env_layer(
         value = source.env_vars.get((prefix + dotted.replace(".", "__")).lower())
         if value:
             _setdefault(out, dotted, value)
-    for dotted, name in env_names(cls).items():
-        if environ.get(name):
-            *parents, last = dotted.split(".")
-            d = out
-            for p in parents:
-                d = d.setdefault(p, {})
-            d[last] = environ[name]
-    return out
+    return deep_merge(out, env_values(cls, environ))

@@ -8,10 +8,10 @@ the per-run bridge config file, then hands over to ``vllm.entrypoints.openai.api
 ``--config FILE`` (alias ``--recipe``): a run file's ``vllm:`` section (and its shared
 ``model``, ``seed``, ``output_dir``), or a flat file of the same keys (what launch/run_all.sh
 writes to ``<run>/config/vllm.yaml``), checked and typed by ``vllm_patching.config.VllmConfig``,
-become arguments placed before the command line's, a
-flag given on the command line replacing the file's (docs/RECIPES.md): ``key: value`` ->
-``--key value``, ``true`` -> ``--key``, ``false`` -> ``--no-key`` (bridge options: omitted),
-a list -> ``--key a b``, a mapping -> ``--key '<json>'``.
+become arguments placed before the command line's, a flag given on the command line replacing
+the file's (docs/RECIPES.md): ``key: value`` -> ``--key value``, ``true`` -> ``--key``,
+``false`` -> ``--no-key`` (bridge options: omitted), a list -> ``--key a b``, a mapping ->
+``--key '<json>'``.
 """
 
 from __future__ import annotations
@@ -209,10 +209,6 @@ def print_help(argv: list[str]) -> int:
     return 0
 
 
-def wants_help(argv: list[str]) -> bool:
-    return any(a in HELP_FLAGS or a.startswith("--help=") for a in argv)
-
-
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = bridge_parser()
     args, rest = p.parse_known_args(argv)
@@ -317,7 +313,7 @@ def write_config_file(settings: BridgeSettings, vllm_args: list[str]) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if wants_help(argv):
+    if any(a in HELP_FLAGS or a.startswith("--help=") for a in argv):
         sys.exit(print_help(argv))
     settings, vllm_args, env = build(argv)
     os.environ.update(env)
