@@ -122,8 +122,7 @@ def write_service_config(run_dir: Path, name: str, resolved: Resolved) -> Path:
 
 def vllm_values(cfg: RunConfig) -> dict[str, Any]:
     """The run's ``vllm:`` options the servers read from their file (not the launcher's)."""
-    values = cfg.vllm.model_dump(mode="json", exclude_none=True)
-    return {k: v for k, v in values.items() if k not in LAUNCHER_VLLM_KEYS}
+    return cfg.vllm.model_dump(mode="json", exclude_none=True, exclude=set(LAUNCHER_VLLM_KEYS))
 
 
 def write_service_configs(run_dir: Path, resolved: Resolved) -> dict[str, Path]:

@@ -24,13 +24,12 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, FilePath
 from api.config import ApiConfig
 from env_server.config import EnvConfig
 from launch.launch_config import LaunchConfig
-from settings.flags import none_words, pop_setters
-from settings.layers import SHORTCUTS, Resolved, cli_source, env_layer, expand, resolve
+from settings.flags import add_config_flags, flag_values
+from settings.layers import SHORTCUTS, Resolved, env_layer, expand, resolve
 from settings.paths import PRESETS_DIR
-from settings.recipe import RecipeError, deep_merge, load_recipe
+from settings.recipe import RecipeError, load_recipe
 from trainer.config import GrpoConfig, SftConfig
-
-Mode = Literal["shared_vllm", "lora_only", "none"]
+from vllm_patching.config import Mode, VllmConfig
 
 
 class _Keys(BaseModel):
@@ -55,26 +54,6 @@ class LoggingKeys(_Keys):
     """TensorBoard event files of both trainer commands."""
     log_level: Literal["debug", "info", "warning", "error"] | None = None
     """The API's log level."""
-
-
-class VllmConfig(_Keys):
-    """``vllm:``: the bridge's options and vLLM's own; any other key is a vLLM argument
-    (``key: value`` -> ``--key value``, vllm_patching/serve.py)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    """Model directory or hub id vLLM serves."""
-    seed: int | None = None
-    """vLLM's seed."""
-    weight_bridge_mode: Mode | None = None
-    """How trainer weights reach this server (docs/BRIDGE.md)."""
-    single_copy: bool | None = None
-    """shared_vllm: one weight copy in shared memory (CPU) / CUDA IPC (GPU)."""
-    bridge_config: str | None = None
-    """Where the server writes vllm_bridge_config.json."""
-    bridge_device: Literal["auto", "cpu", "cuda"] | None = None
-    """Device of the vLLM workers (picks the weight-transfer backend)."""
 
 
 class TrainerSection(_Keys):
@@ -138,9 +117,6 @@ class RunConfig(_Keys):
     """``python -m vllm_patching.serve``."""
 
 
-CLI_ONLY = ("preset", "recipe", "env_args", "trainer_args")
-
-
 def _dotted(args: str | None, section: str) -> list[str]:
     """``--env-args='--group-size 8'`` -> ``--env.group-size 8``."""
     return [f"--{section}.{a[2:]}" if a.startswith("--") else a for a in shlex.split(args or "")]
@@ -170,20 +146,19 @@ def _parser() -> argparse.ArgumentParser:
     )
 
 
+def _flags(argv: Sequence[str]) -> dict[str, Any]:
+    parser = _parser()
+    add_config_flags(parser, RunConfig, files=False)
+    return flag_values(RunConfig, parser.parse_args(argv))
+
+
 def cli_layer(argv: Sequence[str]) -> dict[str, Any]:
     """The values the command line gives (``--env-args``/``--trainer-args`` expanded last)."""
-    argv, setters = pop_setters(RunConfig, _launch_flags(argv))
-    first = none_words(RunConfig, cli_source(RunConfig, argv, root_parser=_parser())())
-    more = _dotted(first.get("env_args"), "env") + _dotted(
-        first.get("trainer_args"), "trainer.grpo"
-    )
-    if more:
-        more, more_setters = pop_setters(RunConfig, more)
-        setters = deep_merge(setters, more_setters)
-        first = none_words(
-            RunConfig, cli_source(RunConfig, [*argv, *more], root_parser=_parser())()
-        )
-    return deep_merge(first, setters)
+    argv = _launch_flags(argv)
+    first = _flags(argv)
+    more = _dotted(first.get("env_args"), "env")
+    more += _dotted(first.get("trainer_args"), "trainer.grpo")
+    return _flags([*argv, *more]) if more else first
 
 
 def file_layers(preset: str, recipe: Path | None) -> list[tuple[str, dict[str, Any]]]:

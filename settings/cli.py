@@ -26,7 +26,7 @@ from settings.layers import SHORTCUTS, Layer, Resolved, env_layer, expand, snake
 from settings.layers import resolve as resolve_layers
 from settings.recipe import SECTIONS, TOP_KEYS, load_recipe, read_yaml
 
-__all__ = ["Resolved", "config_file_data", "parse", "parse_config", "report", "resolve"]
+__all__ = ["Resolved", "config_file_data", "parse", "report", "resolve"]
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -51,25 +51,21 @@ def file_values(path: Path, section: str) -> dict[str, Any]:
     return values
 
 
-def section_layers(
-    cls: type[BaseModel],
+def resolve(
+    cls: type[M],
+    *,
     section: str,
     config: Sequence[Path] = (),
     flags: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
-) -> list[Layer]:
-    """The layers of service ``section`` (``api``, ``env``, ``trainer.sft``, ...): the files
-    in order, the environment, the flags."""
+) -> Resolved:
+    """Service ``section`` (``api``, ``env``, ``trainer.sft``, ...) validated from its layers:
+    defaults < ``config`` files in order < the environment (``environ``, default
+    ``os.environ``) < ``flags``."""
     layers: list[Layer] = [(f"file {p}", file_values(p, section)) for p in config]
     layers.append(("environment", env_layer(cls, section, environ)))
     layers.append(("flag", dict(flags or {})))
-    return layers
-
-
-def resolve(cls: type[M], *, section: str, **files: Any) -> Resolved:
-    """defaults < ``config`` files < environment < ``flags`` (and ``environ``: the
-    environment, default ``os.environ``), validated."""
-    return resolve_layers(cls, section_layers(cls, section, **files))
+    return resolve_layers(cls, layers)
 
 
 def resolve_args(cls: type[M], ns: argparse.Namespace, section: str) -> Resolved:
@@ -92,11 +88,6 @@ def parse(cls: type[M], argv: Sequence[str] | None, *, prog: str, section: str) 
         print(report(resolved))
         raise SystemExit(0)
     return resolved
-
-
-def parse_config(cls: type[M], argv: Sequence[str] | None, *, prog: str, section: str) -> M:
-    """:func:`parse`, config only."""
-    return parse(cls, argv, prog=prog, section=section).config
 
 
 SECRET_WORDS = ("password", "secret", "api_key")

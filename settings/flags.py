@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,42 +44,14 @@ def flag_const(value: str) -> dict[str, Any]:
     return {"flag_const": value}
 
 
-def expand_setters(cls: type[BaseModel], data: Any) -> Any:
-    """A before-validator's work: each of ``cls.setter_aliases`` given in ``data`` (a name that
-    sets several fields, e.g. ``clip_eps``) replaced by the fields it sets, over their own."""
-    if not isinstance(data, Mapping):
-        return data
-    data = dict(data)
-    for name, targets in getattr(cls, "setter_aliases", {}).items():
-        if name in data:
-            value = data.pop(name)
-            data.update(dict.fromkeys(targets, value))
-    return data
-
-
-def setter_paths(cls: type[BaseModel], prefix: str = "") -> list[str]:
-    """Dotted names of every ``setter_aliases`` entry in ``cls`` and its sections."""
-    out = [prefix + n for n in getattr(cls, "setter_aliases", {})]
+def setter_paths(cls: type[BaseModel], prefix: str = "") -> dict[str, tuple[str, ...]]:
+    """``{dotted name: fields it sets}`` of every ``setter_aliases`` entry in ``cls`` and its
+    sections (``clip_eps``), resolved while layers merge (``settings.layers.merge``)."""
+    out = {prefix + n: t for n, t in getattr(cls, "setter_aliases", {}).items()}
     for name, info in cls.model_fields.items():
         sub = model_type(info.annotation)
-        out += setter_paths(sub, f"{prefix}{name}.") if sub is not None else []
+        out |= setter_paths(sub, f"{prefix}{name}.") if sub is not None else {}
     return out
-
-
-def pop_setters(cls: type[BaseModel], argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
-    """``argv`` without its setter-alias flags (``--trainer.grpo.clip-eps X``), and those as a
-    nested mapping (``{"trainer": {"grpo": {"clip_eps": "X"}}}``) for :func:`expand_setters`."""
-    flags = {"--" + p.replace("_", "-"): p for p in setter_paths(cls)}
-    rest: list[str] = []
-    values: dict[str, Any] = {}
-    it = iter(argv)
-    for a in it:
-        flag, eq, value = a.partition("=")
-        if flag in flags:
-            _set_dotted(values, flags[flag], value if eq else next(it, ""))
-        else:
-            rest.append(a)
-    return rest, values
 
 
 def _extra(info: Any) -> dict[str, Any]:
@@ -126,10 +98,10 @@ def add_config_flags(
         cli_hide_none_type=True,
         cli_parse_none_str="null",
     )
-    for name, targets in getattr(cls, "setter_aliases", {}).items():
+    for path, targets in setter_paths(cls).items():
         parser.add_argument(
-            "--" + name.replace("_", "-"),
-            dest=name,
+            "--" + path.replace("_", "-"),
+            dest=path,
             metavar="VALUE",
             default=argparse.SUPPRESS,
             help=f"Sets {' and '.join(targets)} both (a declared alias, not a field).",
@@ -172,8 +144,11 @@ def flag_values(cls: type[BaseModel], ns: argparse.Namespace) -> dict[str, Any]:
     """The flags actually given, as a nested dict of field values (``none`` -> None)."""
     source, dests = getattr(ns, _SOURCES)[cls]
     given = argparse.Namespace(**{d: v for d, v in vars(ns).items() if d in dests})
-    setters = {n: getattr(ns, n) for n in getattr(cls, "setter_aliases", {}) if hasattr(ns, n)}
-    return none_words(cls, source(parsed_args=given)()) | setters
+    values = none_words(cls, source(parsed_args=given)())
+    for path in setter_paths(cls):
+        if hasattr(ns, path):
+            _set_dotted(values, path, getattr(ns, path))
+    return values
 
 
 def none_words(cls: type[BaseModel], values: dict[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,8 @@ own sources: ``SHOP_R1_<SECTION>__<FIELD>`` variables (plus the names a field de
 ``settings.flags.from_env``) and dotted ``--section.field value`` flags.
 
 Each layer is a nested mapping; top-level shortcut keys (:data:`SHORTCUTS`) fill the fields
-they stand for inside their own layer, where it does not set them itself. A service started
+they stand for inside their own layer, where it does not set them itself, and so do a
+class's setter aliases (``clip_eps``: :func:`expand_setters`, called by :func:`merge`). A service started
 on its own reads its section the same way (``settings.cli``). Imports neither torch nor
 any service package.
 """
@@ -18,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from pydantic_settings import CliSettingsSource, EnvSettingsSource
+from pydantic_settings import EnvSettingsSource
 
-from settings.flags import env_names
-from settings.recipe import RecipeError, model_type
+from settings.flags import env_values, setter_paths
+from settings.recipe import RecipeError, deep_merge, model_type
 
 M = TypeVar("M", bound=BaseModel)
 ENV_PREFIX = "SHOP_R1_"
@@ -124,6 +125,22 @@ def _record(sources: dict[str, str], prefix: str, value: Any, label: str) -> Non
         sources[prefix] = label
 
 
+def expand_setters(cls: type[BaseModel] | None, layer: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``layer`` with each of ``cls.setter_aliases`` it gives (``clip_eps``) replaced by the
+    fields that name sets, except those the layer sets itself: an explicit ``clip_low`` beats
+    ``clip_eps`` in one layer, and a higher layer's ``clip_eps`` beats a lower one's
+    ``clip_low``. ``None`` sets nothing (files written while ``clip_eps`` was a field)."""
+    setters = getattr(cls, "setter_aliases", {})
+    if not any(name in layer for name in setters):
+        return layer
+    out = dict(layer)
+    for name, targets in setters.items():
+        value = out.pop(name, None)
+        for target in targets if value is not None else ():
+            out.setdefault(target, value)
+    return out
+
+
 def merge(
     base: dict[str, Any],
     over: Mapping[str, Any],
@@ -133,7 +150,9 @@ def merge(
     prefix: str = "",
 ) -> None:
     """``over`` onto ``base``: mappings merge key by key (``rewards`` is replaced whole); a
-    layer that sets one field of a class's ``exclusive_fields`` group drops the others."""
+    layer that sets one field of a class's ``exclusive_fields`` group drops the others; setter
+    aliases are resolved here, the one place every layer goes through (:func:`expand_setters`)."""
+    over = expand_setters(cls, over)
     for group in getattr(cls, "exclusive_fields", ()):
         if any(k in over for k in group):
             for k in (k for k in group if k not in over):
@@ -143,6 +162,8 @@ def merge(
     for key, value in over.items():
         info = cls.model_fields.get(key) if cls is not None else None
         sub = model_type(info.annotation) if info is not None else None
+        if sub is not None and isinstance(value, Mapping) and not isinstance(base.get(key), dict):
+            base[key] = {}  # a section: merged key by key, so its setter aliases resolve
         if key != "rewards" and isinstance(value, Mapping) and isinstance(base.get(key), dict):
             merge(base[key], value, sub, label, sources, f"{prefix}{key}.")
         else:
@@ -164,27 +185,13 @@ def resolve(cls: type[M], layers: Sequence[Layer]) -> Resolved:
         raise RecipeError(f"invalid {cls.__name__} (from {origin}):\n{e}") from None
 
 
-def cli_source(cls: type[BaseModel], argv: Sequence[str] | None, **kw: Any) -> CliSettingsSource:
-    """pydantic-settings' CLI source of ``cls``: ``--section.field value`` (kebab-case),
-    ``--flag/--no-flag``, lists as ``A,B``, ``null`` for None."""
-    return CliSettingsSource(
-        cls,
-        cli_parse_args=None if argv is None else list(argv),
-        cli_kebab_case=True,
-        cli_implicit_flags=True,
-        cli_avoid_json=True,
-        cli_hide_none_type=True,
-        cli_parse_none_str="null",
-        **kw,
-    )
-
-
 def env_layer(
     cls: type[BaseModel], path: str = "", environ: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
     """The environment's values for ``cls`` (the section at dotted ``path`` of a run):
     ``SHOP_R1_<PATH>__<FIELD>`` by pydantic-settings' convention (``__`` between levels), then
-    the variables fields declare (``SHOP_R1_API_TOKEN``, ``GAIL_USE``, ...), which win."""
+    the variables fields declare (``SHOP_R1_API_TOKEN``, ``GAIL_USE``, ...), which win. A
+    setter alias reads its own (``SHOP_R1_TRAINER__GRPO__CLIP_EPS``)."""
     environ = os.environ if environ is None else environ
     prefix = ENV_PREFIX + "".join(p.upper() + "__" for p in path.split(".") if p)
     source = EnvSettingsSource(
@@ -192,11 +199,8 @@ def env_layer(
     )
     source.env_vars = {k.lower(): v for k, v in environ.items()}
     out = snake(source())
-    for dotted, name in env_names(cls).items():
-        if environ.get(name):
-            *parents, last = dotted.split(".")
-            d = out
-            for p in parents:
-                d = d.setdefault(p, {})
-            d[last] = environ[name]
-    return out
+    for dotted in setter_paths(cls):  # no field, so pydantic-settings skips it at the top
+        value = source.env_vars.get((prefix + dotted.replace(".", "__")).lower())
+        if value:
+            _setdefault(out, dotted, value)
+    return deep_merge(out, env_values(cls, environ))

@@ -8,12 +8,12 @@ This module imports no torch, so ``python -m trainer ... --help`` and config err
 from __future__ import annotations
 
 import argparse
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import ClassVar, Literal, TypeVar
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from settings.cli import resolve_args
-from settings.flags import add_config_flags, expand_setters, flag_const, from_env
+from settings.flags import add_config_flags, flag_const, from_env
 from settings.paths import DATA_DIR, RUNS_DIR, SFT_MODEL_DIR, TINY_MODEL_DIR
 from settings.ports import API_URL, HOST, VLLM_PORT
 from trainer.gail import GailConfig
@@ -323,14 +323,9 @@ class GrpoConfig(CommonConfig):
     ``GAIL_USE=1``, ``gail: {use: true}`` in the recipe, or ``--gail.use``."""
 
     setter_aliases: ClassVar[dict[str, tuple[str, ...]]] = {"clip_eps": ("clip_low", "clip_high")}
-    """Names that set several fields (a flag and a file key, never a field): Atropos'
-    symmetric ``--clip-eps X`` is ``clip_low`` and ``clip_high`` both X, over their own
-    values (``settings.flags.expand_setters``)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _setters(cls, data: Any) -> Any:
-        return expand_setters(cls, data)
+    """Names that set several fields (a flag, a file key, an environment variable, never a
+    field): Atropos' symmetric ``--clip-eps X`` is ``clip_low`` and ``clip_high`` both X,
+    except a bound the same layer sets itself (``settings.layers.expand_setters``)."""
 
     @model_validator(mode="after")
     def _check_grpo(self) -> GrpoConfig:

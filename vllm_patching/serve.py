@@ -7,10 +7,11 @@ the per-run bridge config file, then hands over to ``vllm.entrypoints.openai.api
 
 ``--config FILE`` (alias ``--recipe``): a run file's ``vllm:`` section (and its shared
 ``model``, ``seed``, ``output_dir``), or a flat file of the same keys (what launch/run_all.sh
-writes to ``<run>/config/vllm.yaml``), become arguments placed before the command line's, a
-flag given on the command line replacing the file's (docs/RECIPES.md): ``key: value`` ->
-``--key value``, ``true`` -> ``--key``, ``false`` -> ``--no-key`` (bridge options: omitted),
-a list -> ``--key a b``, a mapping -> ``--key '<json>'``.
+writes to ``<run>/config/vllm.yaml``), checked and typed by ``vllm_patching.config.VllmConfig``,
+become arguments placed before the command line's, a flag given on the command line replacing
+the file's (docs/RECIPES.md): ``key: value`` -> ``--key value``, ``true`` -> ``--key``,
+``false`` -> ``--no-key`` (bridge options: omitted), a list -> ``--key a b``, a mapping ->
+``--key '<json>'``.
 """
 
 from __future__ import annotations
@@ -23,9 +24,15 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
 
 from settings.ports import VLLM_PORT
+from settings.recipe import RecipeError
+from vllm_patching.config import VllmConfig
 from vllm_patching.protocol import PLUGIN_NAME, SETTINGS_ENV, BridgeConfigFile, BridgeSettings
 
 BACKENDS = {  # (device, single_copy) -> vLLM weight-transfer backend of shared_vllm
@@ -49,13 +56,23 @@ BRIDGE_KEYS = {
 
 def file_argv(path: Path) -> list[str]:
     """A file's ``vllm:`` options as arguments: a run file's section (and the shortcuts vLLM
-    reads) or a flat file (``settings.cli.file_values``)."""
+    reads) or a flat file (``settings.cli.file_values``), checked by ``VllmConfig``."""
     from settings.cli import file_values
 
-    return mapping_argv(file_values(path, "vllm"))
+    return mapping_argv(typed_values(file_values(path, "vllm"), str(path)))
 
 
-def mapping_argv(values: dict[str, object]) -> list[str]:
+def typed_values(values: dict[str, Any], where: str) -> dict[str, Any]:
+    """``values`` as ``VllmConfig`` types them (``"2048"`` -> 2048), in their own order; a wrong
+    value is an error naming the key and ``where``. Keys it does not declare pass as they are."""
+    try:
+        data = VllmConfig.model_validate(values).model_dump()
+    except ValidationError as e:
+        raise RecipeError(f"{where}: invalid vllm options:\n{e}") from None
+    return {key: data[key] for key in values}
+
+
+def mapping_argv(values: Mapping[str, Any]) -> list[str]:
     """``{key: value}`` as vLLM / bridge arguments (see the module's docstring)."""
     argv: list[str] = []
     for key, value in values.items():
@@ -192,10 +209,6 @@ def print_help(argv: list[str]) -> int:
     return 0
 
 
-def wants_help(argv: list[str]) -> bool:
-    return any(a in HELP_FLAGS or a.startswith("--help=") for a in argv)
-
-
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = bridge_parser()
     args, rest = p.parse_known_args(argv)
@@ -300,7 +313,7 @@ def write_config_file(settings: BridgeSettings, vllm_args: list[str]) -> Path:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if wants_help(argv):
+    if any(a in HELP_FLAGS or a.startswith("--help=") for a in argv):
         sys.exit(print_help(argv))
     settings, vllm_args, env = build(argv)
     os.environ.update(env)

@@ -1,0 +1,109 @@
+"""The ``vllm:`` section (``vllm_patching.config.VllmConfig``): the options the project sets are
+typed fields (a wrong value is an error naming the key), any other key passes to vLLM as it
+is, and the vLLM command lines of the shipped runs stay what they were (pinned below)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launch.configs import resolve_for_run, write_service_configs
+from launch.run_all import vllm_extra
+from launch.run_config import resolve_run
+from launch.vllm_server import server_argv
+from settings.paths import REPO_ROOT, RUNS_DIR, SFT_MODEL_DIR, SMOL_SFT_MODEL_DIR
+from vllm_patching.config import VllmConfig
+from vllm_patching.serve import build, file_argv
+
+pytestmark = pytest.mark.unit
+RECIPES = REPO_ROOT / "recipes"
+TAIL = [
+    "--logprobs-mode",
+    "processed_logprobs",
+    "--worker-extension-cls",
+    "vllm_patching.worker_ext.BridgeWorkerExtension",
+]
+"""What ``vllm_patching.serve`` adds to every server."""
+
+
+def _launched(argv: list[str], run_dir: Path, device: list[str]) -> list[str]:
+    """The vLLM argv of launch/run_all.sh ``argv``'s server: its ``<run>/config/vllm.yaml``,
+    the launcher's flags, through ``vllm_patching.serve.build`` (as launch/run_all.py does)."""
+    resolved = resolve_for_run(argv, "http://127.0.0.1:8000", ["http://127.0.0.1:9001"], run_dir)
+    cfg = resolved.config
+    config = write_service_configs(run_dir, resolved)["vllm"]
+    extra = ["--config", str(config), *vllm_extra(cfg), *device]
+    cmd = server_argv(str(cfg.model), 9001, cfg.weight_bridge_mode, run_dir / "b.json", extra=extra)
+    return build(cmd[3:])[1]
+
+
+def _serving(model: Path) -> list[str]:
+    return ["--model", str(model), "--host", "127.0.0.1", "--port", "9001"]
+
+
+def test_the_vllm_argv_of_a_gpu_recipe_and_of_cpu_smol_is_pinned(tmp_path: Path) -> None:
+    gpu = RECIPES / "qwen2.5-0.5b-instruct" / "shop-r1" / "grpo.yaml"
+    argv = _launched(["--preset", "gpu-0.5b", "--recipe", str(gpu)], tmp_path / "gpu", [])
+    assert argv == [
+        *["--seed", "0", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.5"],
+        *["--max-model-len", "4096"],
+        *_serving(RUNS_DIR / "qwen2.5-0.5b-instruct" / "shop-r1" / "sft"),
+        *["--served-model-name", "tiny", "--enforce-eager"],
+        *["--weight-transfer-config", '{"backend": "nccl"}', *TAIL],
+    ]
+    smol = ["--bridge-device", "cpu"]  # what "auto" finds on a CPU box
+    argv = _launched(["--preset", "cpu-smol"], tmp_path / "smol", smol)
+    assert argv == [
+        *_serving(SMOL_SFT_MODEL_DIR),
+        *["--served-model-name", "tiny", "--enforce-eager", "--dtype", "float32"],
+        *["--max-model-len", "2048"],
+        *["--weight-transfer-config", '{"backend": "gloo_bcast"}', *TAIL],
+    ]
+    # started on its own from the recipe: the section's keys in the file's order
+    tiny = RECIPES / "tiny-qwen2" / "shop-r1" / "grpo.yaml"
+    assert build(["--config", str(tiny), "--bridge-device", "cpu"])[1] == [
+        *["--model", str(SFT_MODEL_DIR), "--seed", "0"],
+        *["--enforce-eager", "--dtype", "float32", "--max-model-len", "2048"],
+        *["--served-model-name", "tiny", "--host", "127.0.0.1", "--port", "9001"],
+        *["--weight-transfer-config", '{"backend": "gloo_bcast"}', *TAIL],
+    ]
+
+
+def test_known_options_are_typed_and_others_pass_through(tmp_path: Path) -> None:
+    flat = tmp_path / "vllm.yaml"
+    flat.write_text(
+        "max_model_len: '2048'\nenforce_eager: true\nmax_num_batched_tokens: 8192\n"
+        "compilation_config: {level: 0}\n"
+    )
+    assert file_argv(flat) == [
+        *["--max-model-len", "2048", "--enforce-eager"],
+        *["--max-num-batched-tokens", "8192", "--compilation-config", '{"level": 0}'],
+    ]
+    assert VllmConfig(max_model_len="4k").max_model_len == "4k"  # vLLM's own spelling
+    assert VllmConfig(max_model_len="auto").max_model_len == "auto"
+    assert VllmConfig.model_fields["dtype"].description  # documented (--help of the launcher)
+    vllm = resolve_run(["--vllm.max-model-len", "4k", "--vllm.max-num-seqs", "8"]).config.vllm
+    assert (vllm.max_model_len, vllm.max_num_seqs) == ("4k", 8)
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("dtype: float33\n", "dtype"),
+        ("gpu_memory_utilization: lots\n", "gpu_memory_utilization"),
+        ("gpu_memory_utilization: 1.5\n", "gpu_memory_utilization"),
+        ("max_model_len: long\n", "max_model_len"),
+        ("enforce_eager: maybe\n", "enforce_eager"),
+        ("max_num_seqs: 0\n", "max_num_seqs"),
+    ],
+)
+def test_a_wrong_value_names_the_key(tmp_path: Path, text: str, key: str) -> None:
+    flat = tmp_path / "vllm.yaml"
+    flat.write_text(text)
+    with pytest.raises(SystemExit, match=rf"{flat}: invalid vllm options:\n(.|\n)*{key}"):
+        file_argv(flat)
+    run = tmp_path / "run.yaml"
+    run.write_text("vllm:\n  " + text)
+    with pytest.raises(SystemExit, match=rf"invalid RunConfig(.|\n)*vllm\.{key}"):
+        resolve_run(["--recipe", str(run)], environ={})
