@@ -100,7 +100,8 @@ def server_env(
 
 
 SERVER_DEFAULTS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "2048"]
-"""vLLM options of the embedded CPU models, for what the server's file and flags leave unset."""
+"""vLLM options of a server on the CPU, for what its file and flags leave unset (a server on
+CUDA gets none of them: CUDA graphs, the model's dtype and its context length stay vLLM's)."""
 
 
 def server_argv(
@@ -112,6 +113,7 @@ def server_argv(
     served_model_name: str = "tiny",
     initial_version: int = 0,
     extra: Sequence[str] = (),
+    cpu: bool = True,
 ) -> list[str]:
     argv = [
         sys.executable,
@@ -134,8 +136,9 @@ def server_argv(
     ]
     if single_copy:
         argv.append("--single-copy")
-    # the defaults only where neither a file (--config) nor a flag of ``extra`` sets them
-    return [*argv, *unset_flags(SERVER_DEFAULTS, expand_files(list(extra))), *extra]
+    # on the CPU, the defaults only where neither a file (--config) nor a flag of ``extra`` sets them
+    defaults = unset_flags(SERVER_DEFAULTS, expand_files(list(extra))) if cpu else []
+    return [*argv, *defaults, *extra]
 
 
 def spawn_bridge_server(
@@ -169,10 +172,11 @@ def spawn_bridge_server(
     )
     port = port or free_port()
     config_path = log_path.parent / f"vllm_bridge_config.{port}.json"
-    argv = server_argv(
-        model, port, mode, config_path, single_copy, served_model_name, initial_version, extra
-    )
     env = cpu_env(token) if env is None else dict(env)
+    cpu = env.get("VLLM_TARGET_DEVICE") == "cpu"  # server_env leaves it out for CUDA
+    argv = server_argv(
+        model, port, mode, config_path, single_copy, served_model_name, initial_version, extra, cpu
+    )
     proc = ManagedProcess(name or f"vllm-bridge-{mode}", argv, log_path, env=env).start()
     return BridgeServer(proc, port, served_model_name, config_path, launch)
 

@@ -177,6 +177,9 @@ def test_the_resolved_files_are_what_the_services_parse(tmp_path: Path) -> None:
         "m", 1, "none", tmp_path / "b.json", extra=["--config", str(tmp_path / "gpu.yaml")]
     )
     assert "--dtype" not in argv and _last(argv, "--max-model-len") == "2048"
+    gpu = ["--config", str(tmp_path / "gpu.yaml")]
+    argv = server_argv("m", 1, "none", tmp_path / "b.json", extra=gpu, cpu=False)
+    assert not {"--enforce-eager", "--max-model-len", "float32"} & set(argv)  # none on CUDA
     assert settings.mode == "shared_vllm"
 
 

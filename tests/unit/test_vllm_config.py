@@ -27,14 +27,15 @@ TAIL = [
 """What ``vllm_patching.serve`` adds to every server."""
 
 
-def _launched(argv: list[str], run_dir: Path, device: list[str]) -> list[str]:
+def _launched(argv: list[str], run_dir: Path, device: list[str], cpu: bool = True) -> list[str]:
     """The vLLM argv of launch/run_all.sh ``argv``'s server: its ``<run>/config/vllm.yaml``,
     the launcher's flags, through ``vllm_patching.serve.build`` (as launch/run_all.py does)."""
     resolved = resolve_for_run(argv, "http://127.0.0.1:8000", ["http://127.0.0.1:9001"], run_dir)
     cfg = resolved.config
     config = write_service_configs(run_dir, resolved)["vllm"]
     extra = ["--config", str(config), *vllm_extra(cfg), *device]
-    cmd = server_argv(str(cfg.model), 9001, cfg.weight_bridge_mode, run_dir / "b.json", extra=extra)
+    mode, bridge = cfg.weight_bridge_mode, run_dir / "b.json"
+    cmd = server_argv(str(cfg.model), 9001, mode, bridge, extra=extra, cpu=cpu)
     return build(cmd[3:])[1]
 
 
@@ -44,14 +45,17 @@ def _serving(model: Path) -> list[str]:
 
 def test_the_vllm_argv_of_a_gpu_recipe_and_of_cpu_smol_is_pinned(tmp_path: Path) -> None:
     gpu = RECIPES / "qwen2.5-0.5b-instruct" / "shop-r1" / "grpo.yaml"
-    argv = _launched(["--preset", "gpu-0.5b", "--recipe", str(gpu)], tmp_path / "gpu", [])
+    argv = _launched(["--preset", "gpu-0.5b", "--recipe", str(gpu)], tmp_path / "gpu", [], False)
     assert argv == [
         *["--seed", "0", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.5"],
         *["--max-model-len", "4096"],
         *_serving(RUNS_DIR / "qwen2.5-0.5b-instruct" / "shop-r1" / "sft"),
-        *["--served-model-name", "tiny", "--enforce-eager"],
+        *["--served-model-name", "tiny"],
         *["--weight-transfer-config", '{"backend": "nccl"}', *TAIL],
     ]
+    # a preset alone on CUDA: no CPU default caps its 3072 + 256-token context or its CUDA graphs
+    argv = _launched(["--preset", "gpu-0.5b"], tmp_path / "gpu0", [], False)
+    assert "--max-model-len" not in argv and "--enforce-eager" not in argv
     smol = ["--bridge-device", "cpu"]  # what "auto" finds on a CPU box
     argv = _launched(["--preset", "cpu-smol"], tmp_path / "smol", smol)
     assert argv == [
