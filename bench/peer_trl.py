@@ -113,7 +113,7 @@ def run_trl(plan: Any, work: Path, a: argparse.Namespace) -> dict[str, Any]:
         "precision": plan.grpo.precision,
         "prompts": plan.steps * plan.prompts_per_step,
         "env": plan.env.model_dump(mode="json", exclude={"api_token"}),
-        "trl_args": trl_args(plan, out, bf16=bool(bf16)),
+        "trl_args": trl_args(plan, out, bf16=bool(bf16), micro_batch=a.trl_micro_batch),
     }
     (out / "spec.json").write_text(json.dumps(spec, indent=2) + "\n")
     env = dict(os.environ)
@@ -207,6 +207,13 @@ def main() -> None:
     ap.add_argument("--redo-eval", action="store_true", help="evaluate every checkpoint again")
     ap.add_argument("--order", choices=["ours-first", "trl-first"], default="ours-first")
     ap.add_argument("--trl-threads", type=int, default=None, help="default: every core")
+    ap.add_argument(
+        "--trl-micro-batch",
+        type=int,
+        default=None,
+        help="completions per TRL forward/backward, gradients accumulated over the step "
+        "(default: the whole step in one; cpu-smol needs a group's 8 to fit in memory)",
+    )
     ap.add_argument(
         "--trl-path",
         default=None,

@@ -149,20 +149,30 @@ def _schedule(grpo: Any) -> dict[str, Any]:
     return out
 
 
-def trl_args(plan: Plan, out_dir: Path, bf16: bool) -> dict[str, Any]:
+def trl_args(
+    plan: Plan, out_dir: Path, bf16: bool, micro_batch: int | None = None
+) -> dict[str, Any]:
     """``GRPOConfig`` keywords that hold our run's settings (TRL 1.16's names).
 
     ``per_device_train_batch_size`` counts completions in TRL (prompts x num_generations),
-    as our ``batch_size`` counts sequences; one generation batch per optimizer step."""
+    as our ``batch_size`` counts sequences; one generation batch per optimizer step.
+    ``micro_batch``: completions per TRL forward/backward (None: the whole step in one), the
+    step's gradients accumulated over ``batch_size / micro_batch`` of them. TRL computes every
+    completion's prompt in full, so on a long-prompt model the whole step in one forward does
+    not fit in memory (cpu-smol: 32 x ~1,000 tokens went past 23 GiB)."""
     env, g = plan.env, plan.grpo
     if g.lora_r:
         raise ValueError("the bench compares full fine-tuning (the CPU presets); lora_r is set")
+    micro = micro_batch or plan.batch_size
+    if plan.batch_size % micro:
+        raise ValueError(f"--trl-micro-batch {micro} must divide the batch ({plan.batch_size})")
+    accumulate = plan.batch_size // micro
     return {
         "output_dir": str(out_dir),
         "max_steps": plan.steps,
-        "per_device_train_batch_size": plan.batch_size,
-        "gradient_accumulation_steps": 1,
-        "steps_per_generation": 1,
+        "per_device_train_batch_size": micro,
+        "gradient_accumulation_steps": accumulate,
+        "steps_per_generation": accumulate,  # one generation of the whole batch per step
         "num_iterations": 1,
         "num_generations": plan.group_size,
         "max_completion_length": env.max_tokens,

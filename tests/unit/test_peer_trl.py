@@ -134,6 +134,12 @@ def test_trl_config_holds_the_presets_settings(
     assert kw["lr_scheduler_type"] == "constant" and kw["max_steps"] == 6
     assert kw["save_steps"] == 2 and kw["gradient_checkpointing"] is False
     assert kw["bf16"] is True and kw["num_iterations"] == kw["steps_per_generation"] == 1
+    micro = trl_args(plan, tmp_path / "trl", bf16=True, micro_batch=env.group_size)
+    assert micro["per_device_train_batch_size"] == env.group_size
+    assert micro["gradient_accumulation_steps"] == micro["steps_per_generation"]
+    assert micro["gradient_accumulation_steps"] * env.group_size == plan.batch_size
+    with pytest.raises(ValueError, match="must divide"):
+        trl_args(plan, tmp_path / "trl", bf16=True, micro_batch=plan.batch_size - 1)
     m = matched(plan)
     assert m["samples_per_step"] == plan.batch_size and m["reward"] == reward
     assert "self_certainty" in NOT_MATCHED and "loss_normaliser" in NOT_MATCHED
