@@ -67,11 +67,6 @@ def test_precedence_defaults_file_environment_command_line(tmp_path: Path) -> No
     r = resolve_run([*argv, "--env.temperature", "0.25"], environ=environ)
     assert r.config.env.temperature == 0.25 and r.sources["env.temperature"] == "flag"
     assert r.config.trainer.grpo.lr == 2e-4
-    # the launcher's decisions sit between the environment and the command line
-    wired = resolve_run(argv, environ=environ, wiring={"env": {"temperature": 0.1}})
-    assert wired.config.env.temperature == 0.1
-    wired = resolve_run([*argv, "--env.temperature", "0.3"], wiring={"env": {"temperature": 0.1}})
-    assert wired.config.env.temperature == 0.3
 
 
 def test_shortcuts_aliases_and_dotted_overrides() -> None:
