@@ -17,7 +17,7 @@ from launch.run_config import RunConfig, run_layers
 from settings.cli import config_file_data
 from settings.layers import Resolved, resolve
 from settings.paths import PRESETS_DIR
-from settings.recipe import load_recipe
+from settings.recipe import read_recipe
 
 SERVICE_FILES = {"api": "api", "env": "env", "trainer_grpo": "trainer.grpo"}
 """``<run>/config/<name>.yaml`` -> the section of the run it holds."""
@@ -35,7 +35,7 @@ LAUNCHER_VLLM_KEYS = (
 
 def preset_model(cfg: RunConfig) -> str:
     """The model the preset names: what its SFT cold start writes (``build_embedded``)."""
-    return str(load_recipe(PRESETS_DIR / f"{cfg.preset}.yaml")["model"])
+    return str(read_recipe(PRESETS_DIR / f"{cfg.preset}.yaml")["model"])
 
 
 def launcher_values(

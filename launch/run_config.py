@@ -27,7 +27,7 @@ from launch.launch_config import LaunchConfig
 from settings.flags import add_config_flags, flag_values
 from settings.layers import SHORTCUTS, Layer, Resolved, env_layer, expand, resolve
 from settings.paths import PRESETS_DIR
-from settings.recipe import RecipeError, load_recipe
+from settings.recipe import RecipeError, read_recipe, recipe_chain
 from trainer.config import GrpoConfig, SftConfig
 from vllm_patching.config import Mode, VllmConfig
 
@@ -170,15 +170,15 @@ def cli_layer(argv: Sequence[str]) -> dict[str, Any]:
 
 
 def file_layers(preset: str, recipe: Path | None) -> list[Layer]:
-    """The preset's file, then the recipe's, each with its shortcuts filled in."""
+    """The preset's file, then the recipe's, each file of a ``base:`` chain a layer of its own
+    with its shortcuts filled in."""
     path = PRESETS_DIR / f"{preset}.yaml"
-    data = load_recipe(path)
-    if "model" not in data:
+    if "model" not in read_recipe(path):
         raise RecipeError(f"{path}: a preset names its `model`")
-    out = [(f"preset {preset}", expand(data, RUN_SHORTCUTS))]
+    files = [(f"preset {preset}" if p == path else f"recipe {p}", d) for p, d in recipe_chain(path)]
     if recipe is not None:
-        out.append((f"recipe {recipe}", expand(load_recipe(recipe), RUN_SHORTCUTS)))
-    return out
+        files += [(f"recipe {p}", d) for p, d in recipe_chain(recipe)]
+    return [(label, expand(data, RUN_SHORTCUTS)) for label, data in files]
 
 
 def run_layers(

@@ -56,10 +56,14 @@ BRIDGE_KEYS = {
 
 def file_argv(path: Path) -> list[str]:
     """A file's ``vllm:`` options as arguments: a run file's section (and the shortcuts vLLM
-    reads) or a flat file (``settings.cli.file_values``), checked by ``VllmConfig``."""
-    from settings.cli import file_values
+    reads; a later file of its ``base:`` chain wins per key) or a flat file
+    (``settings.cli.file_layers``), checked by ``VllmConfig``."""
+    from settings.cli import file_layers
 
-    return mapping_argv(typed_values(file_values(path, "vllm"), str(path)))
+    values: dict[str, Any] = {}
+    for _, layer in file_layers(path, "vllm"):
+        values.update(layer)
+    return mapping_argv(typed_values(values, str(path)))
 
 
 def typed_values(values: dict[str, Any], where: str) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from launch.run_config import parse_args
 from launch.vllm_server import server_argv
 from settings.layers import Resolved
 from settings.paths import PRESETS_DIR, REPO_ROOT
-from settings.recipe import load_recipe
+from settings.recipe import read_recipe
 from trainer.config import GrpoConfig, SftConfig, build_parser, config_from_args
 from vllm_patching.serve import build
 
@@ -46,7 +46,7 @@ def _resolve(argv: list[str], run_dir: Path) -> dict[str, Resolved]:
 
 
 def _preset(name: str) -> dict:
-    return load_recipe(PRESETS_DIR / f"{name}.yaml")
+    return read_recipe(PRESETS_DIR / f"{name}.yaml")
 
 
 def _trainer(command: str, argv: list[str]) -> object:
