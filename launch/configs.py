@@ -1,8 +1,9 @@
 """What launch/run_all.sh hands each service: the run's ``RunConfig`` (launch/run_config.py),
 resolved with what the launcher decides for the run (``launcher_values``: the run's defaults,
-and the ports, URLs, run-dir paths and device it owns), each service's section written to ``<run>/config/<service>.yaml`` and read
-back by the service with ``--config`` (docs/RECIPES.md). Secrets (tokens) are never written:
-they travel by environment variable or flag.
+and the ports, URLs, run-dir paths and device it owns), each service's section written to
+``<run>/config/<service>.yaml`` and read back by the service with ``--config``
+(docs/RECIPES.md). Secrets (tokens) are never written: they travel by environment variable or
+flag.
 """
 
 from __future__ import annotations
