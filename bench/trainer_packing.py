@@ -49,9 +49,9 @@ def _rss_mib() -> float:
 
 def _preset(name: str) -> dict[str, Any]:
     from settings.paths import PRESETS_DIR
-    from settings.recipe import load_recipe
+    from settings.recipe import read_recipe
 
-    return load_recipe(PRESETS_DIR / f"{name}.yaml")
+    return read_recipe(PRESETS_DIR / f"{name}.yaml")
 
 
 def real_prompts(tokenizer: Any, n: int, max_tokens: int, seed: int) -> list[list[int]]:

@@ -1,8 +1,9 @@
 """What launch/run_all.sh hands each service: the run's ``RunConfig`` (launch/run_config.py),
-resolved once with what the launcher decides for the run (``wiring``: ports, URLs, run-dir
-paths, devices), each service's section written to ``<run>/config/<service>.yaml`` and read
-back by the service with ``--config`` (docs/RECIPES.md). Secrets (tokens) are never written:
-they travel by environment variable or flag.
+resolved with what the launcher decides for the run (``launcher_values``: the run's defaults,
+and the ports, URLs, run-dir paths and device it owns), each service's section written to
+``<run>/config/<service>.yaml`` and read back by the service with ``--config``
+(docs/RECIPES.md). Secrets (tokens) are never written: they travel by environment variable or
+flag.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from typing import Any
 
 import yaml
 
-from launch.run_config import RunConfig, resolve_run
+from launch.run_config import RunConfig, run_layers
 from settings.cli import config_file_data
-from settings.layers import Resolved
-from settings.paths import DATA_DIR, PRESETS_DIR
-from settings.recipe import load_recipe
+from settings.layers import Resolved, resolve
+from settings.paths import PRESETS_DIR
+from settings.recipe import read_recipe
 
 SERVICE_FILES = {"api": "api", "env": "env", "trainer_grpo": "trainer.grpo"}
 """``<run>/config/<name>.yaml`` -> the section of the run it holds."""
@@ -35,56 +36,56 @@ LAUNCHER_VLLM_KEYS = (
 
 def preset_model(cfg: RunConfig) -> str:
     """The model the preset names: what its SFT cold start writes (``build_embedded``)."""
-    return str(load_recipe(PRESETS_DIR / f"{cfg.preset}.yaml")["model"])
+    return str(read_recipe(PRESETS_DIR / f"{cfg.preset}.yaml")["model"])
 
 
-def wiring(
-    cfg: RunConfig,
-    sources: Mapping[str, str],
-    api_url: str,
-    vllm_urls: Sequence[str],
-    run_dir: Path,
-    device: str = "cpu",
-) -> dict[str, Any]:
-    """The launcher's decisions for the run, by section: the services find each other, write
-    under the run directory, share the dataset; the SFT cold start builds the preset's model."""
+def launcher_values(
+    cfg: RunConfig, api_url: str, vllm_urls: Sequence[str], run_dir: Path, device: str = "cpu"
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What the launcher decides for the run, as ``(defaults, owned)`` by section.
+
+    ``defaults`` are the run's defaults, under its file: any layer that sets the field wins
+    (the SFT cold start starts from ``launch.base_model`` without TensorBoard or generation
+    samples; ``lora_only`` trains a rank-8 adapter). ``owned`` are the fields that wire the
+    run, which no layer can set without breaking it: the ports and URLs the launcher allocated,
+    the run directory's paths, the placed device, resume or overwrite, and the model and bridge
+    mode the vLLM servers are started with (set them with the launcher's own options)."""
     urls = ",".join(vllm_urls)
     sft_dir = Path(preset_model(cfg))
-    resume = cfg.launch.resume
-    grpo: dict[str, Any] = {
-        "model_name": cfg.model,
-        "save_path": str(run_dir / "trainer"),
-        "api_url": api_url,
-        "weight_bridge_mode": cfg.weight_bridge_mode,
-        "single_copy": cfg.single_copy,
-        "inference_url": urls,
-        "device": device,
-        "resume" if resume else "overwrite": True,
-    }
-    if cfg.weight_bridge_mode == "lora_only" and "trainer.grpo.lora_r" not in sources:
-        grpo["lora_r"] = 8  # an adapter, unless the run asks for a rank
     sft_resume = (sft_dir / "checkpoints").is_dir()  # an interrupted SFT continues
-    return {
+    defaults: dict[str, Any] = {
+        "trainer": {
+            "sft": {
+                "model_name": cfg.launch.base_model,
+                "tensorboard": False,
+                "eval_generate": 0,  # the launcher measures the SFT model itself, with vLLM
+            },
+            "grpo": {"lora_r": 8} if cfg.weight_bridge_mode == "lora_only" else {},
+        }
+    }
+    owned = {
         "api": {"port": int(api_url.rsplit(":", 1)[1]), "db_path": str(run_dir / "api.sqlite")},
         "env": {
             "api_url": api_url,
             "inference_url": urls,
             "tokenizer": cfg.model,
-            "data_dir": str(DATA_DIR),
             "metrics_path": str(run_dir / "env_metrics.jsonl"),
         },
         "trainer": {
-            "grpo": grpo,
-            "sft": {
-                "model_name": cfg.launch.base_model,
-                "save_path": str(sft_dir),
-                "data_dir": str(DATA_DIR),
-                "tensorboard": False,
-                "eval_generate": 0,  # the launcher measures the SFT model itself, with vLLM
-                "resume" if sft_resume else "overwrite": True,
+            "grpo": {
+                "model_name": cfg.model,
+                "save_path": str(run_dir / "trainer"),
+                "api_url": api_url,
+                "weight_bridge_mode": cfg.weight_bridge_mode,
+                "single_copy": cfg.single_copy,
+                "inference_url": urls,
+                "device": device,
+                "resume" if cfg.launch.resume else "overwrite": True,
             },
+            "sft": {"save_path": str(sft_dir), "resume" if sft_resume else "overwrite": True},
         },
     }
+    return defaults, owned
 
 
 def resolve_for_run(
@@ -95,10 +96,12 @@ def resolve_for_run(
     device: str = "cpu",
     environ: Mapping[str, str] | None = None,
 ) -> Resolved:
-    """The run's config with the launcher's :func:`wiring` (under the command line)."""
-    first = resolve_run(argv, environ)
-    wired = wiring(first.config, first.sources, api_url, vllm_urls, run_dir, device)
-    return resolve_run(argv, environ, wired)
+    """The run's config: the launcher's defaults < file(s) < environment < command line, then
+    the fields the launcher owns (:func:`launcher_values`, docs/RECIPES.md)."""
+    layers = run_layers(argv, environ)
+    cfg = resolve(RunConfig, layers).config  # what the launcher's decisions depend on
+    defaults, owned = launcher_values(cfg, api_url, vllm_urls, run_dir, device)
+    return resolve(RunConfig, [("launcher", defaults), *layers, ("launcher", owned)])
 
 
 def write_config(

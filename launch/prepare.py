@@ -13,7 +13,6 @@ from launch.configs import write_service_config
 from launch.follow import sft_source
 from launch.supervisor import PY, run_step
 from settings.layers import Resolved
-from settings.paths import DATA_DIR
 
 
 def prepare_embedded(resolved: Resolved, run_dir: Path) -> None:
@@ -27,8 +26,8 @@ def prepare_embedded(resolved: Resolved, run_dir: Path) -> None:
         name = launch_cfg.build_module.rsplit(".", 1)[-1]
         argv = [PY, "-m", launch_cfg.build_module, "--out", str(base)]
         run_step(name, argv, run_dir / f"{name}.log", title=f"build {name.replace('_', ' ')}")
-    if not (DATA_DIR / "test.jsonl").exists():
-        argv = [PY, "-m", "env_server.data", "build", "--out", str(DATA_DIR)]
+    if not (Path(cfg.env.data_dir) / "test.jsonl").exists():
+        argv = [PY, "-m", "env_server.data", "build", "--out", str(cfg.env.data_dir)]
         if cfg.env.num_sessions:
             argv += ["--num-sessions", str(cfg.env.num_sessions)]
         run_step("dataset", argv, run_dir / "dataset.log", title="build dataset")

@@ -25,11 +25,19 @@ from api.config import ApiConfig
 from env_server.config import EnvConfig
 from launch.launch_config import LaunchConfig
 from settings.flags import add_config_flags, flag_values
-from settings.layers import SHORTCUTS, Resolved, env_layer, expand, resolve
+from settings.layers import SHORTCUTS, Layer, Resolved, env_layer, expand, resolve
 from settings.paths import PRESETS_DIR
-from settings.recipe import RecipeError, load_recipe
+from settings.recipe import RecipeError, read_recipe, recipe_chain
 from trainer.config import GrpoConfig, SftConfig
 from vllm_patching.config import Mode, VllmConfig
+
+RUN_SHORTCUTS = {
+    **SHORTCUTS,
+    "model": tuple(t for t in SHORTCUTS["model"] if t != "trainer.sft.model_name"),
+}
+"""The shortcuts of a run: ``model`` (what vLLM serves and GRPO starts from, the SFT cold
+start's output) does not fill ``trainer.sft.model_name``, whose run default is
+``launch.base_model`` (``launch.configs.launcher_values``)."""
 
 
 class _Keys(BaseModel):
@@ -161,32 +169,39 @@ def cli_layer(argv: Sequence[str]) -> dict[str, Any]:
     return _flags([*argv, *more]) if more else first
 
 
-def file_layers(preset: str, recipe: Path | None) -> list[tuple[str, dict[str, Any]]]:
-    """The preset's file, then the recipe's, each with its shortcuts filled in."""
+def file_layers(preset: str, recipe: Path | None) -> list[Layer]:
+    """The preset's file, then the recipe's, each file of a ``base:`` chain a layer of its own
+    with its shortcuts filled in."""
     path = PRESETS_DIR / f"{preset}.yaml"
-    data = load_recipe(path)
-    if "model" not in data:
+    if "model" not in read_recipe(path):
         raise RecipeError(f"{path}: a preset names its `model`")
-    out = [(f"preset {preset}", expand(data, SHORTCUTS))]
+    files = [(f"preset {preset}" if p == path else f"recipe {p}", d) for p, d in recipe_chain(path)]
     if recipe is not None:
-        out.append((f"recipe {recipe}", expand(load_recipe(recipe), SHORTCUTS)))
-    return out
+        files += [(f"recipe {p}", d) for p, d in recipe_chain(recipe)]
+    return [(label, expand(data, RUN_SHORTCUTS)) for label, data in files]
 
 
-def resolve_run(
-    argv: Sequence[str] | None = None,
-    environ: Mapping[str, str] | None = None,
-    wiring: Mapping[str, Any] | None = None,
-) -> Resolved:
-    """defaults < preset < recipe < environment < ``wiring`` (what the launcher decides for the
-    run: ports, URLs, run-dir paths) < command line, validated once."""
+def run_layers(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> list[Layer]:
+    """The run's layers, lowest first: preset < recipe < environment < command line."""
     cli = cli_layer([] if argv is None else argv)
     recipe = cli.get("recipe")
     layers = file_layers(cli.get("preset", "cpu-tiny"), Path(recipe) if recipe else None)
     env = env_layer(RunConfig, "", environ)
-    layers += [("environment", expand(env, SHORTCUTS)), ("launcher", dict(wiring or {}))]
-    layers.append(("flag", expand(cli, SHORTCUTS)))
-    return resolve(RunConfig, layers)
+    return [
+        *layers,
+        ("environment", expand(env, RUN_SHORTCUTS)),
+        ("flag", expand(cli, RUN_SHORTCUTS)),
+    ]
+
+
+def resolve_run(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> Resolved:
+    """defaults < preset < recipe < environment < command line, validated once (the launcher's
+    own decisions: ``launch.configs.resolve_for_run``)."""
+    return resolve(RunConfig, run_layers(argv, environ))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> RunConfig:

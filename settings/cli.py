@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from settings.flags import add_config_flags, flag_values
 from settings.layers import SHORTCUTS, Layer, Resolved, env_layer, expand, snake
 from settings.layers import resolve as resolve_layers
-from settings.recipe import SECTIONS, TOP_KEYS, load_recipe, read_yaml
+from settings.recipe import SECTIONS, TOP_KEYS, read_yaml, recipe_chain
 
 __all__ = ["Resolved", "config_file_data", "parse", "report", "resolve"]
 M = TypeVar("M", bound=BaseModel)
@@ -39,16 +39,20 @@ def is_run_file(data: Mapping[str, Any]) -> bool:
     return bool(keys & {*SECTIONS, "launch", "base"}) or bool(keys) and keys <= {*TOP_KEYS}
 
 
-def file_values(path: Path, section: str) -> dict[str, Any]:
-    """Service ``section``'s values in ``path``: a run file's shortcuts and section (``base:``
-    and ``${VAR}`` followed) or a flat file as it is."""
+def file_layers(path: Path, section: str) -> list[Layer]:
+    """Service ``section``'s values in ``path``, one layer per file: a run file's shortcuts and
+    section (each file of its ``base:`` chain a layer of its own, ``${VAR}`` expanded) or a
+    flat file as it is."""
     data = read_yaml(path)
     if not is_run_file(data):
-        return snake(data)
-    values: Any = expand(load_recipe(path), SHORTCUTS)
-    for part in section.split("."):
-        values = values.get(part) or {} if isinstance(values, dict) else {}
-    return values
+        return [(f"file {path}", snake(data))]
+    layers: list[Layer] = []
+    for file, recipe in recipe_chain(path):
+        values: Any = expand(recipe, SHORTCUTS)
+        for part in section.split("."):
+            values = values.get(part) or {} if isinstance(values, dict) else {}
+        layers.append((f"file {file}", values))
+    return layers
 
 
 def resolve(
@@ -62,7 +66,7 @@ def resolve(
     """Service ``section`` (``api``, ``env``, ``trainer.sft``, ...) validated from its layers:
     defaults < ``config`` files in order < the environment (``environ``, default
     ``os.environ``) < ``flags``."""
-    layers: list[Layer] = [(f"file {p}", file_values(p, section)) for p in config]
+    layers = [layer for path in config for layer in file_layers(path, section)]
     layers.append(("environment", env_layer(cls, section, environ)))
     layers.append(("flag", dict(flags or {})))
     return resolve_layers(cls, layers)

@@ -147,7 +147,7 @@ def flag_values(cls: type[BaseModel], ns: argparse.Namespace) -> dict[str, Any]:
     values = none_words(cls, source(parsed_args=given)())
     for path in setter_paths(cls):
         if hasattr(ns, path):
-            _set_dotted(values, path, getattr(ns, path))
+            set_dotted(values, path, getattr(ns, path))
     return values
 
 
@@ -167,7 +167,8 @@ def none_words(cls: type[BaseModel], values: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- env vars
 
 
-def _set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
+def set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
+    """``d[a][b] = value`` for ``dotted`` ``a.b``, making the mappings on the way."""
     *parents, last = dotted.split(".")
     for p in parents:
         d = d.setdefault(p, {})
@@ -180,7 +181,7 @@ def env_values(cls: type[BaseModel], environ: Mapping[str, str] | None = None) -
     out: dict[str, Any] = {}
     for dotted, name in env_names(cls).items():
         if environ.get(name):
-            _set_dotted(out, dotted, environ[name])
+            set_dotted(out, dotted, environ[name])
     return out
 
 

@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import EnvSettingsSource
 
-from settings.flags import env_values, setter_paths
-from settings.recipe import RecipeError, deep_merge, model_type
+from settings.flags import env_names, set_dotted, setter_paths
+from settings.recipe import RecipeError, model_type
 
 M = TypeVar("M", bound=BaseModel)
 ENV_PREFIX = "SHOP_R1_"
@@ -203,4 +203,7 @@ def env_layer(
         value = source.env_vars.get((prefix + dotted.replace(".", "__")).lower())
         if value:
             _setdefault(out, dotted, value)
-    return deep_merge(out, env_values(cls, environ))
+    for dotted, name in env_names(cls).items():  # the declared names win
+        if environ.get(name):
+            set_dotted(out, dotted, environ[name])
+    return out

@@ -4,7 +4,7 @@ A recipe is a ``launch.run_config.RunConfig`` written as YAML: shortcut top-leve
 (``model``, ``seed``, ``output_dir``, ``data``, ...; ``settings.layers.SHORTCUTS``) and one
 section per service (``api``, ``env``, ``trainer`` with ``sft:``/``grpo:``, ``vllm``); a
 preset of ``launch/run_all.sh`` is a recipe with a ``launch:`` section too. ``base: other.yaml`` starts
-from another recipe; ``${VAR}`` / ``${VAR:-default}`` expand in every string.
+from another recipe, one layer under it; ``${VAR}`` / ``${VAR:-default}`` expand in every string.
 
 This module imports neither torch nor any service package.
 """
@@ -15,7 +15,6 @@ import os
 import re
 import types
 import typing
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -81,12 +80,10 @@ def read_yaml(path: Path) -> dict[str, Any]:
     return loaded
 
 
-def load_recipe(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """Read a recipe (following ``base:``), expand ``${VAR}`` in its strings, check its
-    top-level keys (shared keys, sections, doc keys, ``launch``)."""
+def read_recipe(path: Path) -> dict[str, Any]:
+    """One recipe file, its top-level keys checked (shared keys, sections, doc keys,
+    ``launch``, ``base``) and ``${VAR}`` expanded in its strings; ``base:`` is not followed."""
     path = Path(path)
-    if path.resolve() in _seen:
-        raise RecipeError(f"{path}: 'base' loops back to itself ({' -> '.join(map(str, _seen))})")
     recipe = read_yaml(path)
     allowed = set(TOP_KEYS) | set(SECTIONS)
     for key, value in recipe.items():
@@ -98,25 +95,22 @@ def load_recipe(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
             _check_group(path, key, value)
         if key in (*SECTIONS, "launch") and value is not None and not isinstance(value, dict):
             raise RecipeError(f"{path}: section {key!r} must be a mapping")
-    recipe = expand_vars(recipe, path)
+    return expand_vars(recipe, path)
+
+
+def recipe_chain(path: Path, _seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict[str, Any]]]:
+    """A recipe and the files its ``base:`` chain names, base first, each read by
+    :func:`read_recipe` (without its ``base`` key): one layer each (``settings.layers``)."""
+    path = Path(path)
+    if path.resolve() in _seen:
+        raise RecipeError(f"{path}: 'base' loops back to itself ({' -> '.join(map(str, _seen))})")
+    recipe = read_recipe(path)
     base = recipe.pop("base", None)
     if base is None:
-        return recipe
+        return [(path, recipe)]
     if not isinstance(base, str):
         raise RecipeError(f"{path}: 'base' must be the path of another recipe")
-    parent = load_recipe(path.parent / base, (*_seen, path.resolve()))
-    return deep_merge(parent, recipe)
-
-
-def deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    """``over`` onto ``base``: mappings merge key by key, ``rewards`` and the rest replace."""
-    out = dict(base)
-    for key, value in over.items():
-        if key != "rewards" and isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
+    return [*recipe_chain(path.parent / base, (*_seen, path.resolve())), (path, recipe)]
 
 
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")

@@ -33,13 +33,14 @@ class VllmConfig(BaseModel):
     single_copy: bool | None = None
     """shared_vllm: one weight copy in shared memory (CPU) / CUDA IPC (GPU)."""
     bridge_config: str | None = None
-    """Where the server writes vllm_bridge_config.json."""
+    """Where the server writes vllm_bridge_config.json (default:
+    $TMPDIR/shop_r1_bridge/<run_id>/vllm_bridge_config.json)."""
     bridge_device: Literal["auto", "cpu", "cuda"] | None = None
     """Device of the vLLM workers (picks the weight-transfer backend)."""
     bridge_initial_version: int | None = Field(None, ge=0)
-    """Weight version served before the first sync (serve's default: 0)."""
+    """Weight version served before the first sync."""
     bridge_lora_keep: int | None = Field(None, ge=1)
-    """lora_only: adapters kept loaded, the newest ones (serve's default: 2)."""
+    """lora_only: adapters kept loaded, the newest ones."""
     enforce_eager: bool | None = None
     """Run the model eagerly, without CUDA graphs / torch.compile (the launcher's default for
     what a run leaves unset: true, ``launch.vllm_server.SERVER_DEFAULTS``)."""

@@ -23,6 +23,7 @@ import runpy
 import sys
 import tempfile
 import time
+import typing
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,7 +32,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from settings.ports import VLLM_PORT
-from settings.recipe import RecipeError
+from settings.recipe import RecipeError, unwrap
 from vllm_patching.config import VllmConfig
 from vllm_patching.protocol import PLUGIN_NAME, SETTINGS_ENV, BridgeConfigFile, BridgeSettings
 
@@ -43,23 +44,28 @@ BACKENDS = {  # (device, single_copy) -> vLLM weight-transfer backend of shared_
 }
 
 
-BRIDGE_KEYS = {
-    "weight_bridge_mode",
-    "single_copy",
-    "bridge_config",
-    "bridge_initial_version",
-    "bridge_lora_keep",
-    "bridge_device",
+BRIDGE_DEFAULTS: dict[str, Any] = {
+    "weight_bridge_mode": "shared_vllm",
+    "single_copy": False,
+    "bridge_config": None,
+    "bridge_initial_version": 0,
+    "bridge_lora_keep": 2,
+    "bridge_device": "auto",
 }
-"""``vllm:`` recipe keys that are this wrapper's options; every other key goes to vLLM."""
+"""This wrapper's own options (``vllm:`` keys typed and documented by ``VllmConfig``) and
+their defaults; every other key goes to vLLM."""
 
 
 def file_argv(path: Path) -> list[str]:
     """A file's ``vllm:`` options as arguments: a run file's section (and the shortcuts vLLM
-    reads) or a flat file (``settings.cli.file_values``), checked by ``VllmConfig``."""
-    from settings.cli import file_values
+    reads; a later file of its ``base:`` chain wins per key) or a flat file
+    (``settings.cli.file_layers``), checked by ``VllmConfig``."""
+    from settings.cli import file_layers
 
-    return mapping_argv(typed_values(file_values(path, "vllm"), str(path)))
+    values: dict[str, Any] = {}
+    for _, layer in file_layers(path, "vllm"):
+        values.update(layer)
+    return mapping_argv(typed_values(values, str(path)))
 
 
 def typed_values(values: dict[str, Any], where: str) -> dict[str, Any]:
@@ -82,7 +88,7 @@ def mapping_argv(values: Mapping[str, Any]) -> list[str]:
         if isinstance(value, bool):
             if value:
                 argv.append(flag)
-            elif key not in BRIDGE_KEYS:  # our bridge booleans are plain store_true flags
+            elif key not in BRIDGE_DEFAULTS:  # our bridge booleans are plain store_true flags
                 argv.append("--no-" + flag[2:])
         elif isinstance(value, list):
             argv += [flag, *(str(v) for v in value)]
@@ -144,38 +150,16 @@ def bridge_parser() -> argparse.ArgumentParser:
         add_help=False,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--weight-bridge-mode",
-        dest="bridge_mode",
-        choices=["shared_vllm", "lora_only", "none"],
-        default="shared_vllm",
-        help="how trainer weights reach this server (docs/BRIDGE.md) (default: shared_vllm)",
-    )
-    p.add_argument("--single-copy", action="store_true", help="shared_vllm: shm (CPU) / IPC (GPU)")
-    p.add_argument(
-        "--bridge-config",
-        default=None,
-        help="where to write vllm_bridge_config.json "
-        "(default: $TMPDIR/shop_r1_bridge/<run_id>/vllm_bridge_config.json)",
-    )
-    p.add_argument(
-        "--bridge-initial-version",
-        type=int,
-        default=0,
-        help="weight version served before the first sync (default: 0)",
-    )
-    p.add_argument(
-        "--bridge-lora-keep",
-        type=int,
-        default=2,
-        help="lora_only: adapters kept loaded, the newest ones (default: 2)",
-    )
-    p.add_argument(
-        "--bridge-device",
-        choices=["auto", "cpu", "cuda"],
-        default="auto",
-        help="device of the vLLM workers, picks the transfer backend (default: auto)",
-    )
+    for key, default in BRIDGE_DEFAULTS.items():
+        info = VllmConfig.model_fields[key]
+        flag = "--" + key.replace("_", "-")
+        doc = f"{info.description}" + ("" if default is None else f" (default: {default})")
+        if isinstance(default, bool):
+            p.add_argument(flag, action="store_true", help=doc)
+            continue
+        choices = typing.get_args(unwrap(info.annotation)[0]) or None  # a Literal's values
+        kind = int if isinstance(default, int) else str
+        p.add_argument(flag, type=kind, default=default, choices=choices, help=doc)
     return p
 
 
@@ -212,10 +196,12 @@ def print_help(argv: list[str]) -> int:
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = bridge_parser()
     args, rest = p.parse_known_args(argv)
-    if args.single_copy and args.bridge_mode != "shared_vllm":
+    if args.single_copy and args.weight_bridge_mode != "shared_vllm":
         p.error("--single-copy only applies to --weight-bridge-mode shared_vllm")
-    if args.bridge_lora_keep < 1:
-        p.error("--bridge-lora-keep must be >= 1")
+    try:
+        VllmConfig.model_validate({key: getattr(args, key) for key in BRIDGE_DEFAULTS})
+    except ValidationError as e:
+        p.error(str(e))
     return args, rest
 
 
@@ -251,12 +237,12 @@ def build(argv: list[str]) -> tuple[BridgeSettings, list[str], dict[str, str]]:
     env["VLLM_PLUGINS"] = ",".join(dict.fromkeys([*plugins, PLUGIN_NAME]))
     device = _detect_device() if args.bridge_device == "auto" else args.bridge_device
     backend = None
-    if args.bridge_mode == "shared_vllm":
+    if args.weight_bridge_mode == "shared_vllm":
         backend = BACKENDS[(device, args.single_copy)]
         vllm_args += ["--weight-transfer-config", json.dumps({"backend": backend})]
         if backend == "ipc":
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # IPC handles travel pickled
-    if args.bridge_mode == "lora_only":
+    if args.weight_bridge_mode == "lora_only":
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         if "--enable-lora" not in vllm_args:
             vllm_args.append("--enable-lora")
@@ -273,7 +259,7 @@ def build(argv: list[str]) -> tuple[BridgeSettings, list[str], dict[str, str]]:
         Path(tempfile.gettempdir()) / "shop_r1_bridge" / run_id / "vllm_bridge_config.json"
     )
     settings = BridgeSettings(
-        mode=args.bridge_mode,
+        mode=args.weight_bridge_mode,
         single_copy=args.single_copy,
         backend=backend,
         device=device,  # type: ignore[arg-type]

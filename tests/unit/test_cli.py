@@ -12,6 +12,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
 from settings import cli, flags
+from settings.recipe import recipe_chain
 from vllm_patching.serve import expand_files, merge_argv
 
 pytestmark = pytest.mark.unit
@@ -184,13 +185,13 @@ def test_recipe_base_variables_and_loops(tmp_path: Path, monkeypatch: pytest.Mon
         "trainer: {grpo: {cap: 1.5}}\nrewards: {components: {type: 0.3}}\n"
         "output_dir: ${SHOP_R1_TEST_UNSET_VAR:-${RUNS_DIR}}\n",
     )
-    merged = cli.load_recipe(child)
-    assert merged["model"] == "/data/x/m" and merged["seed"] == 2
-    assert merged["trainer"] == {"lr": 0.1, "grpo": {"mode": "slow", "cap": 1.5}}
-    assert merged["rewards"] == {"components": {"type": 0.3}}  # replaced whole, not merged
+    (base, lower), (path, upper) = recipe_chain(child)  # one layer per file, base first
+    assert (base, path) == (tmp_path / "base.yaml", child) and "base" not in upper
+    assert lower["model"] == "/data/x/m" and (lower["seed"], upper["seed"]) == (1, 2)
+    assert upper["trainer"] == {"grpo": {"cap": 1.5}}
     loop = _write(tmp_path / "loop.yaml", "base: loop.yaml\n")
     with pytest.raises(SystemExit, match="loops back"):
-        cli.load_recipe(loop)
+        recipe_chain(loop)
 
 
 def test_vllm_recipe_args_and_flags_win(tmp_path: Path) -> None:

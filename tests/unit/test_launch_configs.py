@@ -1,6 +1,7 @@
-"""What launch/run_all.sh hands each service: the run's ``RunConfig`` resolved once, lowest
-first: field defaults < preset < ``--recipe`` < environment < the launcher's decisions for the
-run < the command line (``--env-args``/``--trainer-args`` included). The files written to
+"""What launch/run_all.sh hands each service: the run's ``RunConfig`` resolved, lowest first:
+the launcher's defaults for the run < preset < ``--recipe`` < environment < the command line
+(``--env-args``/``--trainer-args`` included), then the fields the launcher owns (ports, URLs,
+run-dir paths, device, resume, the served model and bridge mode). The files written to
 ``<run>/config/`` are parsed here by the services' own parsers."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from launch.run_config import parse_args
 from launch.vllm_server import server_argv
 from settings.layers import Resolved
 from settings.paths import PRESETS_DIR, REPO_ROOT
-from settings.recipe import load_recipe
+from settings.recipe import read_recipe
 from trainer.config import GrpoConfig, SftConfig, build_parser, config_from_args
 from vllm_patching.serve import build
 
@@ -29,10 +30,10 @@ GOLD = {"type": "click", "name": "product_kuro_l370_stainless_steel_paring_knife
 HIT = '{"rationale": "r", "action": {"type": "click", "name": "product_kuro_l370_stainless_steel_paring_knife"}}'
 
 
-def _run(argv: list[str], run_dir: Path) -> Resolved:
+def _run(argv: list[str], run_dir: Path, environ: dict[str, str] | None = None) -> Resolved:
     """What launch/run_all.sh ``argv`` resolves, with its decisions for a run in ``run_dir``."""
     urls = ["http://127.0.0.1:2", "http://127.0.0.1:3"]
-    return resolve_for_run(argv, "http://127.0.0.1:1", urls, run_dir)
+    return resolve_for_run(argv, "http://127.0.0.1:1", urls, run_dir, environ=environ)
 
 
 def _resolve(argv: list[str], run_dir: Path) -> dict[str, Resolved]:
@@ -45,7 +46,7 @@ def _resolve(argv: list[str], run_dir: Path) -> dict[str, Resolved]:
 
 
 def _preset(name: str) -> dict:
-    return load_recipe(PRESETS_DIR / f"{name}.yaml")
+    return read_recipe(PRESETS_DIR / f"{name}.yaml")
 
 
 def _trainer(command: str, argv: list[str]) -> object:
@@ -110,6 +111,69 @@ def test_flags_beat_the_recipe_and_the_recipe_beats_the_preset(tmp_path: Path) -
     )
     assert grpo.inference_urls() == ["http://127.0.0.1:2", "http://127.0.0.1:3"]
     assert env.inference_urls() == grpo.inference_urls() and env.api_url == grpo.api_url
+
+
+def test_the_launchers_defaults_lie_under_every_layer(tmp_path: Path) -> None:
+    """The run's defaults (``launch.configs.launcher_values``) replace the field defaults only:
+    a preset, a recipe, the environment or a flag that sets the field wins."""
+    r = _run([], tmp_path, {})
+    sft = r.section("trainer.sft")
+    assert sft.config.model_name == r.config.launch.base_model != r.config.model
+    assert (sft.config.eval_generate, sft.config.tensorboard) == (0, False)
+    assert sft.sources["eval_generate"] == sft.sources["model_name"] == "launcher"
+    assert r.config.trainer.grpo.lora_r == 0  # shared_vllm: full fine-tuning
+    # `model:` is what GRPO starts from (the SFT's output): it never fills the SFT's input
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: /m\n")
+    r = _run(["--recipe", str(recipe)], tmp_path, {})
+    assert r.config.trainer.grpo.model_name == "/m"
+    assert r.config.trainer.sft.model_name == r.config.launch.base_model
+    recipe.write_text(
+        "model: /m\nlogging: {tensorboard: true}\ndata: {dir: /d}\n"
+        "trainer: {sft: {model_name: /base, eval_generate: 4}, grpo: {lora_r: 4}}\n"
+    )
+    r = _run(["--recipe", str(recipe), "--weight-bridge-mode", "lora_only"], tmp_path, {})
+    sft = r.config.trainer.sft
+    assert (sft.model_name, sft.eval_generate, sft.tensorboard) == ("/base", 4, True)
+    assert r.config.trainer.grpo.lora_r == 4  # the recipe's rank under lora_only
+    assert r.config.env.data_dir == Path("/d") and sft.data_dir == "/d"  # the run's dataset
+    lora = ["--weight-bridge-mode", "lora_only"]
+    assert _run(lora, tmp_path, {}).config.trainer.grpo.lora_r == 8  # no rank named: 8
+    environ = {"SHOP_R1_TRAINER__GRPO__LORA_R": "2", "SHOP_R1_TRAINER__SFT__EVAL_GENERATE": "3"}
+    r = _run(lora, tmp_path, environ)
+    assert (r.config.trainer.grpo.lora_r, r.config.trainer.sft.eval_generate) == (2, 3)
+    r = _run([*lora, "--trainer.grpo.lora-r", "16", "--trainer.sft.tensorboard"], tmp_path, {})
+    assert r.config.trainer.grpo.lora_r == 16 and r.config.trainer.sft.tensorboard
+
+
+def test_the_launcher_owns_the_runs_wiring_over_every_layer(tmp_path: Path) -> None:
+    """Ports, URLs, run-dir paths, the placed device, resume, and the model and bridge mode the
+    servers run: the launcher's, whatever the file, the environment or a flag says."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "output_dir: /elsewhere\napi: {port: 5}\n"
+        "env: {inference_url: 'http://x:1', tokenizer: /t}\n"
+        "trainer: {grpo: {model_name: /other, weight_bridge_mode: none, device: cuda}}\n"
+    )
+    argv = ["--recipe", str(recipe), "--trainer.grpo.save-path", "/x", "--api.port", "7"]
+    argv += ["--env.api-url", "http://y:2", "--trainer.sft.save-path", "/s"]
+    r = _run(argv, tmp_path, {"SHOP_R1_ENV__METRICS_PATH": "/z"})
+    cfg = r.config
+    assert (cfg.api.port, cfg.api.db_path) == (1, tmp_path / "api.sqlite")
+    env, grpo = cfg.env, cfg.trainer.grpo
+    assert env.api_url == grpo.api_url == "http://127.0.0.1:1"
+    assert (
+        env.inference_urls()
+        == grpo.inference_urls()
+        == ["http://127.0.0.1:2", "http://127.0.0.1:3"]
+    )
+    assert env.metrics_path == tmp_path / "env_metrics.jsonl"
+    assert env.tokenizer == grpo.model_name == cfg.model  # what vLLM serves
+    assert grpo.save_path == str(tmp_path / "trainer") and grpo.overwrite
+    assert (grpo.weight_bridge_mode, grpo.device) == (cfg.weight_bridge_mode, "cpu")
+    assert cfg.trainer.sft.save_path == str(_preset("cpu-tiny")["model"])
+    for section, key in (("api", "port"), ("env", "api_url"), ("trainer.grpo", "save_path")):
+        assert r.section(section).sources[key] == "launcher"
 
 
 def test_the_resolved_files_are_what_the_services_parse(tmp_path: Path) -> None:

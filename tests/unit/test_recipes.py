@@ -17,7 +17,7 @@ from env_server.reward import RewardConfig, score
 from launch.run_config import resolve_run
 from settings.cli import resolve
 from settings.paths import PRESETS_DIR, REPO_ROOT
-from settings.recipe import load_recipe
+from settings.recipe import read_recipe
 from trainer.config import GrpoConfig, SftConfig
 from vllm_patching.serve import build
 
@@ -75,7 +75,7 @@ def load_preset(name: str) -> object:
     """A preset's file as written (``recipe``), its ``model`` and its ``launch:`` section."""
     from types import SimpleNamespace
 
-    recipe = load_recipe(PRESETS_DIR / f"{name}.yaml")
+    recipe = read_recipe(PRESETS_DIR / f"{name}.yaml")
     launch = resolve_run(["--preset", name], environ={}).config.launch
     return SimpleNamespace(recipe=recipe, model=recipe["model"], launch=launch)
 

@@ -16,7 +16,7 @@ from env_server.config import parse_config as parse_env
 from launch.run_config import RunConfig, resolve_run
 from settings.layers import SHORTCUTS, env_layer, expand, resolve
 from settings.paths import REPO_ROOT
-from settings.recipe import load_recipe
+from settings.recipe import recipe_chain
 from trainer.config import GrpoConfig, SftConfig, build_parser, config_from_args
 from vllm_patching.serve import build, file_argv
 
@@ -27,7 +27,8 @@ GRPO = REPO_ROOT / "recipes" / "tiny-qwen2" / "shop-r1" / "grpo.yaml"
 
 def _file(path: Path) -> RunConfig:
     """defaults < the file alone (no preset)."""
-    return resolve(RunConfig, [("file", expand(load_recipe(path), SHORTCUTS))]).config
+    layers = [(str(p), expand(data, SHORTCUTS)) for p, data in recipe_chain(path)]
+    return resolve(RunConfig, layers).config
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: str(p.relative_to(REPO_ROOT)))
@@ -67,11 +68,6 @@ def test_precedence_defaults_file_environment_command_line(tmp_path: Path) -> No
     r = resolve_run([*argv, "--env.temperature", "0.25"], environ=environ)
     assert r.config.env.temperature == 0.25 and r.sources["env.temperature"] == "flag"
     assert r.config.trainer.grpo.lr == 2e-4
-    # the launcher's decisions sit between the environment and the command line
-    wired = resolve_run(argv, environ=environ, wiring={"env": {"temperature": 0.1}})
-    assert wired.config.env.temperature == 0.1
-    wired = resolve_run([*argv, "--env.temperature", "0.3"], wiring={"env": {"temperature": 0.1}})
-    assert wired.config.env.temperature == 0.3
 
 
 def test_shortcuts_aliases_and_dotted_overrides() -> None:
@@ -122,6 +118,27 @@ def test_declared_environment_names_and_trainer_level_keys(tmp_path: Path) -> No
     assert cfg.trainer.sft.device == "cuda" and cfg.trainer.grpo.device == "cpu"
 
 
+def test_each_file_of_a_base_chain_is_a_layer(tmp_path: Path) -> None:
+    """A recipe's ``base:`` lies one layer under it, so the child's ``clip_eps`` beats the
+    base's ``clip_low``/``clip_high``, its ``reward_variant`` replaces the base's ``rewards:``,
+    its ``model`` fills what the base set itself, and "set by" names the file that set it."""
+    child = tmp_path / "child.yaml"
+    child.write_text(
+        f"base: {GRPO}\nmodel: /m\nenv: {{reward_variant: binary}}\n"
+        "trainer: {grpo: {clip_eps: 0.3}}\n"
+    )
+    r = resolve_run(["--recipe", str(child)], environ={})
+    grpo = r.config.trainer.grpo
+    assert (grpo.clip_low, grpo.clip_high, grpo.model_name) == (0.3, 0.3, "/m")
+    assert r.config.env.reward_variant == "binary" and r.config.env.rewards is None
+    assert r.sources["trainer.grpo.lr"] == f"recipe {GRPO}"
+    assert r.sources["trainer.grpo.clip_low"] == f"recipe {child}"
+    # a service started on its own reads the chain the same way
+    assert parse_env(["--recipe", str(child)]) == r.config.env.model_copy(
+        update={"tokenizer": "/m"}
+    )
+
+
 def test_errors_name_the_problem(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="invalid RunConfig"):
         resolve_run(["--trainer.grpo.lr", "-1"])
@@ -134,7 +151,7 @@ def test_errors_name_the_problem(tmp_path: Path) -> None:
 def test_one_file_flag_takes_a_run_file_or_a_flat_file(tmp_path: Path) -> None:
     """``--config`` and ``--recipe`` are one flag on every command; a service's file is a run
     file (its section) or a flat file of its own options, told apart by its keys."""
-    from settings.cli import file_values, is_run_file
+    from settings.cli import file_layers, is_run_file
 
     assert (
         resolve_run(["--config", str(GRPO)]).config == resolve_run(["--recipe", str(GRPO)]).config
@@ -144,7 +161,7 @@ def test_one_file_flag_takes_a_run_file_or_a_flat_file(tmp_path: Path) -> None:
     assert not is_run_file({"seed": 1, "group_size": 8}) and not is_run_file({})
     flat = tmp_path / "env.yaml"
     flat.write_text("group-size: 3\nseed: 5\n")
-    assert file_values(flat, "env") == {"group_size": 3, "seed": 5}
+    assert file_layers(flat, "env") == [(f"file {flat}", {"group_size": 3, "seed": 5})]
     later = tmp_path / "later.yaml"
     later.write_text("group_size: 6\n")
     both = parse_env(["--recipe", str(GRPO), "--config", str(flat), "--config", str(later)])
