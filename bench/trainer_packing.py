@@ -13,7 +13,11 @@ real Shop-R1 prompts (validation rows, chat-templated by the preset's tokenizer,
 pages dropped to fit ``--prompt-tokens`` as the env does); completions are random tokens of
 ``--completion-tokens`` (a range: lengths drawn uniformly). The points are interleaved: round
 r runs every point once, so a load change on a shared box hits them alike; the median over
-rounds is reported. ``--sft`` adds SFT rows: one optimizer step of the preset's SFT batch on
+rounds is reported. ``--orders fused,two_pass`` measures the packed step in both orders
+(trainer/grpo_step.py ``fused``: one policy forward whose logits are scored and trained on,
+against a no-grad scoring pass before the loss pass) with one micro-batch for the whole step
+(``micro_batch_tokens`` raised to fit it), under keys ``.../prefix_tree/<order>/G<g>``.
+``--sft`` adds SFT rows: one optimizer step of the preset's SFT batch on
 real examples, padded vs packed, as target and total tokens per second. Results:
 docs/results/trainer_packing.json under ``<preset>/<kind>/<packing>/...``.
 """
@@ -140,6 +144,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             items, _ = flatten_groups(
                 groups_of(prompts, spec["group_size"], lo, hi, vocab, spec["seed"]), cfg.max_seq_len
             )
+            if spec.get("order") == "two_pass":  # the scoring pass runs even on one micro-batch
+                import trainer.grpo_step
+
+                trainer.grpo_step.fused = lambda ctx, mine: False
             t0 = time.perf_counter()
             stats = grpo_step(ctx, items)
             step_s = time.perf_counter() - t0
@@ -148,6 +156,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 "forward_tokens": stats["forward_tokens"],
                 "sequence_tokens": stats["sequence_tokens"],
                 "micro_batches": stats["micro_batches"],
+                "order": spec.get("order") or "auto",
                 "sequences": len(items),
                 "trained_tokens": stats["tokens"],
                 "prompt_tokens_mean": statistics.mean(len(p) for p in prompts),
@@ -237,6 +246,12 @@ def main() -> None:
         help="micro-batch tokens of the padded rows (2048: what cpu-smol ran before packing; "
         "the preset's 8192 puts the padded G=8 step's peak near 20 GB on SmolLM2)",
     )
+    ap.add_argument(
+        "--orders",
+        default=None,
+        help="fused,two_pass: the packed step's two orders on one micro-batch, instead of "
+        "padded vs packed",
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=RESULTS / "trainer_packing.json")
     a = ap.parse_args()
@@ -251,14 +266,19 @@ def main() -> None:
     grpo = {**grpo, "max_seq_len": prompt_tokens + hi}
     specs = []
     for gs in parse_list(a.group_sizes):
-        for packing in PACKINGS:
+        one = {**grpo, "micro_batch_tokens": a.groups * (prompt_tokens + gs * hi)}
+        points = [("prefix_tree", order, one) for order in a.orders.split(",")] if a.orders else []
+        for packing in PACKINGS if not a.orders else ():
             section = grpo
             if packing == "padded" and a.padded_micro_batch_tokens:
                 section = {**grpo, "micro_batch_tokens": a.padded_micro_batch_tokens}
+            points.append((packing, None, section))
+        for packing, order, section in points:
             specs.append(
                 dict(
                     kind="grpo",
                     packing=packing,
+                    order=order,
                     group_size=gs,
                     groups=a.groups,
                     model=model,
@@ -283,7 +303,9 @@ def main() -> None:
             r = run_child({**spec, "seed": rnd})
             results[i].append(r)
             print(
-                f"round {rnd} {spec['kind']} {spec['packing']} G={spec.get('group_size', '-')}: {r['step_s']:.2f}s peak {r['rss_peak_mib']:.0f} MiB",
+                f"round {rnd} {spec['kind']} {spec['packing']} {spec.get('order') or ''} "
+                f"G={spec.get('group_size', '-')}: {r['step_s']:.2f}s "
+                f"peak {r['rss_peak_mib']:.0f} MiB",
                 flush=True,
             )
     for i, spec in enumerate(specs):
@@ -303,8 +325,9 @@ def main() -> None:
         }
         row |= {k: v for k, v in spec.items() if k not in ("section", "seed")}
         key = f"{a.preset}/{spec['kind']}/{spec['packing']}" + (
-            f"/G{spec['group_size']}" if spec["kind"] == "grpo" else ""
+            f"/{spec['order']}" if spec.get("order") else ""
         )
+        key += f"/G{spec['group_size']}" if spec["kind"] == "grpo" else ""
         write_result(a.out, key, row)
     print(f"written to {a.out}")
 

@@ -1,8 +1,13 @@
 """One GRPO optimizer step on a leased batch: self-certainty -> advantages -> clipped loss.
 
-Two passes over the micro-batches: a no-grad pass computes what the advantages need before
-any loss can be formed (the self-certainty bonus from full-vocabulary logits) plus the
-reference logprobs for the KL; the second pass computes the loss and accumulates gradients.
+The advantages need the self-certainty bonus (from full-vocabulary logits) of every sequence
+of the step before any loss can be formed. When a rank runs one micro-batch (the whole step
+fits ``micro_batch_tokens``), one forward with gradients gives both: its logits are scored
+first (detached), then the loss is formed from them and backpropagated. With more micro-batches
+a no-grad scoring pass over all of them comes first and the loss pass computes each again,
+since holding every micro-batch's graph until the advantages are known would multiply the
+activation memory. Either way the reference logprobs for the KL are computed while scoring.
+The two orders give the same loss and gradients (tests/unit/test_fused_step.py).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from trainer.config import GrpoConfig
 from trainer.distributed import Work
 from trainer.forward import MicroBatch, prepare, stats_of
 from trainer.loss import (
+    TokenStats,
     group_advantages,
     mismatch_kl,
     policy_loss,
@@ -52,12 +58,33 @@ def plan(ctx: StepContext, items: list[SeqItem]) -> list[MicroBatch]:
     return [prepare(g, pad, lm.device, lm.tree_attention, cfg.min_shared_prefix) for g in groups]
 
 
+def fused(ctx: StepContext, mine: list[tuple[MicroBatch, bool]]) -> bool:
+    """Whether the step scores the loss pass's own forward (one micro-batch on this rank, the
+    same count on every rank) instead of a separate no-grad pass. Not with active dropout:
+    the scoring pass measures without it (``model.eval()``), the loss pass trains with it."""
+    return len(mine) == 1 and not has_dropout(ctx.loaded.model)
+
+
+def has_dropout(model: torch.nn.Module) -> bool:
+    """Any dropout that ``model.train()`` turns on: a dropout module or attention dropout."""
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    return float(getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0) > 0
+
+
 @torch.no_grad()
-def _scoring_pass(ctx: StepContext, mbs: list[MicroBatch], n_items: int):
+def _scoring_pass(
+    ctx: StepContext,
+    mine: list[tuple[MicroBatch, bool]],
+    n_items: int,
+    policy: TokenStats | None = None,
+):
     """Per-item self-certainty, reference logprobs per micro-batch this rank trains, and
-    batch statistics (summed over ranks). Sequences whose environment sent no inference
-    logprobs get the trainer's own logprobs in their place here, before any update (on-policy:
-    trainer/atropos_fields.py); they are left out of the mismatch statistics."""
+    batch statistics (summed over ranks). ``policy``: the stats of the one micro-batch from
+    the loss pass's forward (a fused step), else each micro-batch's policy forward runs here.
+    Sequences whose environment sent no inference logprobs get the trainer's own logprobs in
+    their place here, before any update (on-policy: trainer/atropos_fields.py); they are left
+    out of the mismatch statistics."""
     lm, cfg = ctx.loaded, ctx.cfg
     certainty = torch.zeros(n_items)
     ref_lps: list[torch.Tensor | None] = []
@@ -65,12 +92,17 @@ def _scoring_pass(ctx: StepContext, mbs: list[MicroBatch], n_items: int):
     # The reference model runs unless every sequence of the step brought its own reference
     # logprobs (decided for the whole step: under FSDP every rank must run the same passes).
     model_ref = ctx.reference is not None and cfg.kl_beta > 0
-    model_ref = model_ref and not all(i.ref_logprobs is not None for mb in mbs for i in mb.items)
+    model_ref = model_ref and not all(
+        i.ref_logprobs is not None for mb, _ in mine for i in mb.items
+    )
     lm.model.eval()  # no dropout while measuring
-    for mb, real in ctx.work.split(mbs):
+    for mb, real in mine:
         batch = mb.batch
-        with autocast(lm.device, lm.compute_dtype):
-            stats = stats_of(lm.model, mb, cfg.temperature)
+        if policy is not None:
+            stats = TokenStats(policy.logprobs.detach(), policy.entropy.detach())
+        else:
+            with autocast(lm.device, lm.compute_dtype):
+                stats = stats_of(lm.model, mb, cfg.temperature)
         ref_lp = None
         if model_ref:
             with ctx.reference.model() as ref, autocast(lm.device, lm.compute_dtype):
@@ -161,7 +193,12 @@ def accumulate(
     mbs = plan(ctx, items)
     if not mbs:
         raise ValueError("batch has no trainable sequence (all too long or malformed)")
-    certainty, ref_lps, scoring = _scoring_pass(ctx, mbs, len(items))
+    mine = ctx.work.split(mbs)
+    first = None  # the one micro-batch's forward, with gradients, when the step is fused
+    if fused(ctx, mine):
+        with autocast(lm.device, lm.compute_dtype):
+            first = stats_of(lm.model, mine[0][0], cfg.temperature)
+    certainty, ref_lps, scoring = _scoring_pass(ctx, mine, len(items), first)
     scores = torch.tensor([i.score for i in items], dtype=torch.float64)  # exact group stats
     total = scores + cfg.self_certainty_alpha * certainty
     group_ids = torch.tensor([i.group for i in items])
@@ -178,13 +215,15 @@ def accumulate(
     keys = ("kl", "clipped", "ratio", "iw", "iw_truncated", "tokens", "mismatch_masked")
     sums = dict.fromkeys(keys, 0.0)
     loss_total = 0.0
-    mine = ctx.work.split(mbs)
     real_refs = iter(ref_lps)
     for mb, real in mine:
         ref_lp = next(real_refs) if real else None
         batch = mb.batch
-        with autocast(lm.device, lm.compute_dtype):
-            stats = stats_of(lm.model, mb, cfg.temperature, with_entropy=False)
+        if first is not None:
+            stats = first
+        else:
+            with autocast(lm.device, lm.compute_dtype):
+                stats = stats_of(lm.model, mb, cfg.temperature, with_entropy=False)
         out = policy_loss(
             stats.logprobs,
             shift_aligned(batch["logprobs"]),

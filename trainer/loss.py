@@ -66,8 +66,9 @@ def token_stats(
     logp_all = F.log_softmax(scaled, dim=-1)
     targets = tokens[:, 1:].long().unsqueeze(-1)
     logprobs = logp_all.gather(-1, targets).squeeze(-1)
-    if with_entropy:
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    if with_entropy:  # a statistic, never differentiated
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
     else:
         entropy = torch.zeros_like(logprobs)
     return TokenStats(logprobs=logprobs, entropy=entropy)

@@ -199,7 +199,8 @@ def tree_token_stats(
         (rows, cols), logp_all[where, want.tokens.to(device)]
     )
     entropy = torch.zeros(shape, device=device)
-    if with_entropy:
-        ent = -(logp_all.exp() * logp_all).sum(-1)
+    if with_entropy:  # a statistic, never differentiated
+        with torch.no_grad():
+            ent = -(logp_all.exp() * logp_all).sum(-1)
         entropy = entropy.index_put((rows, cols), ent[where])
     return TokenStats(logprobs=logprobs, entropy=entropy)
