@@ -8,6 +8,7 @@ flag.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -99,9 +100,35 @@ def resolve_for_run(
     """The run's config: the launcher's defaults < file(s) < environment < command line, then
     the fields the launcher owns (:func:`launcher_values`, docs/RECIPES.md)."""
     layers = run_layers(argv, environ)
-    cfg = resolve(RunConfig, layers).config  # what the launcher's decisions depend on
-    defaults, owned = launcher_values(cfg, api_url, vllm_urls, run_dir, device)
+    first = resolve(RunConfig, layers)  # what the launcher's decisions depend on
+    defaults, owned = launcher_values(first.config, api_url, vllm_urls, run_dir, device)
+    for dotted, value in _leaves(owned):
+        source, asked = first.sources.get(dotted), _value_at(first.config, dotted)
+        if source in ("flag", "environment") and asked != value:
+            print(
+                f"[run_all] WARNING: {dotted} = {asked!r} ({source}) is replaced by the "
+                f"launcher's {value!r}: it wires the run (docs/RECIPES.md); set it with the "
+                "launcher's own options (--api-port, --vllm-port, --run-dir, --model, ...)",
+                file=sys.stderr,
+                flush=True,
+            )
     return resolve(RunConfig, [("launcher", defaults), *layers, ("launcher", owned)])
+
+
+def _leaves(tree: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out += _leaves(value, f"{prefix}{key}.")
+        else:
+            out.append((prefix + key, value))
+    return out
+
+
+def _value_at(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part, None)
+    return cfg
 
 
 def write_config(

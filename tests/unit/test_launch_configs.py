@@ -146,7 +146,9 @@ def test_the_launchers_defaults_lie_under_every_layer(tmp_path: Path) -> None:
     assert r.config.trainer.grpo.lora_r == 16 and r.config.trainer.sft.tensorboard
 
 
-def test_the_launcher_owns_the_runs_wiring_over_every_layer(tmp_path: Path) -> None:
+def test_the_launcher_owns_the_runs_wiring_over_every_layer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Ports, URLs, run-dir paths, the placed device, resume, and the model and bridge mode the
     servers run: the launcher's, whatever the file, the environment or a flag says."""
     recipe = tmp_path / "r.yaml"
@@ -174,6 +176,13 @@ def test_the_launcher_owns_the_runs_wiring_over_every_layer(tmp_path: Path) -> N
     assert cfg.trainer.sft.save_path == str(_preset("cpu-tiny")["model"])
     for section, key in (("api", "port"), ("env", "api_url"), ("trainer.grpo", "save_path")):
         assert r.section(section).sources[key] == "launcher"
+    # what a flag or the environment asked for and did not get is said, once each; a file's
+    # wiring (a recipe written for a standalone service) is replaced without a word
+    err = capsys.readouterr().err
+    for asked in ("trainer.grpo.save_path = '/x' (flag)", "api.port = 7 (flag)"):
+        assert f"WARNING: {asked} is replaced" in err and err.count(asked) == 1
+    assert "env.metrics_path" in err and "(environment)" in err
+    assert "/elsewhere" not in err and "model_name" not in err
 
 
 def test_the_resolved_files_are_what_the_services_parse(tmp_path: Path) -> None:
