@@ -162,15 +162,18 @@ def test_valid_unicode_and_escapes_are_still_accepted() -> None:
 
 @pytest.mark.parametrize("size", [1_000_000, 2_000_000])
 def test_huge_outputs_are_scored_in_bounded_time(size: int) -> None:
-    """Well-formed but huge: still scored (valid) without blowing up; garbage: a failure."""
-    t0 = time.perf_counter()
+    """Well-formed but huge: still scored (valid) without blowing up; garbage: a failure.
+    The bound is on this process's CPU time, not the wall clock: a quadratic scorer would
+    take minutes of CPU, while a busy box only makes the wall clock longer (35 s of wall time
+    was seen under two other jobs)."""
+    t0 = time.process_time()
     big = _obj(rationale=json.dumps("x" * size), action=json.dumps(CLICK))
     assert score(big, CLICK).total == pytest.approx(1001.0)
     name = _obj(action=json.dumps({"type": "click", "name": "y " * (size // 2)}))
     r = score(name, CLICK)
     assert r.valid and r.name_similarity == 0.0  # presence credit only: ROUGE-L ~ 0
     assert score("x" * size, CLICK).total == 0.0
-    assert time.perf_counter() - t0 < 30.0
+    assert time.process_time() - t0 < 30.0
 
 
 @settings(

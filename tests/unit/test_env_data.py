@@ -33,10 +33,10 @@ def test_simulator_is_deterministic_and_prefix_stable(sessions) -> None:
 
 
 def test_simulator_is_fast() -> None:
-    t = time.perf_counter()
+    t = time.process_time()
     generate_sessions(1000, seed=3)
-    # ~2.5 s on one shared core; the bound leaves room for a busy CI machine.
-    assert time.perf_counter() - t < 30
+    # ~2.5 s of CPU; the bound is on this process's CPU time, which a busy box does not stretch
+    assert time.process_time() - t < 30
 
 
 def test_sessions_are_well_formed(sessions) -> None:
