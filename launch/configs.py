@@ -102,9 +102,12 @@ def resolve_for_run(
     layers = run_layers(argv, environ)
     first = resolve(RunConfig, layers)  # what the launcher's decisions depend on
     defaults, owned = launcher_values(first.config, api_url, vllm_urls, run_dir, device)
-    for dotted, value in _leaves(owned):
-        source, asked = first.sources.get(dotted), _value_at(first.config, dotted)
-        if source in ("flag", "environment") and asked != value:
+    resolved = resolve(RunConfig, [("launcher", defaults), *layers, ("launcher", owned)])
+    for dotted, source in first.sources.items():
+        if source not in ("flag", "environment") or resolved.sources.get(dotted) != "launcher":
+            continue
+        asked, value = _value_at(first, dotted), _value_at(resolved, dotted)
+        if asked != value:
             print(
                 f"[run_all] WARNING: {dotted} = {asked!r} ({source}) is replaced by the "
                 f"launcher's {value!r}: it wires the run (docs/RECIPES.md); set it with the "
@@ -112,23 +115,12 @@ def resolve_for_run(
                 file=sys.stderr,
                 flush=True,
             )
-    return resolve(RunConfig, [("launcher", defaults), *layers, ("launcher", owned)])
+    return resolved
 
 
-def _leaves(tree: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = []
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            out += _leaves(value, f"{prefix}{key}.")
-        else:
-            out.append((prefix + key, value))
-    return out
-
-
-def _value_at(cfg: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        cfg = getattr(cfg, part, None)
-    return cfg
+def _value_at(resolved: Resolved, dotted: str) -> Any:
+    section, _, name = dotted.rpartition(".")
+    return getattr(resolved.section(section).config if section else resolved.config, name)
 
 
 def write_config(
