@@ -238,6 +238,11 @@ def plot_confusion(m: Mapping[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+CONCURRENCY = 16
+"""Requests in flight by default: vLLM batches their decoding (the default run's 512 test rows
+took 37-40 s against 76-98 s at 4 on one CPU core, the same answers; docs/BENCHMARKS.md 5c)."""
+
+
 async def generate_completions(
     rows: Sequence[Mapping[str, Any]],
     client: Any,
@@ -245,7 +250,7 @@ async def generate_completions(
     max_prompt_tokens: int | None,
     max_tokens: int,
     latest_only: bool = False,
-    concurrency: int = 16,
+    concurrency: int = CONCURRENCY,
     on_done: Callable[[int, int], None] | None = None,
 ) -> list[str]:
     """Greedy completions of ``rows`` from an :class:`~env_server.inference.InferenceClient`;
@@ -376,9 +381,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--concurrency",
         type=int,
-        default=16,
-        help="requests in flight (16: vLLM batches their decoding; the default run's 512 test "
-        "rows took 37-40 s against 76-98 s at 4 on one CPU core, the same answers)",
+        default=CONCURRENCY,
+        help=f"requests in flight (default {CONCURRENCY}: vLLM batches their decoding)",
     )
     ap.add_argument("--max-attempts", type=int, default=5, help="tries per request")
     ap.add_argument("--out-dir", type=Path, default=Path("runs/eval"), help="where outputs go")
