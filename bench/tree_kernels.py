@@ -3,10 +3,11 @@
     flock /tmp/heavy.lock .venv/bin/python bench/tree_kernels.py --preset cpu-tiny \
         --threads 1,2 --rounds 3
 
-``sdpa``: what the trainer ran before: batched children through one SDPA call (the shared
+``before``: what the trainer ran before: batched children through one SDPA call (the shared
 ancestors' keys and values copied to every child), and transformers' ``[N, N]`` mask of the
-packed row built on every forward (the tree's attention never reads it). ``cascade``: what it
-runs now on the CPU (trainer/tree_attention.py ``_cascade``, ``_IN_TREE``). Each point is one
+packed row built on every forward (the tree's attention never reads it). ``after``: what it
+runs now (trainer/tree_attention.py: ``_cascade`` where ``use_cascade`` picks it, ``_IN_TREE``).
+Each point is one
 real optimizer step of the preset, in a fresh process with ``--threads`` torch threads, after
 a warm-up step on the same batch: a GRPO step of ``--groups`` groups (real Shop-R1 prompts,
 random completions; the preset's precision and KL reference) and an SFT step of the preset's
@@ -35,7 +36,7 @@ sys.path.insert(0, str(REPO))
 from bench.common import RESULTS, machine, parse_list, write_result  # noqa: E402
 from bench.trainer_packing import _preset, groups_of, real_prompts  # noqa: E402
 
-KERNELS = ("sdpa", "cascade")
+KERNELS = ("before", "after")
 
 
 def _old_kernels() -> None:
@@ -50,7 +51,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    if spec["kernel"] == "sdpa":
+    if spec["kernel"] == "before":
         _old_kernels()  # before the model loads: enable() registers the mask builder
     from trainer.batch import flatten_groups
     from trainer.config import GrpoConfig, SftConfig

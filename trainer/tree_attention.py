@@ -7,9 +7,9 @@ extra keyword arguments down to the attention function) attends sibling set by s
 with PyTorch SDPA (its fused CPU flash kernel, or CUDA's memory-efficient kernel with a mask):
 each child's queries see every ancestor token and their own tokens causally, batched with a
 mask or alone as one causal sequence, whichever costs less (trainer/prefix_tree.py
-``SiblingSet``). On the CPU, batched children under shared ancestors are attended by two
-matmuls and one softmax instead (``_cascade``), and no ``[N, N]`` mask of the packed row is
-built (``_IN_TREE``). Every other call
+``SiblingSet``). On the CPU in bf16, short batched children under shared ancestors (a GRPO
+group's completions) are attended by two matmuls and one softmax instead (``_cascade``), and
+no ``[N, N]`` mask of the packed row is built (``_IN_TREE``). Every other call
 (generation, evaluation, the padded path) goes to the kernel the model was loaded with,
 unchanged. The attention FLOPs are those of the tree, not of the padded rows: a completion's
 queries meet the prompt's keys once each, and the prompt is computed once.
@@ -62,8 +62,8 @@ def _tree_attention(
     pieces = []
     for s in prefix_tree.sets:
         if s.queries.numel():
-            cascade = len(s.ancestors) and q.device.type == "cpu" and not dropout
-            pieces.append((_cascade if cascade else _batched)(q, k, v, s, rep, dropout, scaling))
+            kernel = _cascade if use_cascade(q, s, dropout) else _batched
+            pieces.append(kernel(q, k, v, s, rep, dropout, scaling))
         for pos in s.alone:
             ks, vs = k[None, :, pos], v[None, :, pos]  # [1, H_kv, A + n, D]: 4-d for the kernels
             if rep > 1:
@@ -108,6 +108,25 @@ def _batched(
     return out.transpose(1, 2).reshape(n_sets * n_max, heads, head_dim)[s.valid]
 
 
+CASCADE_MAX_CHILD = 256
+"""The longest batched child :func:`_cascade` takes (BENCHMARKS section 5c: 1.2-1.9x faster
+than the SDPA call for children of 50-300 tokens under 400-900 shared ones in bf16, slower
+for 500; in fp32 no faster at all, so fp32 keeps SDPA)."""
+
+
+def use_cascade(q: torch.Tensor, s: SiblingSet, dropout: float) -> bool:
+    """Whether the batched children of ``s`` go to :func:`_cascade`: on the CPU, in a 16-bit
+    dtype (bf16 autocast), under shared ancestors, children of at most ``CASCADE_MAX_CHILD``
+    tokens, no dropout."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and len(s.ancestors) > 0
+        and s.queries.shape[1] <= CASCADE_MAX_CHILD
+        and not dropout
+    )
+
+
 def _cascade(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -121,8 +140,8 @@ def _cascade(
     child's queries meet the ancestors' keys in one matmul and their own keys in another, and
     one softmax runs over both (the scores, mask and result of the SDPA call). The SDPA call
     needs the ancestors' keys and values expanded to every child (and to every query head
-    under GQA), a copy that costs more than the attention on CPU (BENCHMARKS 5c: 1.4-1.6x
-    faster here). The probabilities are kept for the backward (``[H, S, n, A + n]``), which
+    under GQA), a copy that costs more than the attention on the CPU (:func:`use_cascade`
+    says when this is the faster of the two). The probabilities are kept for the backward (``[H, S, n, A + n]``), which
     SDPA's fused kernels avoid, so CUDA keeps the SDPA call."""
     heads, head_dim = q.shape[0], q.shape[-1]
     kv_heads, (n_sets, n_max), n_anc = k.shape[0], s.queries.shape, len(s.ancestors)

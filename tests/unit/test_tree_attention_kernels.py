@@ -57,3 +57,15 @@ def test_the_mask_builder_builds_nothing_inside_a_packed_forward() -> None:
     finally:
         tree_attention._IN_TREE.reset(token)
     assert mask(attention_mask=None) == "plain mask" and len(calls) == 2
+
+
+def test_the_cascade_takes_short_children_in_16_bit_on_the_cpu_only() -> None:
+    _, sets = _tree_with_batched_children()
+    s = sets[0]
+    bf16, fp32 = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1)
+    assert tree_attention.use_cascade(bf16, s, 0.0)
+    assert not tree_attention.use_cascade(fp32, s, 0.0)  # fp32: SDPA is as fast
+    assert not tree_attention.use_cascade(bf16, s, 0.1)  # dropout: SDPA applies it
+    long = type(s)(s.ancestors, s.queries.repeat(1, 60), s.mask, s.valid)
+    assert long.queries.shape[1] > tree_attention.CASCADE_MAX_CHILD
+    assert not tree_attention.use_cascade(bf16, long, 0.0)
