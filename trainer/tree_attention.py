@@ -115,12 +115,15 @@ for 500; in fp32 no faster at all, so fp32 keeps SDPA)."""
 
 
 def use_cascade(q: torch.Tensor, s: SiblingSet, dropout: float) -> bool:
-    """Whether the batched children of ``s`` go to :func:`_cascade`: on the CPU, in a 16-bit
-    dtype (bf16 autocast), under shared ancestors, children of at most ``CASCADE_MAX_CHILD``
+    """Whether the batched children of ``s`` go to :func:`_cascade`: on the CPU, computing in
+    a 16-bit dtype (bf16 autocast: ``q`` itself is fp32 after the rotary embedding), under
+    shared ancestors, children of at most ``CASCADE_MAX_CHILD``
     tokens, no dropout."""
+    on_cpu = q.device.type == "cpu"
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
     return (
-        q.device.type == "cpu"
-        and q.dtype in (torch.bfloat16, torch.float16)
+        on_cpu
+        and dtype in (torch.bfloat16, torch.float16)
         and len(s.ancestors) > 0
         and s.queries.shape[1] <= CASCADE_MAX_CHILD
         and not dropout

@@ -65,6 +65,8 @@ def test_the_cascade_takes_short_children_in_16_bit_on_the_cpu_only() -> None:
     bf16, fp32 = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1)
     assert tree_attention.use_cascade(bf16, s, 0.0)
     assert not tree_attention.use_cascade(fp32, s, 0.0)  # fp32: SDPA is as fast
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the trainer's bf16: fp32 q, bf16 math
+        assert tree_attention.use_cascade(fp32, s, 0.0)
     assert not tree_attention.use_cascade(bf16, s, 0.1)  # dropout: SDPA applies it
     long = type(s)(s.ancestors, s.queries.repeat(1, 60), s.mask, s.valid)
     assert long.queries.shape[1] > tree_attention.CASCADE_MAX_CHILD
