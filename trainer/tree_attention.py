@@ -117,8 +117,7 @@ for 500; in fp32 no faster at all, so fp32 keeps SDPA)."""
 def use_cascade(q: torch.Tensor, s: SiblingSet, dropout: float) -> bool:
     """Whether the batched children of ``s`` go to :func:`_cascade`: on the CPU, computing in
     a 16-bit dtype (bf16 autocast: ``q`` itself is fp32 after the rotary embedding), under
-    shared ancestors, children of at most ``CASCADE_MAX_CHILD``
-    tokens, no dropout."""
+    shared ancestors, children of at most ``CASCADE_MAX_CHILD`` tokens, no dropout."""
     on_cpu = q.device.type == "cpu"
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
     return (
