@@ -129,6 +129,43 @@ def smol_model_dir() -> Path:
     return SMOL_MODEL_DIR
 
 
+SMOL_LAYERS = 4
+"""Decoder layers of SmolLM2 (of 30) that ``smol_first_layers`` keeps."""
+
+
+@pytest.fixture(scope="session")
+def smol_first_layers(smol_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct cut to its first ``SMOL_LAYERS`` decoder layers: the same files
+    (tokenizer, chat template), the config's layer count and the safetensors without the
+    later layers' tensors. The real weights, 49k vocabulary, tied embedding and head, GQA
+    (9 query / 3 KV heads) and RoPE, at about a third of the multiply-adds per token (the tied
+    576 x 49152 head stays whole). Used where the check is about the model's code path
+    (names, shapes, tied weights, the tree mask), not the depth (docs/TESTING.md)."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out = tmp_path_factory.mktemp(f"smollm2-{SMOL_LAYERS}-layers")
+    for f in smol_model_dir.iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((smol_model_dir / "config.json").read_text())
+    assert cfg["num_hidden_layers"] > SMOL_LAYERS
+    cfg["num_hidden_layers"] = SMOL_LAYERS
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    tensors = {}
+    with safe_open(str(smol_model_dir / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            parts = name.split(".")
+            if parts[:2] == ["model", "layers"] and int(parts[2]) >= SMOL_LAYERS:
+                continue
+            tensors[name] = f.get_tensor(name)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 @dataclass
 class VllmServer:
     base_url: str
