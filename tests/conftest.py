@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded tiny model and a real vLLM server on a free port.
+"""Shared fixtures: the embedded tiny model, SmolLM2 (whole and cut to its first layers), and
+real vLLM servers on free ports (a plain one, and a patched one in bridge mode ``none``).
 
 Servers are started as child processes in their own process group and stopped by PID; they
 die with the test process however it ends (``launch.lifeline``).
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from launch.procs import ManagedProcess
-from launch.vllm_server import cpu_env
+from launch.vllm_server import BridgeServer, cpu_env
 from settings.paths import SMOL_MODEL_DIR, TINY_MODEL_DIR
 from settings.ports import free_port
 
@@ -215,3 +216,40 @@ def vllm_server(
         yield server
     finally:
         server.proc.stop()
+
+
+@pytest.fixture(scope="session")
+def _none_server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[BridgeServer]:
+    """One patched vLLM server in bridge mode ``none`` (reload from a checkpoint) serving the
+    tiny model, shared by the session's GRPO trainer tests (``none_server``)."""
+    from launch.vllm_server import start_bridge_server
+    from tests.integration.grpo_harness import TOKEN
+
+    log = tmp_path_factory.mktemp("vllm-none") / "vllm.log"
+    server = start_bridge_server(tiny_model_dir, "none", log, token=TOKEN, timeout=1800)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def none_server(_none_server: BridgeServer, tiny_model_dir: Path) -> BridgeServer:
+    """The session's ``none`` server as a fresh one would be: before each test it reloads the
+    tiny model's start weights as version 0 (its ``/bridge/reload``, what a trainer's sync
+    does), so no test sees the weights or the version another test left. The GRPO trainer
+    tests (test_trainer_grpo, test_trainer_gail) each started a server of their own, ~30 s
+    apiece on a quiet core; they use the server only as their weights' sync target."""
+    import httpx
+
+    from tests.integration.grpo_harness import TOKEN
+    from vllm_patching.protocol import TOKEN_HEADER
+
+    url = _none_server.base_url
+    body = {"path": str(tiny_model_dir), "version": 0}
+    r = httpx.post(f"{url}/bridge/reload", json=body, headers={TOKEN_HEADER: TOKEN}, timeout=300)
+    r.raise_for_status()
+    assert httpx.get(f"{url}/bridge/health", timeout=30).json()["weight_version"] == "0"
+    return _none_server
