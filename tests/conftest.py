@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded tiny model and a real vLLM server on a free port.
+"""Shared fixtures: the embedded tiny model, SmolLM2 (whole and cut to its first layers), and
+real vLLM servers on free ports (a plain one, and a patched one in bridge mode ``none``).
 
 Servers are started as child processes in their own process group and stopped by PID; they
 die with the test process however it ends (``launch.lifeline``).
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from launch.procs import ManagedProcess
-from launch.vllm_server import cpu_env
+from launch.vllm_server import BridgeServer, cpu_env
 from settings.paths import SMOL_MODEL_DIR, TINY_MODEL_DIR
 from settings.ports import free_port
 
@@ -129,6 +130,43 @@ def smol_model_dir() -> Path:
     return SMOL_MODEL_DIR
 
 
+SMOL_LAYERS = 4
+"""Decoder layers of SmolLM2 (of 30) that ``smol_first_layers`` keeps."""
+
+
+@pytest.fixture(scope="session")
+def smol_first_layers(smol_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct cut to its first ``SMOL_LAYERS`` decoder layers: the same files
+    (tokenizer, chat template), the config's layer count and the safetensors without the
+    later layers' tensors. The real weights, 49k vocabulary, tied embedding and head, GQA
+    (9 query / 3 KV heads) and RoPE, at about a third of the multiply-adds per token (the tied
+    576 x 49152 head stays whole). Used where the check is about the model's code path
+    (names, shapes, tied weights, the tree mask), not the depth (docs/TESTING.md)."""
+    import json
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out = tmp_path_factory.mktemp(f"smollm2-{SMOL_LAYERS}-layers")
+    for f in smol_model_dir.iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((smol_model_dir / "config.json").read_text())
+    assert cfg["num_hidden_layers"] > SMOL_LAYERS
+    cfg["num_hidden_layers"] = SMOL_LAYERS
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    tensors = {}
+    with safe_open(str(smol_model_dir / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            parts = name.split(".")
+            if parts[:2] == ["model", "layers"] and int(parts[2]) >= SMOL_LAYERS:
+                continue
+            tensors[name] = f.get_tensor(name)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 @dataclass
 class VllmServer:
     base_url: str
@@ -178,3 +216,40 @@ def vllm_server(
         yield server
     finally:
         server.proc.stop()
+
+
+@pytest.fixture(scope="session")
+def _none_server(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[BridgeServer]:
+    """One patched vLLM server in bridge mode ``none`` (reload from a checkpoint) serving the
+    tiny model, shared by the session's GRPO trainer tests (``none_server``)."""
+    from launch.vllm_server import start_bridge_server
+    from tests.integration.grpo_harness import TOKEN
+
+    log = tmp_path_factory.mktemp("vllm-none") / "vllm.log"
+    server = start_bridge_server(tiny_model_dir, "none", log, token=TOKEN, timeout=1800)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def none_server(_none_server: BridgeServer, tiny_model_dir: Path) -> BridgeServer:
+    """The session's ``none`` server as a fresh one would be: before each test it reloads the
+    tiny model's start weights as version 0 (its ``/bridge/reload``, what a trainer's sync
+    does), so no test sees the weights or the version another test left. The GRPO trainer
+    tests (test_trainer_grpo, test_trainer_gail) each started a server of their own, ~30 s
+    apiece on a quiet core; they use the server only as their weights' sync target."""
+    import httpx
+
+    from tests.integration.grpo_harness import TOKEN
+    from vllm_patching.protocol import TOKEN_HEADER
+
+    url = _none_server.base_url
+    body = {"path": str(tiny_model_dir), "version": 0}
+    r = httpx.post(f"{url}/bridge/reload", json=body, headers={TOKEN_HEADER: TOKEN}, timeout=300)
+    r.raise_for_status()
+    assert httpx.get(f"{url}/bridge/health", timeout=30).json()["weight_version"] == "0"
+    return _none_server

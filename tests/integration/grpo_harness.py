@@ -1,8 +1,9 @@
 """What the GRPO integration tests share: a token-guarded API and the trainer CLI run to the end.
 
 Both ``test_trainer_grpo.py`` and ``test_trainer_gail.py`` drive the real batching API, a real
-patched vLLM server (bridge mode ``none``) and ``python -m trainer grpo`` the same way; only
-their groups and checks differ.
+patched vLLM server (bridge mode ``none``: the session's ``none_server``, tests/conftest.py,
+reset to the start weights at version 0 before each test) and ``python -m trainer grpo`` the
+same way; only their groups and checks differ.
 """
 
 from __future__ import annotations

@@ -106,10 +106,13 @@ class InFlight:
 
     The sync starts only once the first token has streamed back (not after a fixed sleep:
     on an idle machine a short request could finish before the sync, on a loaded one it
-    might not have started), and the request is long enough to outlast the sync.
+    might not have started), and the request is long enough to outlast the sync: 500 tokens
+    are 4-7 s of decoding for vLLM on the CPU (70-120 tokens/s on the tiny model, measured
+    on a quiet 2-core box), a sync of the tiny model well under a second, and a loaded box
+    slows both. (It was 1,500 tokens: 12-20 s per request, six of them, waited out in full.)
     """
 
-    def __init__(self, url: str, model: str, ids: list[int], n: int = 1500) -> None:
+    def __init__(self, url: str, model: str, ids: list[int], n: int = 500) -> None:
         self.result: dict = {}
         self.n = n
         self.done_at = 0.0

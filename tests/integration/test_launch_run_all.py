@@ -35,12 +35,34 @@ STEPS = 2
 
 @pytest.fixture(scope="session")
 def artifacts_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """SHOP_R1_ARTIFACTS with the tiny model, a small dataset and a 3-step SFT, built once."""
-    root = tmp_path_factory.mktemp("run_all")
+    """SHOP_R1_ARTIFACTS with the tiny model, a small dataset and a 3-step SFT, built once per
+    pytest run: under pytest-xdist the workers share one folder in the run's common temporary
+    root, built by the first worker that asks while the others wait on a file lock (the three
+    launcher modules each built their own, ~90 s apiece, when they ran on different workers).
+    A launcher run only reads it (``launch/prepare.py`` builds what is missing, and nothing is
+    missing after the preparation)."""
+    import fcntl
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the run's root: shared by its workers
+        root = tmp_path_factory.getbasetemp().parent / "run_all_shared"
+    else:
+        root = tmp_path_factory.mktemp("run_all")
+    root.mkdir(exist_ok=True)
     env = dict(os.environ, SHOP_R1_ARTIFACTS=str(root / "artifacts"), SHOP_R1_PROGRESS_INTERVAL="5")
     for name in ("NUM_INFERENCE_NODES", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # the runs below set what they test
-    prep = root / "prepare"
+    with (root / ".prepare.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / ".prepared").exists():
+            _prepare(root, env)
+            (root / ".prepared").touch()
+    return env
+
+
+def _prepare(root: Path, env: dict[str, str]) -> None:
+    """``run_all.sh --prepare-only`` into ``root``: the tiny model, the dataset, 3 SFT steps
+    (its run folder named by this process: a worker after one that failed tries afresh)."""
+    prep = root / f"prepare-{os.getpid()}"
     run = start_launcher(prep, env, "--prepare-only", "--sft-steps", "3", "--num-sessions", "200")
     try:
         assert run.wait() == 0, run.tails()
@@ -51,7 +73,6 @@ def artifacts_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         assert f"[run_all] {phase}" in run.output(), run.output()[-4000:]
     assert (prep / "sft.log").stat().st_size > 0
     assert (root / "artifacts" / "models" / "tiny-qwen2-sft" / "model.safetensors").exists()
-    return env
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch.vllm_server import start_bridge_server
-from tests.integration.grpo_harness import GROUP, TOKEN, run_trainer, start_api
+from launch.vllm_server import BridgeServer
+from tests.integration.grpo_harness import GROUP, run_trainer, start_api
 
 pytestmark = pytest.mark.integration
 
@@ -71,13 +71,14 @@ def _rows(save: Path) -> list[dict]:
     return [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_grpo_with_gail_reward(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_grpo_with_gail_reward(
+    tiny_model_dir: Path, tmp_path: Path, none_server: BridgeServer
+) -> None:
     api, client, api_url = start_api(tmp_path)
-    server = None
+    server = none_server
     try:
         client.register_env("shop_r1", 1.0, GROUP)
         assert client.push_groups(_groups(tiny_model_dir, 4, version=0)).accepted == 4
-        server = start_bridge_server(tiny_model_dir, "none", tmp_path / "vllm.log", token=TOKEN)
         save = tmp_path / "run"
         gail_env = {"GAIL_USE": "1", "GAIL_WEIGHT": "1.0", "GAIL_ALPHA": "1.0"}
         log = run_trainer(tiny_model_dir, save, api_url, server.base_url, 2, env=gail_env)
@@ -112,6 +113,4 @@ def test_grpo_with_gail_reward(tiny_model_dir: Path, tmp_path: Path) -> None:
         assert all(torch.equal(saved["net"][k], after["net"][k]) for k in saved["net"])
         client.close()
     finally:
-        if server is not None:
-            server.stop()
         api.stop()

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
-from launch.vllm_server import start_bridge_server
-from tests.integration.grpo_harness import GROUP, TOKEN, run_trainer, start_api
+from launch.vllm_server import BridgeServer
+from tests.integration.grpo_harness import GROUP, run_trainer, start_api
 
 pytestmark = pytest.mark.integration
 
@@ -62,13 +62,14 @@ def _groups(
     return groups
 
 
-def test_grpo_trains_syncs_acks_and_resumes(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_grpo_trains_syncs_acks_and_resumes(
+    tiny_model_dir: Path, tmp_path: Path, none_server: BridgeServer
+) -> None:
     api, client, api_url = start_api(tmp_path)
-    server = None
+    server = none_server
     try:
         client.register_env("shop_r1", 1.0, GROUP)
         assert client.push_groups(_groups(tiny_model_dir, 4, version=0)).accepted == 4
-        server = start_bridge_server(tiny_model_dir, "none", tmp_path / "vllm.log", token=TOKEN)
         save = tmp_path / "run"
         run_trainer(tiny_model_dir, save, api_url, server.base_url, 2)
 
@@ -98,24 +99,21 @@ def test_grpo_trains_syncs_acks_and_resumes(tiny_model_dir: Path, tmp_path: Path
         assert str(health["weight_version"]) == "3"
         client.close()
     finally:
-        if server is not None:
-            server.stop()
         api.stop()
 
 
 def test_a_batch_with_a_non_finite_gradient_is_skipped_not_trained(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, none_server: BridgeServer
 ) -> None:
     """Finite but huge rewards (+-3e38, which the API accepts) overflow the fp32 gradient under
     Dr. GRPO. The first batch is skipped: marked ``skipped`` at the API (not acked), no step,
     no version, no weight sync; the next batch is step 1, version 1, the only one acked."""
     api, client, api_url = start_api(tmp_path)
-    server = None
+    server = none_server
     try:
         client.register_env("shop_r1", 1.0, GROUP)
         client.push_groups(_groups(tiny_model_dir, 2, version=0, scores=(3e38, -3e38)))
         client.push_groups(_groups(tiny_model_dir, 2, version=0))
-        server = start_bridge_server(tiny_model_dir, "none", tmp_path / "vllm.log", token=TOKEN)
         save = tmp_path / "run"
         log = run_trainer(
             tiny_model_dir, save, api_url, server.base_url, 1, "--no-scale-advantages"
@@ -140,6 +138,4 @@ def test_a_batch_with_a_non_finite_gradient_is_skipped_not_trained(
         assert str(health["weight_version"]) == "1"  # one sync: for the trained step only
         client.close()
     finally:
-        if server is not None:
-            server.stop()
         api.stop()

@@ -4,7 +4,7 @@ logprobs, loss and every trainable parameter's gradient agree within fp32 tolera
 LoRA, for groups that share a long prompt, one that shares nothing and a sequence over
 ``max_seq_len``.
 
-SmolLM2 runs with its first ``SMOL_LAYERS`` decoder layers (``smol_first_layers``): the real
+SmolLM2 runs with its first 4 decoder layers (``smol_first_layers``, tests/conftest.py): the real
 weights, tokenizer vocabulary, tied 49k embedding and head, GQA attention and RoPE, at about a
 third of the multiply-adds per token (the whole model took 94 s full and 128 s LoRA in a
 two-worker run; 4 layers, about 29 s each). The contract checked is the same: the tree mask
@@ -30,36 +30,6 @@ from trainer.model import Reference, load_model
 from trainer.optim import build_optimizer, build_scheduler
 
 pytestmark = pytest.mark.unit
-SMOL_LAYERS = 4
-"""Decoder layers of SmolLM2 (of 30) kept for the equality check (module docstring)."""
-
-
-@pytest.fixture(scope="module")
-def smol_first_layers(smol_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2-135M-Instruct cut to its first ``SMOL_LAYERS`` layers: the same files, the
-    config's layer count and the safetensors without the later layers' tensors."""
-    import shutil
-
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    out = tmp_path_factory.mktemp(f"smollm2-{SMOL_LAYERS}-layers")
-    for f in smol_model_dir.iterdir():
-        if f.is_file() and f.name not in ("config.json", "model.safetensors"):
-            shutil.copy(f, out / f.name)
-    cfg = json.loads((smol_model_dir / "config.json").read_text())
-    assert cfg["num_hidden_layers"] > SMOL_LAYERS
-    cfg["num_hidden_layers"] = SMOL_LAYERS
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    tensors = {}
-    with safe_open(str(smol_model_dir / "model.safetensors"), "pt") as f:
-        for name in f.keys():
-            parts = name.split(".")
-            if parts[:2] == ["model", "layers"] and int(parts[2]) >= SMOL_LAYERS:
-                continue
-            tensors[name] = f.get_tensor(name)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
 
 
 def groups(vocab: int, prompt_len: int, comp_len: int, size: int, seed: int) -> list[ScoredGroup]:
