@@ -138,13 +138,14 @@ def _cascade(
     dropout: float,
     scaling: float | None,
 ) -> torch.Tensor:
-    """:func:`_batched` (without dropout) on the CPU without copying the shared ancestors once per child: every
-    child's queries meet the ancestors' keys in one matmul and their own keys in another, and
-    one softmax runs over both (the scores, mask and result of the SDPA call). The SDPA call
-    needs the ancestors' keys and values expanded to every child (and to every query head
-    under GQA), a copy that costs more than the attention on the CPU (:func:`use_cascade`
-    says when this is the faster of the two). The probabilities are kept for the backward (``[H, S, n, A + n]``), which
-    SDPA's fused kernels avoid, so CUDA keeps the SDPA call."""
+    """:func:`_batched` (without dropout) on the CPU, without copying the shared ancestors
+    once per child: every child's queries meet the ancestors' keys in one matmul and their own
+    keys in another, and one softmax runs over both (the scores, mask and result of the SDPA
+    call). The SDPA call needs the ancestors' keys and values expanded to every child (and to
+    every query head under GQA), a copy that costs more than the attention on the CPU
+    (:func:`use_cascade` says when this is the faster of the two). The probabilities are kept
+    for the backward (``[H, S, n, A + n]``), which SDPA's fused kernels avoid, so CUDA keeps
+    the SDPA call."""
     heads, head_dim = q.shape[0], q.shape[-1]
     kv_heads, (n_sets, n_max), n_anc = k.shape[0], s.queries.shape, len(s.ancestors)
     scale = head_dim**-0.5 if scaling is None else scaling
