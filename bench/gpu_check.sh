@@ -14,13 +14,15 @@
 #   5. bench/fsdp_scaling.py on CPU with gloo at 1, 2 and 4 ranks (tiny and small).
 # Everything lands in $OUT (default /tmp/gpu_check): gpu_check.log and one JSON per bench.
 # Without CUDA the CUDA steps say "skipped" and the rest runs; GPU_CHECK_QUICK=1 shrinks every
-# CPU step to tiny settings (how the script is tried on a CPU box).
+# CPU step to tiny settings (how the script is tried on a CPU box); GPU_CHECK_CPU_STEPS=0 skips
+# steps 4-5 (a rerun that only wants the CUDA numbers).
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 LOG=$OUT/gpu_check.log
 BUDGET=${GPU_CHECK_BUDGET_S:-360}
 QUICK=${GPU_CHECK_QUICK:-0}
+CPU_STEPS=${GPU_CHECK_CPU_STEPS:-1}
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 
@@ -94,7 +96,9 @@ else
     log "SKIP CUDA steps (no CUDA device)"
 fi
 
-if ((QUICK)); then
+if ((!CPU_STEPS)); then
+    log "SKIP CPU steps (GPU_CHECK_CPU_STEPS=0)"
+elif ((QUICK)); then
     step "sync paths tiny" 60 python3 bench/sharded_sync_paths.py --model tiny --trainers 2 \
         --rounds 3 --results "$OUT/sync_paths.json"
     step "fsdp cpu tiny" 120 python3 bench/fsdp_scaling.py --model tiny --ranks 1,2 --steps 1 \

@@ -20,6 +20,13 @@ against a no-grad scoring pass before the loss pass) with one micro-batch for th
 ``--sft`` adds SFT rows: one optimizer step of the preset's SFT batch on
 real examples, padded vs packed, as target and total tokens per second. Results:
 docs/results/trainer_packing.json under ``<preset>/<kind>/<packing>/...``.
+
+``--device cuda`` measures on the GPU (bf16 under the presets' ``precision: auto``; the step
+timed between ``torch.cuda.synchronize`` calls, CUDA peak memory beside the process's RSS;
+keys ``<preset>/cuda/...``), ``--steps N`` the median of N measured steps per process. A
+machine without the dataset (the lent GPU machines) reads the prompts and SFT examples from
+``--inputs FILE``, written where the dataset is by ``--write-inputs FILE`` with the same
+preset, model and rounds (bench/cuda_rows.sh does both ends).
 """
 
 from __future__ import annotations
@@ -68,6 +75,25 @@ def real_prompts(tokenizer: Any, n: int, max_tokens: int, seed: int) -> list[lis
     return [prompt_ids(r, tokenizer, max_tokens, False) for r in rng.sample(rows, n)]
 
 
+def inputs_of(spec: dict[str, Any], tokenizer: Any, cfg: Any) -> Any:
+    """The step's real inputs: GRPO prompts or SFT examples, from ``--inputs`` when given."""
+    from trainer.sft_data import SftExample
+
+    kind, seed = spec["kind"], spec["seed"]
+    if spec.get("inputs"):
+        stored = json.loads(Path(spec["inputs"]).read_text())[f"{kind}/{seed}"]
+        return stored if kind == "grpo" else [SftExample(**e) for e in stored]
+    if kind == "grpo":
+        return real_prompts(tokenizer, spec["groups"], spec["prompt_tokens"], seed)
+    from settings.paths import DATA_DIR
+    from trainer.sft_data import encode_split, load_or_build_dataset
+
+    rows = list(load_or_build_dataset(DATA_DIR, None, 0)["train"])
+    rng = random.Random(seed)
+    rows = rng.sample(rows, cfg.batch_size * 2)
+    return encode_split(rows, tokenizer, cfg.max_seq_len, cfg.latest_only)
+
+
 def groups_of(
     prompts: list[list[int]], size: int, lo: int, hi: int, vocab: int, seed: int
 ) -> list[ScoredGroup]:
@@ -104,8 +130,33 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     from trainer.batch import flatten_groups
     from trainer.config import GrpoConfig, SftConfig
     from trainer.grpo_step import StepContext, grpo_step
-    from trainer.model import Reference, load_model
+    from trainer.model import Reference, autocast, load_model
     from trainer.optim import build_optimizer, build_scheduler, clip_and_step
+
+    cuda = spec.get("device") == "cuda"
+
+    def timed(fn: Any, *args: Any) -> tuple[float, Any]:
+        """The median wall time of ``--steps`` calls, and the last call's result."""
+        times = []
+        for _ in range(spec.get("steps", 1)):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = fn(*args)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times), out
+
+    def memory() -> dict[str, Any]:
+        """Peak memory of the measured steps: RSS, and on CUDA the allocator's peak."""
+        mem: dict[str, Any] = {"rss_loaded_mib": rss_loaded, "rss_peak_mib": _rss_mib()}
+        if cuda:
+            mem |= {
+                "cuda_peak_mib": torch.cuda.max_memory_allocated() / 2**20,
+                "gpu": torch.cuda.get_device_name(),
+            }
+        return mem
 
     sec = spec["section"]
     kind = spec["kind"]
@@ -123,7 +174,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 "save_path": tmp,
                 "tensorboard": False,
                 "packing": spec["packing"],
-                "device": "cpu",
+                "device": spec.get("device", "cpu"),
             }
         )
         lm = load_model(cfg)
@@ -135,12 +186,12 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             ref = Reference(lm) if cfg.kl_beta > 0 else None
             ctx = StepContext(lm, ref, opt, sched, cfg)
             lo, hi = spec["completion"]
-            prompts = real_prompts(
-                lm.tokenizer, spec["groups"], spec["prompt_tokens"], spec["seed"]
-            )
+            prompts = inputs_of(spec, lm.tokenizer, cfg)
             warm = groups_of([p[:64] for p in prompts[:1]], 2, lo, hi, vocab, seed=99)
             grpo_step(ctx, flatten_groups(warm, cfg.max_seq_len)[0])
             rss_warm = _rss_mib()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             items, _ = flatten_groups(
                 groups_of(prompts, spec["group_size"], lo, hi, vocab, spec["seed"]), cfg.max_seq_len
             )
@@ -148,9 +199,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 import trainer.grpo_step
 
                 trainer.grpo_step.fused = lambda ctx, mine: False
-            t0 = time.perf_counter()
-            stats = grpo_step(ctx, items)
-            step_s = time.perf_counter() - t0
+            step_s, stats = timed(grpo_step, ctx, items)
             return {
                 "step_s": step_s,
                 "forward_tokens": stats["forward_tokens"],
@@ -161,38 +210,29 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 "trained_tokens": stats["tokens"],
                 "prompt_tokens_mean": statistics.mean(len(p) for p in prompts),
                 "loss": stats["loss"],
-                "rss_loaded_mib": rss_loaded,
-                "rss_peak_mib": _rss_mib(),
+                **memory(),
                 "rss_step_mib": _rss_mib() - max(rss_loaded, rss_warm),
                 "precision": "bf16" if lm.compute_dtype == torch.bfloat16 else "fp32",
                 "threads": torch.get_num_threads(),
             }
-        from settings.paths import DATA_DIR
         from trainer.sft import _nll
-        from trainer.sft_data import encode_split, load_or_build_dataset
 
-        rows = list(load_or_build_dataset(DATA_DIR, None, 0)["train"])
-        rng = random.Random(spec["seed"])
-        examples = encode_split(
-            rng.sample(rows, cfg.batch_size * 2), lm.tokenizer, cfg.max_seq_len, cfg.latest_only
-        )
+        examples = inputs_of(spec, lm.tokenizer, cfg)
         batch = examples[: cfg.batch_size]
 
         def step(exs: list) -> None:
             n_target = float(sum(sum(e.loss_mask[1:]) for e in exs))
             for i in range(0, len(exs), cfg.micro_batch_size):
-                with torch.autocast(
-                    "cpu", dtype=lm.compute_dtype, enabled=lm.compute_dtype != torch.float32
-                ):
+                with autocast(lm.device, lm.compute_dtype):
                     nll = _nll(lm, exs[i : i + cfg.micro_batch_size], cfg)
                 (nll / n_target).backward()
             clip_and_step(lm.model, opt, sched, cfg.max_grad_norm)
 
         step(examples[cfg.batch_size : cfg.batch_size + cfg.micro_batch_size])  # warm-up
         rss_warm = _rss_mib()
-        t0 = time.perf_counter()
-        step(batch)
-        step_s = time.perf_counter() - t0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        step_s, _ = timed(step, batch)
         targets = sum(sum(e.loss_mask) for e in batch)
         total = sum(len(e.tokens) for e in batch)
         return {
@@ -202,12 +242,33 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             "target_tokens_per_s": targets / step_s,
             "tokens_per_s": total / step_s,
             "sequence_tokens": total,
-            "rss_loaded_mib": rss_loaded,
-            "rss_peak_mib": _rss_mib(),
+            **memory(),
             "rss_step_mib": _rss_mib() - max(rss_loaded, rss_warm),
             "precision": "bf16" if lm.compute_dtype == torch.bfloat16 else "fp32",
             "threads": torch.get_num_threads(),
         }
+
+
+def write_inputs(path: Path, specs: list[dict[str, Any]], rounds: int) -> None:
+    """Every round's prompts and SFT examples of ``specs``, for a machine without the data."""
+    from dataclasses import asdict
+
+    from transformers import AutoTokenizer
+
+    from trainer.config import SftConfig
+
+    out: dict[str, Any] = {}
+    for spec in specs:
+        tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+        fields = {k: v for k, v in spec["section"].items() if k in SftConfig.model_fields}
+        cfg = SftConfig(**{**fields, "model_name": spec["model"]})
+        for seed in range(rounds):
+            key = f"{spec['kind']}/{seed}"
+            if key not in out:
+                got = inputs_of({**spec, "seed": seed, "inputs": None}, tokenizer, cfg)
+                out[key] = got if spec["kind"] == "grpo" else [asdict(e) for e in got]
+    path.write_text(json.dumps(out))
+    print(f"{len(out)} inputs (kind/round) written to {path}")
 
 
 def run_child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -252,6 +313,10 @@ def main() -> None:
         help="fused,two_pass: the packed step's two orders on one micro-batch, instead of "
         "padded vs packed",
     )
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--steps", type=int, default=1, help="measured steps per point (median)")
+    ap.add_argument("--inputs", type=Path, help="read prompts/examples from this file")
+    ap.add_argument("--write-inputs", type=Path, help="write them there, and measure nothing")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=RESULTS / "trainer_packing.json")
     a = ap.parse_args()
@@ -297,6 +362,13 @@ def main() -> None:
                     section=(preset.get("trainer") or {}).get("sft") or {},
                 )
             )
+    common = {"device": a.device, "steps": a.steps}
+    if a.inputs:
+        common["inputs"] = str(a.inputs.resolve())
+    specs = [{**spec, **common} for spec in specs]
+    if a.write_inputs:
+        write_inputs(a.write_inputs, specs, a.rounds)
+        return
     results: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(specs))}
     for rnd in range(a.rounds):
         for i, spec in enumerate(specs):
@@ -305,7 +377,7 @@ def main() -> None:
             print(
                 f"round {rnd} {spec['kind']} {spec['packing']} {spec.get('order') or ''} "
                 f"G={spec.get('group_size', '-')}: {r['step_s']:.2f}s "
-                f"peak {r['rss_peak_mib']:.0f} MiB",
+                f"peak {r.get('cuda_peak_mib', r['rss_peak_mib']):.0f} MiB",
                 flush=True,
             )
     for i, spec in enumerate(specs):
@@ -324,7 +396,8 @@ def main() -> None:
             "model": Path(model).name,
         }
         row |= {k: v for k, v in spec.items() if k not in ("section", "seed")}
-        key = f"{a.preset}/{spec['kind']}/{spec['packing']}" + (
+        where = "" if a.device == "cpu" else f"{a.device}/"
+        key = f"{a.preset}/{where}{spec['kind']}/{spec['packing']}" + (
             f"/{spec['order']}" if spec.get("order") else ""
         )
         key += f"/G{spec['group_size']}" if spec["kind"] == "grpo" else ""

@@ -223,12 +223,19 @@ def _run(cfg: GrpoConfig, groups: list[dict]):
 def test_packed_step_equals_padded(
     micro_model_dir: Path, tmp_path: Path, case: str, lora_r: int
 ) -> None:
+    check_packed_step_equals_padded(micro_model_dir, tmp_path, case, lora_r, "cpu")
+
+
+def check_packed_step_equals_padded(
+    model_dir: Path, tmp_path: Path, case: str, lora_r: int, device: str
+) -> None:
+    """The contract on ``device`` (tests/gpu runs it on CUDA)."""
     groups = CASES[case]()
-    kw = {"lora_r": lora_r, "lora_alpha": 8}
+    kw = {"lora_r": lora_r, "lora_alpha": 8, "device": device}
     torch.manual_seed(0)
-    lm_p, items, tok_p, st_p, g_p = _run(_cfg(micro_model_dir, tmp_path, "padded", **kw), groups)
+    lm_p, items, tok_p, st_p, g_p = _run(_cfg(model_dir, tmp_path, "padded", **kw), groups)
     torch.manual_seed(0)
-    lm_t, _, tok_t, st_t, g_t = _run(_cfg(micro_model_dir, tmp_path, "prefix_tree", **kw), groups)
+    lm_t, _, tok_t, st_t, g_t = _run(_cfg(model_dir, tmp_path, "prefix_tree", **kw), groups)
     assert not lm_p.tree_attention and lm_t.tree_attention
     if case == "over_max_seq_len":
         assert not all(i.trainable for i in items)
@@ -241,7 +248,8 @@ def test_packed_step_equals_padded(
             [m or r for m, r in zip(i.mask[1:], i.rationale[1:], strict=True)]
             + [0] * (tok_p.logprobs.shape[1] - len(i.tokens) + 1)
             for i in items
-        ]
+        ],
+        device=tok_p.logprobs.device,
     ).bool()
     for a, b in ((tok_p.logprobs, tok_t.logprobs), (tok_p.entropy, tok_t.entropy)):
         assert (a - b)[wanted].abs().max() < TOL
@@ -262,16 +270,21 @@ def test_packed_step_equals_padded(
 
 
 def test_bf16_packed_step_is_close_to_padded(micro_model_dir: Path, tmp_path: Path) -> None:
+    check_bf16_packed_step_is_close(micro_model_dir, tmp_path, "cpu")
+
+
+def check_bf16_packed_step_is_close(model_dir: Path, tmp_path: Path, device: str) -> None:
     groups = CASES["mixed"]()
     out = []
     for packing in ("padded", "prefix_tree"):
         torch.manual_seed(0)
-        out.append(_run(_cfg(micro_model_dir, tmp_path, packing, precision="bf16"), groups))
+        cfg = _cfg(model_dir, tmp_path, packing, precision="bf16", device=device)
+        out.append(_run(cfg, groups))
     (_, items, tok_p, st_p, g_p), (_, _, tok_t, st_t, g_t) = out
     assert st_t["loss"] == pytest.approx(st_p["loss"], rel=0.05, abs=1e-3)
     mask = torch.zeros_like(tok_p.logprobs, dtype=torch.bool)
     for r, i in enumerate(items):
-        mask[r, : len(i.tokens) - 1] = torch.tensor(i.mask[1:]).bool()
+        mask[r, : len(i.tokens) - 1] = torch.tensor(i.mask[1:], device=mask.device).bool()
     assert (tok_p.logprobs - tok_t.logprobs)[mask].abs().max() < 0.1  # bf16 rounding
     for name in g_p:
         assert torch.isfinite(g_t[name]).all()
@@ -279,6 +292,10 @@ def test_bf16_packed_step_is_close_to_padded(micro_model_dir: Path, tmp_path: Pa
 
 @pytest.mark.parametrize("lora_r", [0, 4], ids=["full", "lora"])
 def test_packed_sft_loss_equals_padded(micro_model_dir: Path, lora_r: int) -> None:
+    check_packed_sft_loss_equals_padded(micro_model_dir, lora_r, "cpu")
+
+
+def check_packed_sft_loss_equals_padded(model_dir: Path, lora_r: int, device: str) -> None:
     g = torch.Generator().manual_seed(7)
     system = torch.randint(0, VOCAB - 2, (10,), generator=g).tolist()
     seqs, masks = [], []
@@ -290,7 +307,8 @@ def test_packed_sft_loss_equals_padded(micro_model_dir: Path, lora_r: int) -> No
     out = []
     for packing in ("padded", "prefix_tree"):
         cfg = SftConfig(
-            model_name=str(micro_model_dir),
+            model_name=str(model_dir),
+            device=device,
             packing=packing,
             precision="fp32",
             lora_r=lora_r,

@@ -60,13 +60,16 @@ def groups(vocab: int, prompt_len: int, comp_len: int, size: int, seed: int) -> 
     return [ScoredGroup.model_validate(g) for g in out]
 
 
-def compare(model_dir: Path, tmp: Path, lora_r: int, prompt_len: int, comp_len: int) -> None:
+def compare(
+    model_dir: Path, tmp: Path, lora_r: int, prompt_len: int, comp_len: int, device: str = "cpu"
+) -> None:
     cfg_groups = None
     results = []
     for packing in ("padded", "prefix_tree"):
         cfg = GrpoConfig(
             model_name=str(model_dir),
             save_path=str(tmp / packing),
+            device=device,
             precision="fp32",
             packing=packing,
             kl_beta=0.05,
