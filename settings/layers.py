@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import reduce
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -57,11 +58,11 @@ class Resolved:
 
     def section(self, path: str) -> Resolved:
         """The section at dotted ``path`` with its own sources (``trainer.grpo``)."""
-        obj = self.config
-        for part in path.split("."):
-            obj = getattr(obj, part)
         n = len(path) + 1
-        return Resolved(obj, {k[n:]: v for k, v in self.sources.items() if k[:n] == path + "."})
+        return Resolved(
+            reduce(getattr, path.split("."), self.config),
+            {k[n:]: v for k, v in self.sources.items() if k[:n] == path + "."},
+        )
 
 
 def snake(value: Any, key: str = "") -> Any:
