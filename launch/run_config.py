@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, FilePath
+from pydantic_settings import SettingsConfigDict
 
 from api.config import ApiConfig
 from env_server.config import EnvConfig
@@ -65,6 +66,12 @@ class TrainerSection(_Keys):
 
 class RunConfig(_Keys):
     """launch/run_all.sh: every setting of a run (docs/RECIPES.md)."""
+
+    model_config = SettingsConfigDict(  # the launcher's options also without launch.: --run-dir
+        cli_shortcuts={
+            f"launch.{n}": n for n in (f.replace("_", "-") for f in LaunchConfig.model_fields)
+        }
+    )
 
     name: str | None = None
     """For humans."""
@@ -120,18 +127,6 @@ def _dotted(args: str | None, section: str) -> list[str]:
     return [f"--{section}.{a[2:]}" if a.startswith("--") else a for a in shlex.split(args or "")]
 
 
-def _launch_flags(argv: Sequence[str]) -> list[str]:
-    """``--run-dir X`` -> ``--launch.run-dir X``: the launcher's options without the prefix."""
-    names = {n.replace("_", "-") for n in LaunchConfig.model_fields}
-    out = []
-    for a in argv:
-        name = a[2:].split("=", 1)[0] if a.startswith("--") else ""
-        if name in names or name.startswith("no-") and name[3:] in names:
-            a = "--no-launch." + a[5:] if name not in names else "--launch." + a[2:]
-        out.append(a)
-    return out
-
-
 def _flags(argv: Sequence[str]) -> dict[str, Any]:
     from launch.run_all_help import HELP_EPILOG
 
@@ -147,7 +142,6 @@ def _flags(argv: Sequence[str]) -> dict[str, Any]:
 
 def cli_layer(argv: Sequence[str]) -> dict[str, Any]:
     """The values the command line gives (``--env-args``/``--trainer-args`` expanded last)."""
-    argv = _launch_flags(argv)
     first = _flags(argv)
     more = _dotted(first.get("env_args"), "env")
     more += _dotted(first.get("trainer_args"), "trainer.grpo")
