@@ -111,10 +111,11 @@ def merge(
         for target in targets if value is not None else ():
             over.setdefault(target, value)
     for group in getattr(cls, "exclusive_fields", ()):
-        for k in (k for k in group if k not in over) if any(k in over for k in group) else ():
-            base.pop(k, None)
-            for s in [s for s in sources if s == prefix + k or s.startswith(prefix + k + ".")]:
-                del sources[s]
+        if any(k in over for k in group):
+            for k in (k for k in group if k not in over):
+                base.pop(k, None)
+                for s in [s for s in sources if s == prefix + k or s.startswith(f"{prefix}{k}.")]:
+                    del sources[s]
     for key, value in over.items():
         info = cls.model_fields.get(key) if cls is not None else None
         sub = model_type(info.annotation) if info is not None else None
