@@ -1,15 +1,12 @@
-"""What launch/run_all.sh hands each service: the run's ``RunConfig`` (launch/run_config.py),
-resolved with what the launcher decides for the run (``launcher_values``: the run's defaults,
-and the ports, URLs, run-dir paths and device it owns), each service's section written to
-``<run>/config/<service>.yaml`` and read back by the service with ``--config``
-(docs/RECIPES.md). Secrets (tokens) are never written: they travel by environment variable or
-flag.
-"""
+"""What launch/run_all.sh hands each service: the run's ``RunConfig`` resolved with the
+launcher's decisions, each service's section written to ``<run>/config/<service>.yaml``
+(secrets never written; docs/RECIPES.md)."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
+from functools import reduce
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +20,8 @@ from settings.recipe import read_recipe
 
 SERVICE_FILES = {"api": "api", "env": "env", "trainer_grpo": "trainer.grpo"}
 """``<run>/config/<name>.yaml`` -> the section of the run it holds."""
-LAUNCHER_VLLM_KEYS = (
-    "model",
-    "host",
-    "port",
-    "weight_bridge_mode",
-    "single_copy",
-    "bridge_config",
-    "served_model_name",
-)
+LAUNCHER_VLLM_KEYS = {"model", "host", "port", "weight_bridge_mode", "single_copy"}
+LAUNCHER_VLLM_KEYS |= {"bridge_config", "served_model_name"}
 """vLLM options the launcher sets for every server itself (the run file's are not used)."""
 
 
@@ -43,14 +33,8 @@ def preset_model(cfg: RunConfig) -> str:
 def launcher_values(
     cfg: RunConfig, api_url: str, vllm_urls: Sequence[str], run_dir: Path, device: str = "cpu"
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """What the launcher decides for the run, as ``(defaults, owned)`` by section.
-
-    ``defaults`` are the run's defaults, under its file: any layer that sets the field wins
-    (the SFT cold start starts from ``launch.base_model`` without TensorBoard or generation
-    samples; ``lora_only`` trains a rank-8 adapter). ``owned`` are the fields that wire the
-    run, which no layer can set without breaking it: the ports and URLs the launcher allocated,
-    the run directory's paths, the placed device, resume or overwrite, and the model and bridge
-    mode the vLLM servers are started with (set them with the launcher's own options)."""
+    """What the launcher decides for the run, by section: ``(defaults, owned)``, the run's
+    defaults (under its file) and the fields that wire the run (over every layer)."""
     urls = ",".join(vllm_urls)
     sft_dir = Path(preset_model(cfg))
     sft_resume = (sft_dir / "checkpoints").is_dir()  # an interrupted SFT continues
@@ -97,8 +81,8 @@ def resolve_for_run(
     device: str = "cpu",
     environ: Mapping[str, str] | None = None,
 ) -> Resolved:
-    """The run's config: the launcher's defaults < file(s) < environment < command line, then
-    the fields the launcher owns (:func:`launcher_values`, docs/RECIPES.md)."""
+    """The run's config: the launcher's defaults < the run's layers < the fields it owns; a
+    flag or variable that the launcher overrides gets a WARNING."""
     layers = run_layers(argv, environ)
     first = resolve(RunConfig, layers)  # what the launcher's decisions depend on
     defaults, owned = launcher_values(first.config, api_url, vllm_urls, run_dir, device)
@@ -106,7 +90,7 @@ def resolve_for_run(
     for dotted, source in first.sources.items():
         if source not in ("flag", "environment") or resolved.sources.get(dotted) != "launcher":
             continue
-        asked, value = _value_at(first, dotted), _value_at(resolved, dotted)
+        asked, value = (reduce(getattr, dotted.split("."), r.config) for r in (first, resolved))
         if asked != value:
             print(
                 f"[run_all] WARNING: {dotted} = {asked!r} ({source}) is replaced by the "
@@ -118,16 +102,10 @@ def resolve_for_run(
     return resolved
 
 
-def _value_at(resolved: Resolved, dotted: str) -> Any:
-    section, _, name = dotted.rpartition(".")
-    return getattr(resolved.section(section).config if section else resolved.config, name)
-
-
 def write_config(
     run_dir: Path, name: str, data: Mapping[str, Any], sources: Mapping[str, str] | None = None
 ) -> Path:
-    """``<run>/config/<name>.yaml``: the flat config a service reads with ``--config``, then
-    (as comments) where each non-default value came from."""
+    """``<run>/config/<name>.yaml``, then (as comments) where each value came from."""
     path = run_dir / "config" / f"{name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump(dict(data), sort_keys=False, default_flow_style=False, width=100)
@@ -144,7 +122,7 @@ def write_service_config(run_dir: Path, name: str, resolved: Resolved) -> Path:
 
 def vllm_values(cfg: RunConfig) -> dict[str, Any]:
     """The run's ``vllm:`` options the servers read from their file (not the launcher's)."""
-    return cfg.vllm.model_dump(mode="json", exclude_none=True, exclude=set(LAUNCHER_VLLM_KEYS))
+    return cfg.vllm.model_dump(mode="json", exclude_none=True, exclude=LAUNCHER_VLLM_KEYS)
 
 
 def write_service_configs(run_dir: Path, resolved: Resolved) -> dict[str, Path]:

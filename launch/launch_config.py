@@ -1,6 +1,5 @@
-"""The ``launch:`` section of a run (launch/run_config.py): what launch/run_all.sh itself needs.
-A preset sets the first block (build the embedded model? which device?); the rest are the
-launcher's flags, taken on its command line without the ``launch.`` prefix (``--run-dir``)."""
+"""The ``launch:`` section of a run: launch/run_all.sh's own options, also taken without the
+``launch.`` prefix (``--run-dir``; docs/RECIPES.md)."""
 
 from __future__ import annotations
 

@@ -1,25 +1,18 @@
-"""``RunConfig``: every setting of a run in one nested model (docs/RECIPES.md), sections
-``launch`` (:class:`LaunchConfig`, launch/run_all.sh's own), ``api``, ``env``, ``trainer.sft``,
-``trainer.grpo`` and ``vllm``, each the service's own config class.
-
-One YAML file per run (``--recipe FILE``; a preset, recipes/presets/NAME.yaml, is such a file
-and lies under it); environment variables ``SHOP_R1_<SECTION>__<FIELD>``; the command line by
-dotted path (``--trainer.grpo.lr 1e-5``). Precedence, lowest first: field defaults < file(s) <
-environment < command line (settings/layers.py). The launcher's options are also taken
-without ``launch.`` (``--run-dir``), and the top-level shortcuts (``--model``,
-``--training-steps``, ``--weight-bridge-mode``, ...: ``settings.layers.SHORTCUTS``) fill the fields they stand
-for. ``--env-args``/``--trainer-args`` are dotted overrides of ``env.``/``trainer.grpo.``.
-"""
+"""``RunConfig``: every setting of a run in one nested model, sections ``launch``, ``api``,
+``env``, ``trainer.sft``, ``trainer.grpo`` and ``vllm`` (docs/RECIPES.md): one YAML file per
+run over its preset, ``SHOP_R1_<SECTION>__<FIELD>`` variables, dotted flags, in that order."""
 
 from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, FilePath
+from pydantic_settings import SettingsConfigDict
 
 from api.config import ApiConfig
 from env_server.config import EnvConfig
@@ -35,9 +28,7 @@ RUN_SHORTCUTS = {
     **SHORTCUTS,
     "model": tuple(t for t in SHORTCUTS["model"] if t != "trainer.sft.model_name"),
 }
-"""The shortcuts of a run: ``model`` (what vLLM serves and GRPO starts from, the SFT cold
-start's output) does not fill ``trainer.sft.model_name``, whose run default is
-``launch.base_model`` (``launch.configs.launcher_values``)."""
+"""A run's ``model`` is the SFT's output, so it does not fill ``trainer.sft.model_name``."""
 
 
 class _Keys(BaseModel):
@@ -75,6 +66,12 @@ class TrainerSection(_Keys):
 
 class RunConfig(_Keys):
     """launch/run_all.sh: every setting of a run (docs/RECIPES.md)."""
+
+    model_config = SettingsConfigDict(  # the launcher's options also without launch.: --run-dir
+        cli_shortcuts={
+            f"launch.{n}": n for n in (f.replace("_", "-") for f in LaunchConfig.model_fields)
+        }
+    )
 
     name: str | None = None
     """For humans."""
@@ -130,39 +127,21 @@ def _dotted(args: str | None, section: str) -> list[str]:
     return [f"--{section}.{a[2:]}" if a.startswith("--") else a for a in shlex.split(args or "")]
 
 
-def _launch_flags(argv: Sequence[str]) -> list[str]:
-    """``--run-dir X`` -> ``--launch.run-dir X``: the launcher's options without the prefix."""
-    names = {n.replace("_", "-") for n in LaunchConfig.model_fields}
-    out = []
-    for a in argv:
-        name = a[2:].split("=", 1)[0] if a.startswith("--") else ""
-        neg = name.startswith("no-") and name[3:] in names
-        if name in names or neg:
-            a = "--" + ("no-launch." if neg else "launch.") + a[5 if neg else 2 :]
-        out.append(a)
-    return out
-
-
-def _parser() -> argparse.ArgumentParser:
+def _flags(argv: Sequence[str]) -> dict[str, Any]:
     from launch.run_all_help import HELP_EPILOG
 
-    return argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         prog="launch/run_all.sh",
         description=__doc__.split("\n\n")[0],
         epilog=HELP_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-
-
-def _flags(argv: Sequence[str]) -> dict[str, Any]:
-    parser = _parser()
     add_config_flags(parser, RunConfig, files=False)
     return flag_values(RunConfig, parser.parse_args(argv))
 
 
 def cli_layer(argv: Sequence[str]) -> dict[str, Any]:
     """The values the command line gives (``--env-args``/``--trainer-args`` expanded last)."""
-    argv = _launch_flags(argv)
     first = _flags(argv)
     more = _dotted(first.get("env_args"), "env")
     more += _dotted(first.get("trainer_args"), "trainer.grpo")
@@ -170,14 +149,12 @@ def cli_layer(argv: Sequence[str]) -> dict[str, Any]:
 
 
 def file_layers(preset: str, recipe: Path | None) -> list[Layer]:
-    """The preset's file, then the recipe's, each file of a ``base:`` chain a layer of its own
-    with its shortcuts filled in."""
+    """The preset's file, then the recipe's, one layer per file of a ``base:`` chain."""
     path = PRESETS_DIR / f"{preset}.yaml"
     if "model" not in read_recipe(path):
         raise RecipeError(f"{path}: a preset names its `model`")
     files = [(f"preset {preset}" if p == path else f"recipe {p}", d) for p, d in recipe_chain(path)]
-    if recipe is not None:
-        files += [(f"recipe {p}", d) for p, d in recipe_chain(recipe)]
+    files += [(f"recipe {p}", d) for p, d in recipe_chain(recipe)] if recipe else []
     return [(label, expand(data, RUN_SHORTCUTS)) for label, data in files]
 
 
@@ -199,16 +176,12 @@ def run_layers(
 def resolve_run(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> Resolved:
-    """defaults < preset < recipe < environment < command line, validated once (the launcher's
-    own decisions: ``launch.configs.resolve_for_run``)."""
+    """The run's layers validated once (the launcher's decisions: ``launch.configs``)."""
     return resolve(RunConfig, run_layers(argv, environ))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
-    """launch/run_all.sh's command line resolved (no launcher decisions yet); a bad value or a
-    bad ``NUM_INFERENCE_NODES`` exits with a clear message."""
-    import sys
-
+    """launch/run_all.sh's command line resolved; a bad ``NUM_INFERENCE_NODES`` exits 2."""
     from launch.placement import PlacementError
 
     try:

@@ -1,4 +1,1 @@
-"""The configuration plumbing every service imports: recipes (``settings.recipe``), the
-command line (``settings.cli``), default locations (``settings.paths``) and ports
-(``settings.ports``). It imports no service package and no torch, so every ``--help`` is
-instant (docs/RECIPES.md)."""
+"""The configuration plumbing every service imports (docs/RECIPES.md); no torch, no service."""

@@ -1,23 +1,12 @@
-"""A pydantic config as flags and environment variables (docs/RECIPES.md): pydantic-settings'
-CLI source builds one ``--kebab-case`` flag per field, its help = the field's docstring and
-default; ``bool`` -> ``--x/--no-x``; ``list`` -> ``--x A,B`` (or ``--x A --x B``); ``Literal``
--> choices; an optional field takes ``none``/``null`` for None; a nested model gets dotted
-flags (``--gail.use``, ``--gail.beta 0.1``). A ``dict`` field takes JSON. A field reads an environment
-variable when declared with :func:`from_env` (or when it belongs to a nested
-``pydantic_settings.BaseSettings`` with an ``env_prefix``). A field's declared aliases
-(``validation_alias=AliasChoices(...)``, e.g. Atropos' ``--kl-coef``) are extra spellings of
-its flag, listed in ``--help`` beside it.
-
-How the flags layer over recipes and config files: ``settings.cli``. Imports neither torch nor
-any service package.
-"""
+"""A pydantic config as ``--kebab-case`` flags (pydantic-settings' ``CliSettingsSource``) and
+environment variables (docs/RECIPES.md). Imports neither torch nor any service package."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,9 +20,6 @@ _SOURCES = "_settings_cli_sources"
 """Namespace attribute holding, per config class, the CLI source and the dests it added."""
 
 
-# ----------------------------------------------------------------------------- field helpers
-
-
 def from_env(name: str, **extra: Any) -> dict[str, Any]:
     """``json_schema_extra`` of a field that reads environment variable ``name``."""
     return {"env": name, **extra}
@@ -44,31 +30,43 @@ def flag_const(value: str) -> dict[str, Any]:
     return {"flag_const": value}
 
 
-def setter_paths(cls: type[BaseModel], prefix: str = "") -> dict[str, tuple[str, ...]]:
-    """``{dotted name: fields it sets}`` of every ``setter_aliases`` entry in ``cls`` and its
-    sections (``clip_eps``), resolved while layers merge (``settings.layers.merge``)."""
-    out = {prefix + n: t for n, t in getattr(cls, "setter_aliases", {}).items()}
-    for name, info in cls.model_fields.items():
-        sub = model_type(info.annotation)
-        out |= setter_paths(sub, f"{prefix}{name}.") if sub is not None else {}
-    return out
-
-
 def _extra(info: Any) -> dict[str, Any]:
-    extra = info.json_schema_extra
-    return extra if isinstance(extra, dict) else {}
+    return info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
 
 
-# ----------------------------------------------------------------------------- flags
+def models(cls: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, type[BaseModel]]]:
+    """``(dotted prefix, model)`` of ``cls`` and every section nested in it."""
+    yield prefix, cls
+    for name, info in cls.model_fields.items():
+        if (sub := model_type(info.annotation)) is not None:
+            yield from models(sub, f"{prefix}{name}.")
+
+
+def leaves(cls: type[BaseModel]) -> dict[str, tuple[Any, type[BaseModel]]]:
+    """``{dotted field: (FieldInfo, the model holding it)}`` of every non-section field."""
+    return {
+        prefix + name: (info, model)
+        for prefix, model in models(cls)
+        for name, info in model.model_fields.items()
+        if model_type(info.annotation) is None
+    }
+
+
+def setter_paths(cls: type[BaseModel]) -> dict[str, tuple[str, ...]]:
+    """``{dotted name: fields it sets}`` of every ``setter_aliases`` entry (``clip_eps``)."""
+    return {
+        prefix + name: targets
+        for prefix, model in models(cls)
+        for name, targets in getattr(model, "setter_aliases", {}).items()
+    }
 
 
 def add_config_flags(
-    parser: argparse.ArgumentParser,
-    cls: type[BaseModel],
-    *,
-    files: bool = True,
+    parser: argparse.ArgumentParser, cls: type[BaseModel], *, files: bool = True
 ) -> None:
-    """``--config`` (alias ``--recipe``), ``--print-config`` and one flag per field of ``cls``."""
+    """``--config`` (alias ``--recipe``), ``--print-config`` and one flag per field of ``cls``:
+    argparse ``choices`` for a ``Literal`` (``none``/``null`` too where optional), an optional
+    value where declared with :func:`flag_const`, a flag per setter alias."""
     if files:
         parser.add_argument(
             "--config",
@@ -107,37 +105,19 @@ def add_config_flags(
             help=f"Sets {' and '.join(targets)} both (a declared alias, not a field).",
         )
     dests = {a.dest for a in parser._actions} - before
-    _refine_actions(parser, cls, dests)
-    sources = dict(parser.get_default(_SOURCES) or {})
-    sources[cls] = (source, dests)
-    parser.set_defaults(**{_SOURCES: sources})
-
-
-def _leaf_fields(cls: type[BaseModel], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, info in cls.model_fields.items():
-        sub = model_type(info.annotation)
-        if sub is not None:
-            out |= _leaf_fields(sub, prefix + name + ".")
-        else:
-            out[prefix + name] = info
-    return out
-
-
-def _refine_actions(parser: argparse.ArgumentParser, cls: type[BaseModel], dests: set[str]) -> None:
-    """argparse ``choices`` for ``Literal`` fields, so a wrong value is refused at once with
-    argparse's "invalid choice" (``none``/``null`` too where the field is optional); an
-    optional value for fields declared with :func:`flag_const`."""
-    leaves = _leaf_fields(cls)
-    for action in parser._actions:
-        info = leaves.get(action.dest) if action.dest in dests else None
-        if info is not None and "flag_const" in _extra(info):
+    fields = leaves(cls)
+    for action in (a for a in parser._actions if a.dest in dests and a.dest in fields):
+        info = fields[action.dest][0]
+        if "flag_const" in _extra(info):
             action.nargs, action.const = "?", _extra(info)["flag_const"]
-        inner, optional = unwrap(info.annotation) if info is not None else (None, False)
+        inner, optional = unwrap(info.annotation)
         if typing.get_origin(inner) is Literal:
             action.choices = [str(c) for c in typing.get_args(inner)]
+            action.metavar = "{" + ",".join(action.choices) + "}"
             action.choices += list(NONE_WORDS) if optional else []
-            action.metavar = "{" + ",".join(str(c) for c in typing.get_args(inner)) + "}"
+    parser.set_defaults(
+        **{_SOURCES: {**(parser.get_default(_SOURCES) or {}), cls: (source, dests)}}
+    )
 
 
 def flag_values(cls: type[BaseModel], ns: argparse.Namespace) -> dict[str, Any]:
@@ -145,9 +125,8 @@ def flag_values(cls: type[BaseModel], ns: argparse.Namespace) -> dict[str, Any]:
     source, dests = getattr(ns, _SOURCES)[cls]
     given = argparse.Namespace(**{d: v for d, v in vars(ns).items() if d in dests})
     values = none_words(cls, source(parsed_args=given)())
-    for path in setter_paths(cls):
-        if hasattr(ns, path):
-            set_dotted(values, path, getattr(ns, path))
+    for path in (p for p in setter_paths(cls) if hasattr(ns, p)):
+        set_dotted(values, path, getattr(ns, path))
     return values
 
 
@@ -164,38 +143,32 @@ def none_words(cls: type[BaseModel], values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# ----------------------------------------------------------------------------- env vars
-
-
-def set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
-    """``d[a][b] = value`` for ``dotted`` ``a.b``, making the mappings on the way."""
+def set_dotted(d: dict[str, Any], dotted: str, value: Any, *, first: bool = False) -> None:
+    """``d[a][b] = value`` for ``dotted`` ``a.b``, making the mappings on the way; ``first``:
+    only where unset, placed first (a shortcut's vLLM argument goes before the section's)."""
     *parents, last = dotted.split(".")
     for p in parents:
         d = d.setdefault(p, {})
-    d[last] = value
+    if not first:
+        d[last] = value
+    elif last not in d:
+        rest = dict(d)
+        d.clear()
+        d.update({last: value, **rest})
 
 
-def env_values(cls: type[BaseModel], environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Field values from the environment variables declared on ``cls`` (recursively)."""
+def env_values(
+    cls: type[BaseModel],
+    environ: Mapping[str, str] | None = None,
+    out: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``out`` (default: a new mapping) with the values of the environment variables the
+    fields of ``cls`` declare (:func:`from_env`, or a nested ``BaseSettings``' ``env_prefix``)."""
     environ = os.environ if environ is None else environ
-    out: dict[str, Any] = {}
-    for dotted, name in env_names(cls).items():
-        if environ.get(name):
+    out = {} if out is None else out
+    for dotted, (info, model) in leaves(cls).items():
+        prefix = model.model_config.get("env_prefix") if model is not cls else ""
+        name = _extra(info).get("env") or prefix and (prefix + dotted.rsplit(".", 1)[-1]).upper()
+        if name and environ.get(name):
             set_dotted(out, dotted, environ[name])
-    return out
-
-
-def env_names(cls: type[BaseModel], prefix: str = "", env_prefix: str = "") -> dict[str, str]:
-    """``{dotted field: ENV_VAR}`` of every field that reads one."""
-    out: dict[str, str] = {}
-    for name, info in cls.model_fields.items():
-        dotted = prefix + name
-        sub = model_type(info.annotation)
-        if sub is not None:
-            sub_prefix = str(sub.model_config.get("env_prefix", "") or "")
-            out |= env_names(sub, dotted + ".", sub_prefix)
-        elif _extra(info).get("env"):
-            out[dotted] = str(_extra(info)["env"])
-        elif env_prefix:  # a pydantic_settings.BaseSettings section: PREFIX + FIELD
-            out[dotted] = (env_prefix + name).upper()
     return out

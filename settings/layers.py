@@ -1,32 +1,26 @@
-"""Layered resolution of one nested config (``launch.run_config.RunConfig`` or a single
-service's section), lowest first: field defaults < file < environment < command line
-(docs/RECIPES.md). The environment and the command line are read by pydantic-settings'
-own sources: ``SHOP_R1_<SECTION>__<FIELD>`` variables (plus the names a field declares with
-``settings.flags.from_env``) and dotted ``--section.field value`` flags.
-
-Each layer is a nested mapping; top-level shortcut keys (:data:`SHORTCUTS`) fill the fields
-they stand for inside their own layer, where it does not set them itself, and so do a
-class's setter aliases (``clip_eps``: :func:`expand_setters`, called by :func:`merge`). A service started
-on its own reads its section the same way (``settings.cli``). Imports neither torch nor
-any service package.
-"""
+"""Layered resolution of one nested config (``launch.run_config.RunConfig`` or one service's
+section), lowest first: field defaults < file < environment < command line; shortcuts and
+setter aliases fill their fields inside their own layer (docs/RECIPES.md). Imports neither
+torch nor any service package."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import reduce
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import EnvSettingsSource
 
-from settings.flags import env_names, set_dotted, setter_paths
+from settings.flags import env_values, set_dotted, setter_paths
 from settings.recipe import RecipeError, model_type
 
 M = TypeVar("M", bound=BaseModel)
 ENV_PREFIX = "SHOP_R1_"
 Layer = tuple[str, Mapping[str, Any]]
+_UNSET = object()
 
 SHORTCUTS: dict[str, tuple[str, ...]] = {
     "model": ("trainer.sft.model_name", "trainer.grpo.model_name", "env.tokenizer", "vllm.model"),
@@ -64,30 +58,11 @@ class Resolved:
 
     def section(self, path: str) -> Resolved:
         """The section at dotted ``path`` with its own sources (``trainer.grpo``)."""
-        obj = self.config
-        for part in path.split("."):
-            obj = getattr(obj, part)
         n = len(path) + 1
-        return Resolved(obj, {k[n:]: v for k, v in self.sources.items() if k[:n] == path + "."})
-
-
-def _get(d: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
-    for part in dotted.split("."):
-        if not isinstance(d, Mapping) or part not in d:
-            return False, None
-        d = d[part]
-    return True, d
-
-
-def _setdefault(d: dict[str, Any], dotted: str, value: Any) -> None:
-    *parents, last = dotted.split(".")
-    for p in parents:
-        d = d.setdefault(p, {})
-    if last not in d:  # first: a shortcut's vLLM argument goes before the section's own
-        items = list(d.items())
-        d.clear()
-        d[last] = value
-        d.update(items)
+        return Resolved(
+            reduce(getattr, path.split("."), self.config),
+            {k[n:]: v for k, v in self.sources.items() if k[:n] == path + "."},
+        )
 
 
 def snake(value: Any, key: str = "") -> Any:
@@ -106,38 +81,16 @@ def expand(layer: Mapping[str, Any], shortcuts: Mapping[str, Sequence[str]]) -> 
         common = {k: v for k, v in trainer.items() if k not in ("sft", "grpo")}
         out["trainer"] = {c: {**common, **(trainer.get(c) or {})} for c in ("sft", "grpo")}
     for key, targets in reversed(shortcuts.items()):
-        given, value = _get(out, key)
-        for target in targets if given else ():
+        value: Any = out
+        for part in key.split("."):
+            value = value.get(part, _UNSET) if isinstance(value, Mapping) else _UNSET
+        for target in targets if value is not _UNSET else ():
             path, _, template = target.partition("=")
             if template == "not":
                 value_at = not value
             else:
                 value_at = template.format(value) if template and value is not None else value
-            _setdefault(out, path, value_at)
-    return out
-
-
-def _record(sources: dict[str, str], prefix: str, value: Any, label: str) -> None:
-    if isinstance(value, Mapping) and value:
-        for k, v in value.items():
-            _record(sources, f"{prefix}.{k}", v, label)
-    else:
-        sources[prefix] = label
-
-
-def expand_setters(cls: type[BaseModel] | None, layer: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``layer`` with each of ``cls.setter_aliases`` it gives (``clip_eps``) replaced by the
-    fields that name sets, except those the layer sets itself: an explicit ``clip_low`` beats
-    ``clip_eps`` in one layer, and a higher layer's ``clip_eps`` beats a lower one's
-    ``clip_low``. ``None`` sets nothing (files written while ``clip_eps`` was a field)."""
-    setters = getattr(cls, "setter_aliases", {})
-    if not any(name in layer for name in setters):
-        return layer
-    out = dict(layer)
-    for name, targets in setters.items():
-        value = out.pop(name, None)
-        for target in targets if value is not None else ():
-            out.setdefault(target, value)
+            set_dotted(out, path, value_at, first=True)
     return out
 
 
@@ -150,14 +103,18 @@ def merge(
     prefix: str = "",
 ) -> None:
     """``over`` onto ``base``: mappings merge key by key (``rewards`` is replaced whole); a
-    layer that sets one field of a class's ``exclusive_fields`` group drops the others; setter
-    aliases are resolved here, the one place every layer goes through (:func:`expand_setters`)."""
-    over = expand_setters(cls, over)
+    layer that sets one field of a class's ``exclusive_fields`` group drops the others; each
+    setter alias (``clip_eps``) sets the fields it names that the layer does not set itself."""
+    over = dict(over)
+    for name, targets in getattr(cls, "setter_aliases", {}).items():
+        value = over.pop(name, None)  # None sets nothing (files of when clip_eps was a field)
+        for target in targets if value is not None else ():
+            over.setdefault(target, value)
     for group in getattr(cls, "exclusive_fields", ()):
         if any(k in over for k in group):
             for k in (k for k in group if k not in over):
                 base.pop(k, None)
-                for s in [s for s in sources if s == prefix + k or s.startswith(prefix + k + ".")]:
+                for s in [s for s in sources if s == prefix + k or s.startswith(f"{prefix}{k}.")]:
                     del sources[s]
     for key, value in over.items():
         info = cls.model_fields.get(key) if cls is not None else None
@@ -171,9 +128,16 @@ def merge(
             _record(sources, prefix + key, value, label)
 
 
+def _record(sources: dict[str, str], prefix: str, value: Any, label: str) -> None:
+    if isinstance(value, Mapping) and value:
+        for k, v in value.items():
+            _record(sources, f"{prefix}.{k}", v, label)
+    else:
+        sources[prefix] = label
+
+
 def resolve(cls: type[M], layers: Sequence[Layer]) -> Resolved:
-    """Merge ``(label, values)`` layers, lowest first, and validate (a clear error naming the
-    layers)."""
+    """Merge ``(label, values)`` layers, lowest first, and validate (an error names them)."""
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for label, layer in layers:
@@ -188,10 +152,8 @@ def resolve(cls: type[M], layers: Sequence[Layer]) -> Resolved:
 def env_layer(
     cls: type[BaseModel], path: str = "", environ: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
-    """The environment's values for ``cls`` (the section at dotted ``path`` of a run):
-    ``SHOP_R1_<PATH>__<FIELD>`` by pydantic-settings' convention (``__`` between levels), then
-    the variables fields declare (``SHOP_R1_API_TOKEN``, ``GAIL_USE``, ...), which win. A
-    setter alias reads its own (``SHOP_R1_TRAINER__GRPO__CLIP_EPS``)."""
+    """The environment's values for ``cls``, the section at dotted ``path`` of a run:
+    ``SHOP_R1_<PATH>__<FIELD>`` (a setter alias too), then the names fields declare, which win."""
     environ = os.environ if environ is None else environ
     prefix = ENV_PREFIX + "".join(p.upper() + "__" for p in path.split(".") if p)
     source = EnvSettingsSource(
@@ -202,8 +164,5 @@ def env_layer(
     for dotted in setter_paths(cls):  # no field, so pydantic-settings skips it at the top
         value = source.env_vars.get((prefix + dotted.replace(".", "__")).lower())
         if value:
-            _setdefault(out, dotted, value)
-    for dotted, name in env_names(cls).items():  # the declared names win
-        if environ.get(name):
-            set_dotted(out, dotted, environ[name])
-    return out
+            set_dotted(out, dotted, value, first=True)
+    return env_values(cls, environ, out)

@@ -326,7 +326,7 @@ class GrpoConfig(CommonConfig):
     setter_aliases: ClassVar[dict[str, tuple[str, ...]]] = {"clip_eps": ("clip_low", "clip_high")}
     """Names that set several fields (a flag, a file key, an environment variable, never a
     field): Atropos' symmetric ``--clip-eps X`` is ``clip_low`` and ``clip_high`` both X,
-    except a bound the same layer sets itself (``settings.layers.expand_setters``)."""
+    except a bound the same layer sets itself (``settings.layers.merge``)."""
 
     @model_validator(mode="after")
     def _check_grpo(self) -> GrpoConfig:

@@ -4,14 +4,8 @@
 Runs vLLM's own OpenAI server (in this process) with the bridge plugin enabled: parses the
 bridge flags, passes every other flag to vLLM, sets the environment the plugin reads, writes
 the per-run bridge config file, then hands over to ``vllm.entrypoints.openai.api_server``.
-
-``--config FILE`` (alias ``--recipe``): a run file's ``vllm:`` section (and its shared
-``model``, ``seed``, ``output_dir``), or a flat file of the same keys (what launch/run_all.sh
-writes to ``<run>/config/vllm.yaml``), checked and typed by ``vllm_patching.config.VllmConfig``,
-become arguments placed before the command line's, a flag given on the command line replacing
-the file's (docs/RECIPES.md): ``key: value`` -> ``--key value``, ``true`` -> ``--key``,
-``false`` -> ``--no-key`` (bridge options: omitted), a list -> ``--key a b``, a mapping ->
-``--key '<json>'``.
+``--config FILE`` (alias ``--recipe``): a file's ``vllm:`` options become arguments placed
+before the command line's (docs/RECIPES.md).
 """
 
 from __future__ import annotations
@@ -57,29 +51,21 @@ their defaults; every other key goes to vLLM."""
 
 
 def file_argv(path: Path) -> list[str]:
-    """A file's ``vllm:`` options as arguments: a run file's section (and the shortcuts vLLM
-    reads; a later file of its ``base:`` chain wins per key) or a flat file
-    (``settings.cli.file_layers``), checked by ``VllmConfig``."""
+    """A file's ``vllm:`` options as arguments (``settings.cli.file_layers``: a later file of a
+    ``base:`` chain wins per key), typed by ``VllmConfig``; a wrong value names the key."""
     from settings.cli import file_layers
 
-    values: dict[str, Any] = {}
-    for _, layer in file_layers(path, "vllm"):
-        values.update(layer)
-    return mapping_argv(typed_values(values, str(path)))
-
-
-def typed_values(values: dict[str, Any], where: str) -> dict[str, Any]:
-    """``values`` as ``VllmConfig`` types them (``"2048"`` -> 2048), in their own order; a wrong
-    value is an error naming the key and ``where``. Keys it does not declare pass as they are."""
+    values = {k: v for _, layer in file_layers(path, "vllm") for k, v in layer.items()}
     try:
         data = VllmConfig.model_validate(values).model_dump()
     except ValidationError as e:
-        raise RecipeError(f"{where}: invalid vllm options:\n{e}") from None
-    return {key: data[key] for key in values}
+        raise RecipeError(f"{path}: invalid vllm options:\n{e}") from None
+    return mapping_argv({key: data[key] for key in values})
 
 
 def mapping_argv(values: Mapping[str, Any]) -> list[str]:
-    """``{key: value}`` as vLLM / bridge arguments (see the module's docstring)."""
+    """``{key: value}`` as arguments: ``--key value``, true ``--key``, false ``--no-key`` (a
+    bridge option: omitted), a list ``--key a b``, a mapping ``--key '<json>'``."""
     argv: list[str] = []
     for key, value in values.items():
         flag = "--" + str(key).replace("_", "-")
