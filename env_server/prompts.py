@@ -101,13 +101,41 @@ def build_messages(
     if max_context_tokens is None:
         return _messages(_history(pages, actions, 0))
     count = token_counter(tokenizer)
-    fixed = count(SYSTEM_PROMPT)
-    for omitted in range(len(pages)):
-        user = _history(pages, actions, omitted)
-        if fixed + count(user) <= max_context_tokens:
-            return _messages(user)
+    omitted = _fewest_omitted(pages, actions, count, max_context_tokens - count(SYSTEM_PROMPT))
+    if omitted is not None:
+        return _messages(_history(pages, actions, omitted))
     render = lambda p, a: _history(p, a, len(p) - 1)  # noqa: E731
     return _fit_current(render, pages, actions, tokenizer, max_context_tokens)
+
+
+def _fewest_omitted(
+    pages: Sequence[str], actions: Sequence[str], count: Callable[[str], int], budget: int
+) -> int | None:
+    """The fewest oldest pages whose HTML must be omitted for the history to fit ``budget``
+    tokens; None when even omitting every earlier page is not enough.
+
+    The answer of trying 0, 1, 2, ... omitted pages in turn (each page omitted shortens the
+    history), found with a few tokenizations instead of one per page: the history's tokens
+    per character give a first guess, then real counts walk to the first omission that fits.
+    """
+    fits = lambda k: count(_history(pages, actions, k)) <= budget  # noqa: E731
+    full = _history(pages, actions, 0)
+    tokens = count(full)
+    if tokens <= budget:
+        return 0
+    last = len(pages) - 1
+    per_char = tokens / len(full)
+    estimate = lambda k: len(_history(pages, actions, k)) * per_char  # noqa: E731
+    k = next((k for k in range(1, last) if estimate(k) <= budget), last)
+    if fits(k):
+        while k > 1 and fits(k - 1):
+            k -= 1
+        return k
+    while k < last:
+        k += 1
+        if fits(k):
+            return k
+    return None
 
 
 def _fit_current(

@@ -158,6 +158,28 @@ def test_prompt_budget_with_the_real_bpe_tokenizer() -> None:
     assert sum(len(tok.encode(m["content"], add_special_tokens=False)) for m in est) <= 600
 
 
+def test_fewest_omitted_pages_equals_trying_each_in_turn() -> None:
+    """The search for the most pages that fit (a guess from characters, then real counts)
+    answers what trying 0, 1, 2, ... omitted pages in turn answers, at every budget from
+    "everything fits" down to "not even the current page": with the real BPE, whose tokens
+    per character vary page by page, so the guess is often off."""
+    from env_server.prompts import _fewest_omitted, _history, token_counter
+    from trainer.tiny_model import train_tokenizer
+
+    count = token_counter(train_tokenizer(iter_corpus_texts(num_sessions=40, seed=0), 2048))
+    dsd = build_dataset(num_sessions=60, seed=0)
+    rows = sorted(dsd["train"], key=lambda r: len(r["pages"]))[-12:]  # the longest sessions
+    checked = set()
+    for row in rows:
+        pages, actions = row["pages"], row["previous_actions"]
+        sizes = [count(_history(pages, actions, k)) for k in range(len(pages))]
+        for budget in sorted({*sizes, *(n - 1 for n in sizes), sizes[0] + 5, sizes[-1] // 2}):
+            scan = next((k for k, n in enumerate(sizes) if n <= budget), None)
+            assert _fewest_omitted(pages, actions, count, budget) == scan, (row["step"], budget)
+            checked.add(scan)
+    assert None in checked and 0 in checked and len(checked) > 5  # every kind of answer
+
+
 def test_build_messages_rejects_misaligned_rows() -> None:
     with pytest.raises(ValueError, match="previous action"):
         build_messages({"pages": ["<p>a</p>", "<p>b</p>"], "previous_actions": []})
