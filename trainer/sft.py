@@ -20,8 +20,8 @@ from trainer.model import LoadedModel, autocast
 from trainer.optim import clip_and_step
 from trainer.run import Run, release_freed_memory, start_run
 from trainer.sft_data import (
+    LazySplit,
     SftExample,
-    encode_split,
     epoch_order,
     load_or_build_dataset,
 )
@@ -34,9 +34,10 @@ def train(cfg: SftConfig) -> Run:
     lm, state = run.loaded, run.state
     work = Work.of(run.dist)
     data = load_or_build_dataset(cfg.data_dir, cfg.num_sessions, cfg.seed)
-    train_set = encode_split(data["train"], lm.tokenizer, cfg.max_seq_len, cfg.latest_only)
-    val_set = encode_split(data["validation"], lm.tokenizer, cfg.max_seq_len, cfg.latest_only)
-    log.info("SFT: %d train / %d validation examples", len(train_set), len(val_set))
+    train_set = LazySplit(data["train"], lm.tokenizer, cfg.max_seq_len, cfg.latest_only)
+    val_set = LazySplit(data["validation"], lm.tokenizer, cfg.max_seq_len, cfg.latest_only)
+    held_out = val_set.first(cfg.eval_examples)
+    log.info("SFT: %d train / %d validation rows", len(train_set), len(val_set))
     bar = tqdm(
         total=cfg.training_steps,
         initial=state.step,
@@ -60,7 +61,7 @@ def train(cfg: SftConfig) -> Run:
             }
             last = state.step == cfg.training_steps
             if state.step % cfg.eval_every == 0 or last:
-                row["val_loss"] = validation_loss(lm, val_set[: cfg.eval_examples], cfg, work)
+                row["val_loss"] = validation_loss(lm, held_out, cfg, work)
             if state.step % cfg.save_every == 0 or last:
                 run.checkpoint()
             run.metrics.log(state.step, row)
@@ -85,16 +86,24 @@ def train(cfg: SftConfig) -> Run:
     return run
 
 
-def _next_batch(examples: list[SftExample], cfg: SftConfig, state) -> list[SftExample]:
-    """The next ``batch_size`` examples; the cursor (epoch, index) lives in the checkpoint."""
+def _next_batch(rows: LazySplit, cfg: SftConfig, state) -> list[SftExample]:
+    """The next ``batch_size`` examples of the shuffled rows (a row that does not fit is
+    skipped); the cursor (epoch, index) lives in the checkpoint."""
     batch: list[SftExample] = []
-    order = epoch_order(len(examples), cfg.seed, state.data_epoch)
+    order = epoch_order(len(rows), cfg.seed, state.data_epoch)
+    drawn = 0
     while len(batch) < cfg.batch_size:
-        if state.data_index >= len(order):
-            state.data_epoch, state.data_index = state.data_epoch + 1, 0
-            order = epoch_order(len(examples), cfg.seed, state.data_epoch)
-        batch.append(examples[order[state.data_index]])
-        state.data_index += 1
+        if drawn > len(rows):
+            raise ValueError(f"no example fits max_seq_len={cfg.max_seq_len}")
+        want = []
+        while len(want) < cfg.batch_size - len(batch):
+            if state.data_index >= len(order):
+                state.data_epoch, state.data_index = state.data_epoch + 1, 0
+                order = epoch_order(len(rows), cfg.seed, state.data_epoch)
+            want.append(order[state.data_index])
+            state.data_index += 1
+        drawn += len(want)
+        batch += rows.take(want)
     return batch
 
 

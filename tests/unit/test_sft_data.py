@@ -1,5 +1,7 @@
 """SFT examples (trainer/sft_data.py): encoded on several threads, the examples and their
-order are those of one thread, and rows that cannot fit are left out of both alike."""
+order are those of one thread, and rows that cannot fit are left out of both alike; encoded
+lazily (``LazySplit``, what ``trainer.sft`` reads), the batches are those of the whole split
+encoded first when every row fits, and a row that does not fit is skipped where it is drawn."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import torch
 from transformers import AutoTokenizer
 
 from env_server.data.dataset import build_dataset
-from trainer.sft_data import encode_example, encode_split
+from trainer.config import SftConfig
+from trainer.sft import _next_batch
+from trainer.sft_data import LazySplit, encode_example, encode_split, epoch_order
 
 pytestmark = pytest.mark.unit
 
@@ -33,3 +37,53 @@ def test_threaded_encoding_equals_one_thread(tiny_model_dir: Path, max_seq_len: 
     assert [(e.tokens, e.loss_mask, e.prompt_len) for e in many] == [
         (e.tokens, e.loss_mask, e.prompt_len) for e in kept
     ]
+
+
+class _Cursor:
+    data_epoch = 0
+    data_index = 0
+
+
+def _batches(rows: LazySplit, n: int, batch_size: int) -> list[list[list[int]]]:
+    cfg = SftConfig(
+        batch_size=batch_size, micro_batch_size=batch_size, max_seq_len=rows.max_seq_len
+    )
+    cursor = _Cursor()
+    return [[e.tokens for e in _next_batch(rows, cfg, cursor)] for _ in range(n)]
+
+
+def test_lazy_batches_equal_the_encoded_split_when_every_row_fits(tiny_model_dir: Path) -> None:
+    rows = build_dataset(num_sessions=30, seed=0)["train"].to_list()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    eager = encode_split(rows, tok, 1024, latest_only=False)
+    assert len(eager) == len(rows)
+    lazy = LazySplit(rows, tok, 1024, latest_only=False)
+    # what trainer.sft drew before: epoch orders over the encoded split, 8 at a time
+    n = 2 * len(rows) // 8 + 3  # into the third epoch
+    order = [i for epoch in range(3) for i in epoch_order(len(eager), 0, epoch)]
+    want = [[eager[i].tokens for i in order[b * 8 : b * 8 + 8]] for b in range(n)]
+    assert _batches(lazy, n, 8) == want
+    assert [e.tokens for e in lazy.first(5)] == [e.tokens for e in eager[:5]]
+
+
+def test_lazy_split_skips_rows_that_do_not_fit(
+    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rows = build_dataset(num_sessions=30, seed=0)["train"].to_list()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    fits = {i for i, r in enumerate(rows) if encode_example(r, tok, 400) is not None}
+    assert 0 < len(fits) < len(rows)
+    lazy = LazySplit(rows, tok, 400, latest_only=False)
+    batches = _batches(lazy, 6, 8)
+    assert all(len(b) == 8 for b in batches)
+    kept = {tuple(encode_example(rows[i], tok, 400).tokens) for i in fits}
+    assert all(tuple(t) in kept for b in batches for t in b)
+    assert "does not fit max_seq_len=400; skipped" in caplog.text
+    assert len(lazy.first(10)) == 10
+
+
+def test_no_row_fits_is_an_error(tiny_model_dir: Path) -> None:
+    rows = build_dataset(num_sessions=30, seed=0)["train"].to_list()[:20]
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with pytest.raises(ValueError, match="no example fits max_seq_len=20"):
+        _batches(LazySplit(rows, tok, 20, latest_only=False), 1, 4)
