@@ -262,8 +262,8 @@ async def generate_completions(
 
     async def one(row: Mapping[str, Any]) -> str:
         nonlocal done
-        ids = prompt_ids(row, tokenizer, max_prompt_tokens, latest_only)
-        async with sem:
+        async with sem:  # encoded when its turn comes: the first requests go out at once
+            ids = prompt_ids(row, tokenizer, max_prompt_tokens, latest_only)
             batch = await client.complete(ids, n=1, max_tokens=max_tokens, temperature=0.0)
         done += 1
         if on_done is not None:
@@ -299,10 +299,12 @@ def log_progress(done: int, total: int) -> None:
 async def _predict_with_model(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]:
     from transformers import AutoTokenizer
 
-    from env_server.inference import InferenceClient
+    from env_server.inference import InferenceClient, wait_ready
 
     client = InferenceClient(args.inference_url, args.model, max_attempts=args.max_attempts)
     try:
+        if args.wait_for_server > 0:
+            await wait_ready(args.inference_url, args.wait_for_server)
         _, root = await client.discover() if args.model is None else (args.model, None)
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or root)
         return await generate_completions(
@@ -385,6 +387,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help=f"requests in flight (default {CONCURRENCY}: vLLM batches their decoding)",
     )
     ap.add_argument("--max-attempts", type=int, default=5, help="tries per request")
+    ap.add_argument(
+        "--wait-for-server",
+        type=float,
+        default=0.0,
+        help="seconds to wait for the server's /health first (0: it must be up)",
+    )
     ap.add_argument("--out-dir", type=Path, default=Path("runs/eval"), help="where outputs go")
     ap.add_argument(
         "--env-config",

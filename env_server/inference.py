@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -234,3 +235,19 @@ class InferencePool:
                 {c.base_url: k for c, k in zip(self.clients, self.served, strict=True)},
             )
         await asyncio.gather(*(c.aclose() for c in self.clients))
+
+
+async def wait_ready(url: str, seconds: float) -> None:
+    """Wait until the server at ``url`` answers ``GET /health`` with 200 (at most ``seconds``):
+    the launcher starts the SFT evaluation while vLLM is still loading."""
+    deadline = time.monotonic() + seconds
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        while True:
+            try:
+                if (await http.get(f"{url.rstrip('/')}/health")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} did not answer /health within {seconds:g} s")
+            await asyncio.sleep(0.5)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from env_server.config import EnvConfig
 from launch.follow import eval_source
-from launch.supervisor import PY, run_step
+from launch.procs import ManagedProcess
+from launch.supervisor import PY, finish_step, start_step
 from launch.threads import light_env
 
 
@@ -19,14 +20,27 @@ def evaluate(label: str, vllm_url: str, samples: int, run_dir: Path, env_file: P
     """Evaluate ``samples`` test steps greedily on ``vllm_url`` into ``run_dir/eval_<label>/``
     with the rollouts' tokenizer, budgets and dataset (``env_file``: the env service's
     config, ``<run>/config/env.yaml``); return its ``metrics.json``."""
-    out = run_dir / f"eval_{label}"
+    return finish_evaluation(start_evaluation(label, vllm_url, samples, run_dir, env_file))
+
+
+def start_evaluation(
+    label: str, vllm_url: str, samples: int, run_dir: Path, env_file: Path, wait_s: float = 0
+) -> ManagedProcess:
+    """:func:`evaluate`, started: with ``wait_s`` it may start before the server is up (it
+    loads its libraries, data and tokenizer meanwhile, then waits for ``/health``)."""
     argv = [PY, "-m", "env_server.evaluate", "--env-config", str(env_file)]
     argv += ["--split", "test", "--limit", str(samples), "--inference-url", vllm_url]
-    argv += ["--out-dir", str(out)]
-    log = run_dir / f"eval_{label}.log"
-    env = {**os.environ, **light_env()}
-    run_step(f"eval_{label}", argv, log, env, f"evaluate {label.upper()}", eval_source(log))
-    return json.loads((out / "metrics.json").read_text())
+    argv += ["--out-dir", str(run_dir / f"eval_{label}"), "--wait-for-server", f"{wait_s:g}"]
+    return start_step(
+        f"eval_{label}", argv, run_dir / f"eval_{label}.log", {**os.environ, **light_env()}
+    )
+
+
+def finish_evaluation(proc: ManagedProcess) -> dict:
+    """Wait for an evaluation :func:`start_evaluation` started; its ``metrics.json``."""
+    label = proc.name.removeprefix("eval_")
+    finish_step(proc, f"evaluate {label.upper()}", eval_source(proc.log_path))
+    return json.loads((proc.log_path.parent / proc.name / "metrics.json").read_text())
 
 
 def pages_table(run_dir: Path, samples: int, env_cfg: EnvConfig) -> str:

@@ -30,7 +30,7 @@ import httpx
 from launch import progress
 from launch.configs import preset_model, resolve_for_run, write_service_configs
 from launch.eval_table import eval_table
-from launch.evaluation import evaluate, pages_table
+from launch.evaluation import evaluate, finish_evaluation, pages_table, start_evaluation
 from launch.follow import LogSource, grpo_source
 from launch.placement import (
     Placement,
@@ -232,22 +232,30 @@ def launch(argv: list[str], cfg: RunConfig, stack: Stack, run_dir: Path) -> int:
         f"({cfg.weight_bridge_mode}{', single copy' if cfg.single_copy else ''}) on {model}...",
         flush=True,
     )
-    servers = start_vllm_servers(
-        cfg, ports, files["vllm"], place, model, token, stack, run_dir, threads
-    )
+    samples = lc.eval_samples
+    done = run_dir / "eval_sft" / "metrics.json"
+    reuse = bool(samples and lc.resume and done.exists())
+    sft_eval = None
+    if samples and not reuse:  # it loads while vLLM starts, then waits for its /health
+        url = f"http://127.0.0.1:{ports[0]}"  # the evaluations ask the first server
+        sft_eval = start_evaluation("sft", url, samples, run_dir, files["env"], lc.health_timeout)
+    try:
+        servers = start_vllm_servers(
+            cfg, ports, files["vllm"], place, model, token, stack, run_dir, threads
+        )
+    except BaseException:
+        if sft_eval is not None:
+            sft_eval.stop()
+        raise
     services.advance(len(servers))
     services.finish()
     server = servers[0]  # the evaluations ask the first one
 
-    samples = lc.eval_samples
-    done = run_dir / "eval_sft" / "metrics.json"
-    if samples and lc.resume and done.exists():
+    if reuse:
         print(f"[run_all] SFT evaluation: reusing {done} (--resume)", flush=True)
         sft_metrics = json.loads(done.read_text())
     else:
-        sft_metrics = (
-            evaluate("sft", server.base_url, samples, run_dir, files["env"]) if samples else None
-        )
+        sft_metrics = finish_evaluation(sft_eval) if sft_eval is not None else None
 
     stack.start("env", [PY, "-m", "env_server", "--config", str(files["env"])], light)
     argv = trainer_argv(cfg, files["trainer_grpo"], token)

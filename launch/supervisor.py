@@ -1,6 +1,7 @@
 """The processes ``launch/run_all.sh`` supervises: the services it keeps running (``Stack``,
 stopped in reverse start order, their PIDs in ``pids.json``) and the preparation and
-evaluation commands it runs in the foreground (``run_step``). Each is a ``ManagedProcess``
+evaluation commands it runs in the foreground (``run_step``, or ``start_step`` then
+``finish_step`` when one overlaps other work). Each is a ``ManagedProcess``
 (launch/procs.py): own process group, own log under the run directory. Their memory is
 sampled while they run, so that a death says whether the kernel's OOM killer did it, with the
 figures (launch/exits.py).
@@ -95,11 +96,24 @@ def run_step(
 ) -> None:
     """A preparation command in the foreground (stopped by PID if we are interrupted), shown
     on the console as phase ``title`` (launch/progress.py; ``source``: its latest log line)."""
+    finish_step(start_step(name, argv, log, env), title, source)
+
+
+def start_step(
+    name: str, argv: list[str], log: Path, env: dict[str, str] | None = None
+) -> ManagedProcess:
+    """Start a step that :func:`finish_step` waits for later (work that overlaps another's)."""
     print(f"[run_all] {name}: {' '.join(argv[1:])}  (log: {log})", flush=True)
-    proc = ManagedProcess(name, argv, log, env=env).start()
+    return ManagedProcess(name, argv, log, env=env).start()
+
+
+def finish_step(
+    proc: ManagedProcess, title: str | None = None, source: Source | None = None
+) -> None:
+    """Wait for a started step as phase ``title``; its failure is a ``ServiceFailed``."""
     watch = MemoryWatch(proc.pid)
     try:
-        with progress.phase(title or name, source=source or LogSource(log)):
+        with progress.phase(title or proc.name, source=source or LogSource(proc.log_path)):
             while proc.popen.poll() is None:
                 watch.sample()
                 try:
@@ -110,9 +124,11 @@ def run_step(
     finally:
         proc.stop()
     if rc != 0:
-        why = explain(name, rc, log, watch)
+        why = explain(proc.name, rc, proc.log_path, watch)
         why = f"\n{why}" if why else ""
-        raise ServiceFailed(f"{name} failed (exit {rc}); read {log}:\n{tail(log, 20)}{why}")
+        raise ServiceFailed(
+            f"{proc.name} failed (exit {rc}); read {proc.log_path}:\n{tail(proc.log_path, 20)}{why}"
+        )
 
 
 def wait_http(proc: ManagedProcess, url: str, timeout: float) -> None:
