@@ -3,30 +3,18 @@ SFT tokens per second, measured in one run.
 
     flock /tmp/heavy.lock .venv/bin/python bench/trainer_packing.py --preset cpu-smol \\
         --group-sizes 4,8,16 [--rounds 2] [--sft]
-    flock /tmp/heavy.lock .venv/bin/python bench/trainer_packing.py --preset cpu-tiny
 
-Each point (packing x group size) runs in a fresh process (so its peak memory is its own):
-the preset's trainer settings (model, precision, KL reference, micro-batch tokens), a
-warm-up step on a small batch, then one measured ``grpo_step`` (scoring pass, reference pass
-if the preset has a KL term, loss + backward, AdamW) on ``--groups`` groups. The prompts are
-real Shop-R1 prompts (validation rows, chat-templated by the preset's tokenizer, the oldest
-pages dropped to fit ``--prompt-tokens`` as the env does); completions are random tokens of
-``--completion-tokens`` (a range: lengths drawn uniformly). The points are interleaved: round
-r runs every point once, so a load change on a shared box hits them alike; the median over
-rounds is reported. ``--orders fused,two_pass`` measures the packed step in both orders
-(trainer/grpo_step.py ``fused``: one policy forward whose logits are scored and trained on,
-against a no-grad scoring pass before the loss pass) with one micro-batch for the whole step
-(``micro_batch_tokens`` raised to fit it), under keys ``.../prefix_tree/<order>/G<g>``.
-``--sft`` adds SFT rows: one optimizer step of the preset's SFT batch on
-real examples, padded vs packed, as target and total tokens per second. Results:
-docs/results/trainer_packing.json under ``<preset>/<kind>/<packing>/...``.
-
-``--device cuda`` measures on the GPU (bf16 under the presets' ``precision: auto``; the step
-timed between ``torch.cuda.synchronize`` calls, CUDA peak memory beside the process's RSS;
-keys ``<preset>/cuda/...``), ``--steps N`` the median of N measured steps per process. A
-machine without the dataset (the lent GPU machines) reads the prompts and SFT examples from
-``--inputs FILE``, written where the dataset is by ``--write-inputs FILE`` with the same
-preset, model and rounds (bench/cuda_rows.sh does both ends).
+Each point (packing x group size) runs in a fresh process (its peak memory is its own): the
+preset's trainer settings, a warm-up step, then ``--steps`` measured ``grpo_step`` calls
+(median) on ``--groups`` groups of real Shop-R1 prompts (validation rows, chat-templated,
+fitted to ``--prompt-tokens`` as the env fits them) with random completions of
+``--completion-tokens``. Points are interleaved (round r runs each once; medians over rounds).
+``--orders fused,two_pass`` times the packed step's two orders on one micro-batch (keys
+``.../prefix_tree/<order>/G<g>``); ``--sft`` adds one SFT step of the preset's batch, padded vs
+packed. ``--device cuda``: on the GPU (steps timed between ``torch.cuda.synchronize`` calls,
+the CUDA allocator's peak; keys ``<preset>/cuda/...``). A machine without the dataset reads
+the prompts and examples from ``--inputs FILE``, written by ``--write-inputs FILE`` where the
+dataset is (bench/cuda_rows.sh). Results: docs/results/trainer_packing.json (``--out``).
 """
 
 from __future__ import annotations
