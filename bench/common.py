@@ -155,6 +155,24 @@ def write_result(path: Path, key: str, value: Any) -> dict[str, Any]:
     return data
 
 
+def run_child(script: str | Path, spec: dict[str, Any], timeout: float = 3600) -> dict[str, Any]:
+    """One measured point in a fresh process (its memory, threads and kernels its own):
+    ``python SCRIPT --child SPEC``, which prints its result as a ``RESULT <json>`` line."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, str(script), "--child", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        raise SystemExit(f"point {spec} failed:\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
 def parse_list(text: str, cast: type = int) -> list[Any]:
     """``"4,8,16"`` -> ``[4, 8, 16]`` (for sweep flags)."""
     items = [t.strip() for t in text.split(",") if t.strip()]

@@ -24,7 +24,6 @@ import json
 import random
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.common import RESULTS, machine, parse_list, write_result  # noqa: E402
+from bench.common import RESULTS, machine, parse_list, run_child, write_result  # noqa: E402
 
 if TYPE_CHECKING:
     from api.protocol import ScoredGroup
@@ -246,31 +245,20 @@ def write_inputs(path: Path, specs: list[dict[str, Any]], rounds: int) -> None:
     from trainer.config import SftConfig
 
     out: dict[str, Any] = {}
+    tokenizers: dict[str, Any] = {}
     for spec in specs:
-        tokenizer = AutoTokenizer.from_pretrained(spec["model"])
-        fields = {k: v for k, v in spec["section"].items() if k in SftConfig.model_fields}
-        cfg = SftConfig(**{**fields, "model_name": spec["model"]})
         for seed in range(rounds):
             key = f"{spec['kind']}/{seed}"
-            if key not in out:
-                got = inputs_of({**spec, "seed": seed, "inputs": None}, tokenizer, cfg)
-                out[key] = got if spec["kind"] == "grpo" else [asdict(e) for e in got]
+            if key in out:
+                continue
+            if spec["model"] not in tokenizers:
+                tokenizers[spec["model"]] = AutoTokenizer.from_pretrained(spec["model"])
+            fields = {k: v for k, v in spec["section"].items() if k in SftConfig.model_fields}
+            cfg = SftConfig(**{**fields, "model_name": spec["model"]})
+            got = inputs_of({**spec, "seed": seed, "inputs": None}, tokenizers[spec["model"]], cfg)
+            out[key] = got if spec["kind"] == "grpo" else [asdict(e) for e in got]
     path.write_text(json.dumps(out))
     print(f"{len(out)} inputs (kind/round) written to {path}")
-
-
-def run_child(spec: dict[str, Any]) -> dict[str, Any]:
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=3600,
-        check=False,
-    )
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-    if out.returncode != 0 or not lines:
-        raise SystemExit(f"point {spec} failed:\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def main() -> None:
@@ -360,7 +348,7 @@ def main() -> None:
     results: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(specs))}
     for rnd in range(a.rounds):
         for i, spec in enumerate(specs):
-            r = run_child({**spec, "seed": rnd})
+            r = run_child(__file__, {**spec, "seed": rnd})
             results[i].append(r)
             print(
                 f"round {rnd} {spec['kind']} {spec['packing']} {spec.get('order') or ''} "

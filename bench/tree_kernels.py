@@ -23,7 +23,6 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.common import RESULTS, machine, parse_list, write_result  # noqa: E402
+from bench.common import RESULTS, machine, parse_list, run_child, write_result  # noqa: E402
 from bench.trainer_packing import _preset, groups_of, real_prompts  # noqa: E402
 
 KERNELS = ("before", "after")
@@ -147,9 +146,7 @@ def main() -> None:
     runs: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(specs))}
     for rnd in range(a.rounds):
         for i, spec in enumerate(specs):
-            argv = [sys.executable, __file__, "--child", json.dumps({**spec, "seed": rnd})]
-            out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
-            r = json.loads(next(x for x in out.splitlines() if x.startswith("RESULT "))[7:])
+            r = run_child(__file__, {**spec, "seed": rnd})
             runs[i].append(r)
             print(
                 f"round {rnd} {spec['kind']} t{spec['threads']} {spec['kernel']}: "
