@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -239,15 +238,22 @@ class InferencePool:
 
 async def wait_ready(url: str, seconds: float) -> None:
     """Wait until the server at ``url`` answers ``GET /health`` with 200 (at most ``seconds``):
-    the launcher starts the SFT evaluation while vLLM is still loading."""
-    deadline = time.monotonic() + seconds
+    the launcher starts the SFT evaluation while vLLM is still loading. Polled under the
+    project's retry policy, backing off to 0.5 s, as the launcher's own health waits."""
+    health = f"{url.rstrip('/')}/health"
     async with httpx.AsyncClient(timeout=5.0) as http:
-        while True:
-            try:
-                if (await http.get(f"{url.rstrip('/')}/health")).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass  # not listening yet
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url} did not answer /health within {seconds:g} s")
-            await asyncio.sleep(0.5)
+
+        async def answered() -> None:
+            (await http.get(health)).raise_for_status()
+
+        policy = RetryPolicy(deadline_s=seconds, base_s=0.1, cap_s=0.5)
+        try:
+            await retry_call_async(
+                answered, f"GET {health}", _not_yet, policy, logger=log, level=logging.DEBUG
+            )
+        except httpx.HTTPError as e:
+            raise TimeoutError(f"{url} did not answer /health within {seconds:g} s ({e!r})") from e
+
+
+def _not_yet(e: BaseException) -> bool:
+    return isinstance(e, httpx.HTTPError)

@@ -237,8 +237,9 @@ def launch(argv: list[str], cfg: RunConfig, stack: Stack, run_dir: Path) -> int:
     reuse = bool(samples and lc.resume and done.exists())
     sft_eval = None
     if samples and not reuse:  # it loads while vLLM starts, then waits for its /health
-        url = f"http://127.0.0.1:{ports[0]}"  # the evaluations ask the first server
-        sft_eval = start_evaluation("sft", url, samples, run_dir, files["env"], lc.health_timeout)
+        sft_eval = start_evaluation(  # the evaluations ask the first server
+            "sft", urls[0], samples, run_dir, files["env"], lc.health_timeout
+        )
     try:
         servers = start_vllm_servers(
             cfg, ports, files["vllm"], place, model, token, stack, run_dir, threads

@@ -76,11 +76,10 @@ def encode_split(
     Rows are encoded on as many threads as torch may use: the fast tokenizer releases the GIL
     while it encodes, which is most of the time here (1.9x on 2 cores; the examples are the
     same as one thread's, tests/unit/test_sft_data.py)."""
-    workers = max(1, min(torch.get_num_threads(), len(os.sched_getaffinity(0))))
     encode = partial(
         encode_example, tokenizer=tokenizer, max_seq_len=max_seq_len, latest_only=latest_only
     )
-    with ThreadPoolExecutor(workers) as pool:
+    with ThreadPoolExecutor(_workers()) as pool:
         examples = [ex for ex in pool.map(encode, rows) if ex is not None]
     skipped = len(rows) - len(examples)
     if skipped:
@@ -108,7 +107,6 @@ class LazySplit:
             encode_example, tokenizer=tokenizer, max_seq_len=max_seq_len, latest_only=latest_only
         )
         self._done: dict[int, SftExample | None] = {}
-        self._workers = max(1, min(torch.get_num_threads(), len(os.sched_getaffinity(0))))
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -117,7 +115,7 @@ class LazySplit:
         """The examples of rows ``indices`` that fit, in that order."""
         todo = [i for i in dict.fromkeys(indices) if i not in self._done]
         rows = [self.rows[i] for i in todo]
-        with ThreadPoolExecutor(self._workers) as pool:
+        with ThreadPoolExecutor(_workers()) as pool:
             encoded = list(pool.map(self._encode, rows))
         for i, ex in zip(todo, encoded, strict=True):
             if ex is None:
@@ -134,6 +132,11 @@ class LazySplit:
             out += self.take(list(range(start, stop)))
             start = stop
         return out
+
+
+def _workers() -> int:
+    """Encoding threads: as many as torch may use, on the CPUs this process may run on."""
+    return max(1, min(torch.get_num_threads(), len(os.sched_getaffinity(0))))
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:

@@ -175,3 +175,36 @@ def test_inference_client_retries_a_dead_server_then_gives_up() -> None:
         httpx.HTTPStatusError("", request=request, response=httpx.Response(400))
     )
     assert not is_transient(ValueError("bad"))
+
+
+def test_wait_ready_waits_through_a_server_that_is_not_up_yet() -> None:
+    """``evaluate --wait-for-server``: 503s (a server still loading) are waited through until
+    /health answers 200; a port nobody listens on is a TimeoutError once the time is up."""
+    import asyncio
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from env_server.inference import wait_ready
+    from settings.ports import free_port
+
+    asked: list[str] = []
+
+    class Loading(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            asked.append(self.path)
+            self.send_response(200 if len(asked) > 2 else 503)
+            self.end_headers()
+
+        def log_message(self, *_args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Loading)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        asyncio.run(wait_ready(f"http://127.0.0.1:{server.server_port}/", 60))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert asked == ["/health"] * 3
+    with pytest.raises(TimeoutError, match="did not answer /health within 1 s"):
+        asyncio.run(wait_ready(f"http://127.0.0.1:{free_port()}", 1))
