@@ -25,14 +25,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 LOG=$OUT/cuda_rows.log
-if ! python3 -c "import pydantic_settings" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || { echo "wheel install failed" | tee "$LOG"; exit 1; }
-    export PYTHONPATH=/tmp/site:$PWD
-fi
-export SHOP_R1_ARTIFACTS=/tmp/cuda_rows_artifacts
-mkdir -p "$SHOP_R1_ARTIFACTS/models"
-cp -r .whl/models/tiny-qwen2 "$SHOP_R1_ARTIFACTS/models/"
+source bench/gpu_env.sh 2>>"$LOG"  # the carried wheels and the tiny model
 {
     nvidia-smi -L
     python3 - <<'PY'
@@ -49,7 +42,7 @@ PY
         --device cuda --inputs .whl/inputs_smol.json --groups 4 --rounds 1 --steps 3 --sft \
         --out "$OUT/trainer_packing_cuda.json"
     timeout 120 python3 bench/trainer_packing.py --preset cpu-tiny \
-        --model "$SHOP_R1_ARTIFACTS/models/tiny-qwen2" --device cuda \
+        --model .whl/models/tiny-qwen2 --device cuda \
         --inputs .whl/inputs_tiny.json --group-sizes 8 --groups 4 --rounds 1 --steps 3 --sft \
         --out "$OUT/trainer_packing_cuda.json"
 } >>"$LOG" 2>&1

@@ -26,23 +26,8 @@ CPU_STEPS=${GPU_CHECK_CPU_STEPS:-1}
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 
-# The image lacks pydantic (trainer.config): install the carried wheels where it does.
-if [ -d .whl ] && ! python3 -c "import pydantic" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || { echo "wheel install failed" | tee "$LOG"; exit 1; }
-    export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-else
-    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
-
-# Building the embedded tiny model trains its tokenizer on the simulator's corpus, which needs
-# the `datasets` package (not in the image): a copy built here travels in .whl/models/, and
-# the bench models reuse its tokenizer (bench/common.py).
-if [ -d .whl/models/tiny-qwen2 ] && ! python3 -c "import datasets" 2>/dev/null; then
-    export SHOP_R1_ARTIFACTS=/tmp/gpu_check_artifacts
-    mkdir -p "$SHOP_R1_ARTIFACTS/models"
-    cp -r .whl/models/tiny-qwen2 "$SHOP_R1_ARTIFACTS/models/"
-fi
+# what the image lacks: the carried wheels and the tiny model (bench/gpu_env.sh)
+source bench/gpu_env.sh
 
 log() { echo "[$(date -u +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$LOG"; }
 
