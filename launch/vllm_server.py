@@ -65,6 +65,11 @@ def cpu_env(token: str | None) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    # One process fewer per server: vLLM's CPU platform runs the model's worker inside the
+    # engine core's process (its ``uni`` executor, the default at world size 1) only when this
+    # is 0; otherwise it spawns the worker as a third process that imports vLLM and torch
+    # again. The OpenAI server still runs its engine core as a process of its own.
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     env["VLLM_NO_USAGE_STATS"] = "1"
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"

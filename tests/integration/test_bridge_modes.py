@@ -178,6 +178,20 @@ def gloo_server(tiny_model_dir, tmp_path_factory) -> Iterator[BridgeServer]:
     server.stop()
 
 
+def test_the_cpu_worker_runs_in_the_engine_core(gloo_server: BridgeServer) -> None:
+    """On the CPU a server is two processes (``launch.vllm_server.cpu_env``): the
+    API server and its engine core, which runs the model's worker (and our bridge's worker
+    extension) itself; vLLM does not start a third process for it."""
+    from launch.lifeline import descendants
+
+    def title(pid: int) -> str:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+
+    titles = [title(p.pid) for p in descendants(gloo_server.proc.pid)]
+    assert titles.count("VLLM::EngineCore") == 1, titles
+    assert not any("Worker" in t for t in titles), titles
+
+
 def test_mutating_routes_need_the_token(gloo_server: BridgeServer) -> None:
     url = gloo_server.base_url
     for path in [
