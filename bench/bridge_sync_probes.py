@@ -70,8 +70,13 @@ class FreezeProbe:
         ctx = mp.get_context("spawn")
         # [window start (monotonic s), longest oversleep inside the window (s)]
         self._state = ctx.Array("d", [time.monotonic(), 0.0])
-        self._proc = ctx.Process(target=_oversleep_loop, args=(self._state,), daemon=True)
+        looping = ctx.Event()
+        self._proc = ctx.Process(target=_oversleep_loop, args=(self._state, looping), daemon=True)
         self._proc.start()
+        # a spawned process takes seconds to start on a busy box: until it loops it sees nothing
+        if not looping.wait(120):
+            self.close()
+            raise RuntimeError("the freeze probe's process did not start within 120 s")
 
     def reset(self) -> None:
         """Open a new window now."""
@@ -89,7 +94,8 @@ class FreezeProbe:
         self._proc.join(5)
 
 
-def _oversleep_loop(state) -> None:
+def _oversleep_loop(state, looping) -> None:
+    looping.set()
     while True:
         due = time.monotonic() + 0.01
         time.sleep(0.01)
