@@ -36,7 +36,27 @@ def _pin_vllm_to_this_workers_core() -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(int(worker[2:]) % cores))
 
 
+def _one_thread_set_per_core() -> None:
+    """Under pytest-xdist, size every OpenMP pool of the run (this worker's torch, and the
+    trainers, environments and launchers it starts, which inherit ``OMP_NUM_THREADS``) to the
+    worker's share of the cores: ``cores // workers``, at least 1.
+
+    torch's default is a thread per core in every process. With two workers on two cores each
+    worker's pool then shares its cores with the other worker's processes, and a pool whose
+    thread is descheduled stalls at every barrier: a tiny model's training step measured 0.2-5 s
+    with 2 threads beside a busy worker and 0.14-0.24 s with 1 (docs/TESTING.md). A value the
+    user set wins.
+    """
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if os.environ.get("PYTEST_XDIST_WORKER") and workers.isdigit():
+        share = max(1, len(os.sched_getaffinity(0)) // int(workers))
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
+        if "torch" in sys.modules:  # imported before this file: size its pool now
+            sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 _pin_vllm_to_this_workers_core()
+_one_thread_set_per_core()
 
 SLOW_FIRST = (
     "test_launch_run_all",
