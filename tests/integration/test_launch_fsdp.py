@@ -1,6 +1,7 @@
 """launch/run_all.sh with a 2-rank trainer (``--trainer-procs 2``: torchrun, FSDP2 on gloo)
 driving the real vLLM CPU server, in shared_vllm (broadcast) and lora_only, one after the
-other (the expensive test of trainer/distributed.py; ~the cost of two run_all runs).
+other (the expensive test of trainer/distributed.py; ~the cost of two run_all runs). These are
+the suite's launcher runs of ``lora_only`` (test_launch_run_all.py runs the other modes).
 
 Each run: two GRPO steps at lr 1e-2 (the weights move far: KL ~10 at step 2), every step
 checkpointed (sharded, ``dcp/``), gathered to rank 0 and synced (the server reports weight
@@ -177,6 +178,8 @@ def test_two_rank_trainer_drives_vllm_in_shared_vllm_and_lora_only(
         assert all(r["gather_s"] >= 0 and r["sync_s"] > 0 for r in rows)
         ckpt = run_dir / "trainer" / "checkpoints" / f"step_{STEPS:06d}"
         assert (ckpt / "dcp" / ".metadata").is_file()
+        if mode == "lora_only":  # the adapters the trainer handed to vLLM, one per version
+            assert (run_dir / "trainer" / "bridge" / f"v{STEPS}").is_dir()
         preds = (run_dir / "eval_rl" / "predictions.jsonl").read_text().splitlines()
         served = [json.loads(x)["completion"] for x in preds]
         lora = mode == "lora_only"

@@ -12,6 +12,10 @@ call that an OOM kill (and still says how to continue).
 Then ``run_all.sh --resume --run-dir <the same run>``: SFT is not run again (no ``sft`` step,
 the SFT model's files untouched), the SFT evaluation is not redone, the trainer resumes from
 its checkpoint (``resumed from .../step_00000N``) and the run ends with all 3 steps.
+
+Both launches run in bridge mode ``none`` (vLLM keeps its weights; the trainer only advances
+the served weight version), and the relaunch ends with test_launch_run_all's ``check_run``:
+these are the suite's launcher runs of that mode.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import pytest
 from bench.memcg import MemoryCgroup
 from launch.exits import kernel_log
 from tests.integration.launcher_harness import LauncherRun
-from tests.integration.test_launch_run_all import artifacts_env, launcher
+from tests.integration.test_launch_run_all import artifacts_env, check_run, launcher
 
 pytestmark = pytest.mark.integration
 STEPS = 3
@@ -40,6 +44,7 @@ def test_an_oom_killed_trainer_is_named_and_a_relaunch_resumes_without_sft(
 ) -> None:
     run_dir = tmp_path / "run"
     flags = ["--training-steps", str(STEPS), "--keep-constant-groups", "--eval-samples", "2"]
+    flags += ["--weight-bridge-mode", "none"]
     sft = Path(artifacts_env["SHOP_R1_ARTIFACTS"]) / "models" / "tiny-qwen2-sft"
     sft_mtime = (sft / "model.safetensors").stat().st_mtime_ns
     ckpt = run_dir / "trainer" / "checkpoints" / "step_000001"
@@ -71,6 +76,8 @@ def test_an_oom_killed_trainer_is_named_and_a_relaunch_resumes_without_sft(
     again = launcher(run_dir, artifacts_env, "--resume", *flags)
     assert again.wait() == 0, again.tails()
     out2 = again.output()
+    check_run(run_dir, out2, ["vllm"], steps=STEPS, resumed=True)
+    assert "[bridge] mode=none" in (run_dir / "vllm.log").read_text()
     assert "[run_all] sft:" not in out2 and "SFT evaluation: reusing" in out2, out2[-3000:]
     assert (sft / "model.safetensors").stat().st_mtime_ns == sft_mtime  # SFT not redone
     trainer_log = (run_dir / "trainer.log").read_text()

@@ -1,8 +1,11 @@
-"""launch/run_all.sh end to end on the CPU preset with a tiny budget, in every bridge mode
-(shared_vllm runs with two inference servers), in one isolated artifacts folder shared by the
-session (the fixture builds the tiny model, the dataset and a 3-step SFT once, through
-``--prepare-only``); plus a service that will not start, Ctrl-C, and a launcher that is
-SIGKILLed (nothing it started outlives it).
+"""launch/run_all.sh end to end on the CPU preset with a tiny budget, in one isolated
+artifacts folder shared by the session (the fixture builds the tiny model, the dataset and a
+3-step SFT once, through ``--prepare-only``): shared_vllm with one weight copy, shared_vllm's
+broadcast to two inference servers; plus a service that will not start, Ctrl-C, and a
+launcher that is SIGKILLed (nothing it started outlives it). The other bridge modes run under
+the launcher in the modules that share this fixture: ``lora_only`` with two trainer ranks
+(test_launch_fsdp.py, which also runs shared_vllm's broadcast), ``none`` in the OOM-killed run
+and its resumed relaunch (test_launch_oom.py); every one of those runs ends with ``check_run``.
 
 Each run: the services start in order and log, the trainer syncs its weights into every vLLM
 server (the weight version advances with every step), and every process it started is gone
@@ -100,8 +103,12 @@ def run_all(
     return run.output()
 
 
-def check_run(run_dir: Path, out: str, vllm: list[str]) -> None:
-    """Every service logged, the weights advanced on every server, nothing left running."""
+def check_run(
+    run_dir: Path, out: str, vllm: list[str], steps: int = STEPS, resumed: bool = False
+) -> None:
+    """Every service logged, the weights advanced on every server (to version ``steps``, one
+    per optimizer step), nothing left running. A ``resumed`` run's metrics also hold the steps
+    its first launch logged after its last checkpoint, logged again after the resume."""
     names = ["api", *vllm, "env", "trainer"]
     assert "tail -f " + " ".join(str(run_dir / f"{n}.log") for n in names) in out
     for name in names:
@@ -112,10 +119,11 @@ def check_run(run_dir: Path, out: str, vllm: list[str]) -> None:
         assert "[bridge] mode=" in (run_dir / f"{name}.log").read_text(), name
 
     rows = [json.loads(x) for x in (run_dir / "trainer" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    assert rows[-1]["policy_version"] == STEPS  # one version per optimizer step
+    logged = [r["step"] for r in rows]
+    assert (sorted(set(logged)) if resumed else logged) == list(range(1, steps + 1)), logged
+    assert rows[-1]["step"] == steps and rows[-1]["policy_version"] == steps  # a version a step
     versions = json.loads((run_dir / "weight_versions.json").read_text())
-    assert versions == {name: str(STEPS) for name in vllm}  # every server serves the last one
+    assert versions == {name: str(steps) for name in vllm}  # every server serves the last one
 
     pids = json.loads((run_dir / "pids.json").read_text())
     assert set(pids) == set(names)
@@ -125,27 +133,15 @@ def check_run(run_dir: Path, out: str, vllm: list[str]) -> None:
     assert "[run_all] threads on " in out  # the thread plan is logged
 
 
-@pytest.mark.parametrize(
-    "flags",
-    [
-        pytest.param(["--weight-bridge-mode", "shared_vllm", "--single-copy"], id="single_copy"),
-        pytest.param(["--weight-bridge-mode", "lora_only"], id="lora_only"),
-        pytest.param(["--weight-bridge-mode", "none"], id="none"),
-    ],
-)
-def test_run_all_bridge_modes(
-    artifacts_env: dict[str, str],
-    launcher: Callable[..., LauncherRun],
-    tmp_path: Path,
-    flags: list[str],
+def test_run_all_single_copy(
+    artifacts_env: dict[str, str], launcher: Callable[..., LauncherRun], tmp_path: Path
 ) -> None:
+    """shared_vllm with one weight copy: the server and the trainer share the weights' memory."""
     run_dir = tmp_path / "run"
-    out = run_all(launcher, run_dir, artifacts_env, *flags, "--eval-samples", "0")
+    flags = ["--weight-bridge-mode", "shared_vllm", "--single-copy", "--eval-samples", "0"]
+    out = run_all(launcher, run_dir, artifacts_env, *flags)
     check_run(run_dir, out, ["vllm"])
-    if "--single-copy" in flags:
-        assert "backend=shm" in (run_dir / "vllm.log").read_text()
-    if "lora_only" in flags:  # the adapters the trainer handed to vLLM, one per version
-        assert (run_dir / "trainer" / "bridge" / f"v{STEPS}").is_dir()
+    assert "backend=shm" in (run_dir / "vllm.log").read_text()
 
 
 def test_run_all_two_inference_servers(
