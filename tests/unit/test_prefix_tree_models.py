@@ -89,13 +89,14 @@ def compare(
         lm = load_model(cfg)
         vocab = int(lm.model.get_output_embeddings().weight.shape[0])
         cfg_groups = cfg_groups or groups(min(vocab, 40000), prompt_len, comp_len, 4, seed=3)
+        ref = Reference(lm)  # full weights: a copy of the start model, taken before the move
         torch.manual_seed(0)
         with torch.no_grad():  # move the policy off the reference so the KL term has a gradient
             for p in lm.model.parameters():
                 if p.requires_grad:
                     p.add_(torch.randn_like(p) * 1e-3)
         opt = build_optimizer(lm.model, cfg)
-        ctx = StepContext(lm, Reference(lm), opt, build_scheduler(opt, cfg), cfg)
+        ctx = StepContext(lm, ref, opt, build_scheduler(opt, cfg), cfg)
         items = flatten_groups(cfg_groups, cfg.max_seq_len)[0]
         assert not items[0].trainable
         stats = accumulate(ctx, items)
@@ -109,6 +110,7 @@ def compare(
     assert {int(n.split(".layers.")[1].split(".")[0]) for n in g_p if ".layers." in n} == set(
         range(layers)
     ), "every decoder layer has trainable tensors compared"
+    assert st_p["kl"] > 0, "the policy is off its reference"
     for key in ("loss", "kl", "entropy", "logprob_mismatch", "ratio_mean", "tokens"):
         assert st_t[key] == pytest.approx(st_p[key], rel=1e-4, abs=1e-5), key
     scale = max(g.abs().max() for g in g_p.values())
