@@ -14,8 +14,8 @@ gradients, gathered whole on rank 0 as ``{"grads": ..., "stats": ...}``, nothing
 Several jobs run in one process, one after another, given as their arguments separated by
 ``::``: each job calls ``start_run`` afresh (seeds, model, optimizer, resume), and under
 torchrun they share the process group (``init_distributed`` joins the one already set up).
-The tests start three processes instead of thirteen: the start-up (imports, the group) was
-most of each run's time.
+The tests start three processes (11 jobs) instead of thirteen: the start-up (imports, the
+group) was most of each run's time.
 """
 
 from __future__ import annotations
