@@ -10,11 +10,18 @@ leased ones, and has rank 0 write the whole model and optimizer state (gathered,
 Modes: ``step`` (one step on batch 1), ``save`` (step on batch 1, checkpoint, step on batch 2),
 ``resume`` (resume the latest checkpoint, then step on batch 2), ``grads`` (batch 1's
 gradients, gathered whole on rank 0 as ``{"grads": ..., "stats": ...}``, nothing stepped).
+
+Several jobs run in one process, one after another, given as their arguments separated by
+``::``: each job calls ``start_run`` afresh (seeds, model, optimizer, resume), and under
+torchrun they share the process group (``init_distributed`` joins the one already set up).
+The tests start three processes (11 jobs) instead of thirteen: the start-up (imports, the
+group) was most of each run's time.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 import torch
@@ -24,12 +31,14 @@ from api.protocol import ScoredGroup
 from trainer.batch import flatten_groups
 from trainer.config import GrpoConfig
 from trainer.dist_weights import SyncReplica, make_replica
-from trainer.distributed import Work, full_tensor, shutdown
+from trainer.distributed import Dist, Work, full_tensor, shutdown
 from trainer.grpo_step import StepContext, accumulate, grpo_step
 from trainer.model import Reference
 from trainer.run import Run, setup_logging, start_run
 
 VOCAB = 2600  # token ids drawn below the tiny model's vocabulary (2646)
+JOB_SEP = "::"
+"""Separates the jobs of one process on the command line."""
 
 
 def make_groups(
@@ -78,7 +87,7 @@ def snapshot(run: Run, stats: dict[str, float] | None) -> dict[str, Any] | None:
     }
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["step", "save", "resume", "grads"], required=True)
     ap.add_argument("--model", required=True)
@@ -89,8 +98,12 @@ def main() -> None:
     ap.add_argument("--max-grad-norm", type=float, default=0.1)  # below the steps' norms
     ap.add_argument("--packing", default="prefix_tree", choices=["prefix_tree", "padded"])
     ap.add_argument("--shared-prompts", action="store_true")
-    a = ap.parse_args()
-    setup_logging()
+    return ap
+
+
+def run_job(a: argparse.Namespace) -> Dist | None:
+    """One job: a fresh ``start_run`` (model, optimizer, resume, seeds), its steps, its
+    snapshots; returns the process group, which the next job of the process joins again."""
     cfg = GrpoConfig(
         model_name=a.model,
         save_path=a.save,
@@ -152,7 +165,24 @@ def main() -> None:
     if run.is_main:
         torch.save(out, a.out)
     run.metrics.close()
-    shutdown(run.dist)
+    return run.dist
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the jobs given on the command line, separated by ``::``, one after another in this
+    process (one import of torch and transformers, one process group for all of them)."""
+    argv = sys.argv[1:] if argv is None else argv
+    jobs: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == JOB_SEP:
+            jobs.append([])
+        else:
+            jobs[-1].append(arg)
+    setup_logging()
+    d = None
+    for job in jobs:
+        d = run_job(parser().parse_args(job))
+    shutdown(d)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,16 @@
     checkpoint resumes at 2 ranks bitwise too. The checkpoint's ``model/`` is a normal HF
     directory that transformers loads with the trained weights.
 
-Each run is ``tests/integration/fsdp_worker.py`` (the trainer's own ``start_run`` and
-``grpo_step`` on fixed batches), under ``torchrun --standalone`` or as one process.
+Each run is a job of ``tests/integration/fsdp_worker.py`` (the trainer's own ``start_run``
+and ``grpo_step`` on fixed batches), under ``torchrun --standalone`` or as one process. The
+module runs them all in three processes (``runs``, a module fixture): every 2-rank job that
+starts from the model, then every one-process job, then the 2-rank resumes, one job after
+another in each process. They were thirteen processes, one per run, and their start-up
+(imports, the process group) was most of the module's time. Each job still builds its run
+afresh with ``start_run`` (seeds, model, optimizer, resume from disk), and no resume runs in
+the process that wrote its checkpoint. The full-weights step test and the checkpoint test
+share their two save runs (the same job: ``save``, clip 0.1, full weights), which each ran
+once for itself before.
 """
 
 from __future__ import annotations
@@ -27,30 +35,64 @@ import pytest
 import torch
 
 from launch.procs import ManagedProcess
+from tests.integration.fsdp_worker import JOB_SEP
 
 pytestmark = pytest.mark.integration
 WORKER = Path(__file__).with_name("fsdp_worker.py")
 TOL = 1e-5
+CLIP = {"full": 0.1, "lora": 0.02}  # below the first steps' gradient norms: clipping acts
 
 
-def run_worker(model: Path, save: Path, mode: str, procs: int, *extra: str) -> dict[str, Any]:
-    """Run the worker at ``procs`` ranks (1: a plain process); return rank 0's snapshots."""
-    out = save.with_suffix(f".{mode}.{procs}.pt")
-    args = [str(WORKER), "--mode", mode, "--model", str(model), "--save", str(save)]
-    args += ["--out", str(out), *extra]
+def launch(model: Path, root: Path, procs: int, jobs: dict[str, list[str]]) -> None:
+    """Run ``jobs`` (name: mode and flags) one after another in one process at ``procs``
+    ranks (1: a plain process); job ``name`` saves under ``root/name``, rank 0 writes its
+    snapshots to ``root/name.pt``."""
+    args: list[str] = [str(WORKER)]
+    for name, (mode, *extra) in jobs.items():
+        args += [JOB_SEP] if len(args) > 1 else []
+        args += ["--mode", mode, "--model", str(model), "--save", str(root / name)]
+        args += ["--out", str(root / f"{name}.pt"), *extra]
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"]
     argv = [sys.executable, *(launcher if procs > 1 else []), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)  # a plain process must not look like a torchrun rank
-    log = save.with_suffix(f".{mode}.{procs}.log")
-    proc = ManagedProcess(f"fsdp-{mode}-{procs}", argv, log, env=env).start()
+    log = root / f"{'+'.join(jobs)}.{procs}.log"
+    proc = ManagedProcess(f"fsdp-{procs}", argv, log, env=env).start()
     try:
-        rc = proc.popen.wait(timeout=900)
+        rc = proc.popen.wait(timeout=1800)
     finally:
         proc.stop()
     assert rc == 0, log.read_text()[-4000:]
-    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every run of the module, by job name: rank 0's snapshots, and ``root`` (their dirs)."""
+    root = tmp_path_factory.mktemp("fsdp")
+    first: dict[str, list[str]] = {}
+    for kind in ("full", "lora"):
+        lora = ["--lora"] if kind == "lora" else []
+        first[f"save_{kind}"] = ["save", "--max-grad-norm", str(CLIP[kind]), *lora]
+        first[f"grads_{kind}"] = ["grads", "--shared-prompts", *lora]
+    launch(tiny_model_dir, root, 2, {f"{n}_2": job for n, job in first.items()})
+    one = {f"{n}_1": list(job) for n, job in first.items()}
+    for kind in ("full", "lora"):  # packed at 2 ranks against padded in one process
+        one[f"grads_{kind}_1"] += ["--packing", "padded"]
+
+    def resume_from(src: str, name: str) -> list[str]:
+        shutil.copytree(root / src / "checkpoints", root / name / "checkpoints")
+        return ["resume"]
+
+    one["resume_2to1"] = resume_from("save_full_2", "resume_2to1")
+    launch(tiny_model_dir, root, 1, one)
+    last = {
+        "resume_2to2": resume_from("save_full_2", "resume_2to2"),
+        "resume_1to2": resume_from("save_full_1", "resume_1to2"),  # one process into 2 ranks
+    }
+    launch(tiny_model_dir, root, 2, last)
+    names = [*(f"{n}_2" for n in first), *one, *last]
+    return {"root": root, **{n: torch.load(root / f"{n}.pt", weights_only=False) for n in names}}
 
 
 def max_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
@@ -72,18 +114,15 @@ def assert_bitwise(a: dict[str, Any], b: dict[str, Any]) -> None:
             assert torch.equal(v, b["optim"][k][n]), (k, n)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_two_ranks_step_like_one_process(tiny_model_dir: Path, tmp_path: Path, lora: bool) -> None:
-    clip = 0.02 if lora else 0.1  # below the first steps' gradient norms: clipping acts
-    extra = ["--max-grad-norm", str(clip), *(["--lora"] if lora else [])]
-    one = run_worker(tiny_model_dir, tmp_path / "one", "save", 1, *extra)
-    two = run_worker(tiny_model_dir, tmp_path / "two", "save", 2, *extra)
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_two_ranks_step_like_one_process(runs: dict[str, Any], kind: str) -> None:
+    one, two = runs[f"save_{kind}_1"], runs[f"save_{kind}_2"]
     for tag in ("after1", "after2"):
         s1, s2 = one[tag]["stats"], two[tag]["stats"]
         assert s1["tokens"] == s2["tokens"] == 114
         assert s2["loss"] == pytest.approx(s1["loss"], rel=1e-6)
         assert s2["grad_norm"] == pytest.approx(s1["grad_norm"], rel=1e-4)  # fp32 norm sums
-        assert s2["grad_norm"] > clip
+        assert s2["grad_norm"] > CLIP[kind]
         assert max_diff(one[tag], two[tag]) < TOL
     for name, value in two["replica"].items():  # what rank 0 hands the bridge: the weights
         assert torch.equal(value, two["after1"]["model"][name]), name
@@ -92,16 +131,12 @@ def test_two_ranks_step_like_one_process(tiny_model_dir: Path, tmp_path: Path, l
     assert any(not torch.equal(start[k], v) for k, v in one["after2"]["model"].items())
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_two_ranks_packed_like_one_process_padded(
-    tiny_model_dir: Path, tmp_path: Path, lora: bool
-) -> None:
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_two_ranks_packed_like_one_process_padded(runs: dict[str, Any], kind: str) -> None:
     """Packed prefix trees (trainer/prefix_tree.py) at 2 ranks against padded rows in one
     process, on groups that share their prompts: the loss and every parameter's gradient of
     one step (gathered whole), within fp32 tolerance."""
-    extra = ["--shared-prompts", *(["--lora"] if lora else [])]
-    one = run_worker(tiny_model_dir, tmp_path / "one", "grads", 1, "--packing", "padded", *extra)
-    two = run_worker(tiny_model_dir, tmp_path / "two", "grads", 2, *extra)
+    one, two = runs[f"grads_{kind}_1"], runs[f"grads_{kind}_2"]
     s1, s2 = one["stats"], two["stats"]
     assert s1["tokens"] == s2["tokens"]
     assert s2["forward_tokens"] < s2["sequence_tokens"] <= s1["forward_tokens"]
@@ -114,33 +149,27 @@ def test_two_ranks_packed_like_one_process_padded(
         assert (g - two["grads"][name]).abs().max() < 1e-6, name
 
 
-def test_sharded_checkpoint_resumes_exactly_at_1_and_2_ranks(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
+def test_sharded_checkpoint_resumes_exactly_at_1_and_2_ranks(runs: dict[str, Any]) -> None:
     from transformers import AutoModelForCausalLM
 
-    straight = run_worker(tiny_model_dir, tmp_path / "s2", "save", 2)
-    ckpt = tmp_path / "s2" / "checkpoints" / "step_000001"
+    root = runs["root"]
+    straight = runs["save_full_2"]
+    ckpt = root / "save_full_2" / "checkpoints" / "step_000001"
     assert (ckpt / "dcp" / ".metadata").is_file()
     hf = AutoModelForCausalLM.from_pretrained(ckpt / "model", dtype=torch.float32)
     for name, p in hf.named_parameters():  # the export is the trained step-1 weights
         assert torch.equal(p.detach(), straight["after1"]["model"][name]), name
 
-    def resumed(src: Path, name: str, procs: int) -> dict[str, Any]:
-        dst = tmp_path / name
-        shutil.copytree(src / "checkpoints", dst / "checkpoints")
-        return run_worker(tiny_model_dir, dst, "resume", procs)
-
-    at2 = resumed(tmp_path / "s2", "r2", 2)
+    at2 = runs["resume_2to2"]
     assert at2["loaded"]["step"] == 1
     assert_bitwise(at2["loaded"], straight["after1"])
     assert_bitwise(at2["after2"], straight["after2"])  # the next step, bitwise
-    at1 = resumed(tmp_path / "s2", "r1", 1)
+    at1 = runs["resume_2to1"]
     assert_bitwise(at1["loaded"], straight["after1"])
     assert max_diff(at1["after2"], straight["after2"]) < TOL
 
-    single = run_worker(tiny_model_dir, tmp_path / "s1", "save", 1)
-    assert not (tmp_path / "s1" / "checkpoints" / "step_000001" / "dcp").exists()
-    up = resumed(tmp_path / "s1", "r12", 2)  # a one-process checkpoint into 2 ranks
+    single = runs["save_full_1"]
+    assert not (root / "save_full_1" / "checkpoints" / "step_000001" / "dcp").exists()
+    up = runs["resume_1to2"]  # a one-process checkpoint into 2 ranks
     assert_bitwise(up["loaded"], single["after1"])
     assert max_diff(up["after2"], single["after2"]) < TOL
