@@ -210,10 +210,10 @@ class TestSingleCopy:
         assert not torch.equal(merged.state_dict()[name], base.state_dict()[name])
 
     def test_single_copy_and_restarts(self, shm_server: Slot, tiny_model_dir, tmp_path) -> None:
-        """Single copy through /dev/shm with a request in flight; then the benchmark's legacy
-        mode (bench/bridge_variants.py ``RestartBridge``: stop the server by its PID, start it
-        from the saved checkpoint); then the single copy again into the restarted server, which
-        (a new run id) gets a fresh segment, nothing stale reused. One restart serves both
+        """Single copy through /dev/shm, then again with a request in flight; then the
+        benchmark's legacy mode (bench/bridge_variants.py ``RestartBridge``: stop the server by
+        its PID, start it from the saved checkpoint); then the single copy again into the
+        restarted server, which (a new run id) gets a fresh segment, nothing stale reused. One restart serves both
         checks (they were one restart each, of this server and of the ``none`` server:
         ``RestartBridge`` restarts any server with its own launch options, whatever its mode)."""
         from bench.bridge_variants import RestartBridge
@@ -225,27 +225,32 @@ class TestSingleCopy:
         optimizer_step(model, ids)
         bridge = make_bridge("shared_vllm", [url], single_copy=True, token=TOKEN)
         try:
-            inflight = InFlight(url, served, ids)
-            bridge.sync(model, v0 + 1)
-            inflight.check(version_at_start=v0)
+            bridge.sync(model, v0 + 1)  # creates the segment, the parameters move into it
             assert_serves(url, served, model, ids, version=v0 + 1)
             segment = bridge.segment.name
             assert (Path(SHM_DIR) / segment).exists()
+            # In flight through a sync that pauses: not the first, whose set-up (the segment,
+            # before the pause) once outlasted a whole request on a fast-decoding run.
+            optimizer_step(model, ids)
+            inflight = InFlight(url, served, ids)
+            bridge.sync(model, v0 + 2)
+            inflight.check(version_at_start=v0 + 1)
+            assert_serves(url, served, model, ids, version=v0 + 2)
             # the legacy restart: from the checkpoint, by the PID
             optimizer_step(model, ids)
             old_pid = server.proc.pid
             restart = RestartBridge([url], tmp_path / "ckpt", server, token=TOKEN)
             try:
-                stats = restart.sync(model, v0 + 2)
+                stats = restart.sync(model, v0 + 3)
                 server = shm_server.server = restart.server
                 assert server.proc.pid != old_pid and stats.detail["servers"][0]["restarted"]
-                assert_serves(url, served, model, ids, version=v0 + 2)
+                assert_serves(url, served, model, ids, version=v0 + 3)
             finally:
                 restart.close()
             # the single copy into the restarted server (new run id): a fresh segment
             optimizer_step(model, ids)
-            stats = bridge.sync(model, v0 + 3)
-            assert_serves(url, served, model, ids, version=v0 + 3)
+            stats = bridge.sync(model, v0 + 4)
+            assert_serves(url, served, model, ids, version=v0 + 4)
             # the parameters left the old segment before it closed and live in the new one
             assert stats.detail["packed_bytes"] == 0 and stats.detail["resident_params"] > 0
             assert bridge.segment.name != segment and not (Path(SHM_DIR) / segment).exists()
