@@ -113,9 +113,7 @@ def test_broadcast_sync_optimizer_step_and_embedding(
     optimizer_step(model, ids)
     assert hf_greedy(model, ids)[1] != pytest.approx(before[1], abs=1e-3)  # the step matters
     with make_bridge("shared_vllm", [url], token=TOKEN) as bridge:
-        inflight = InFlight(url, served, ids)
         stats = bridge.sync(model, 1)
-        inflight.check(version_at_start=0)
         assert stats.bytes > 0 and stats.stall_s < stats.total_s
         # same host: the worker proved it maps the trainer's segment, nothing went over TCP
         assert not stats.detail["remote"]
@@ -127,7 +125,11 @@ def test_broadcast_sync_optimizer_step_and_embedding(
         # Only the (tied) embedding changes: the lm_head's packed CPU copy must follow.
         with torch.no_grad():
             model.model.embed_tokens.weight.mul_(1.5).add_(0.05)
+        # with a request in flight: this bridge's second sync (its first set up the gloo
+        # group and the segment before it paused, which a request could outlast no longer)
+        inflight = InFlight(url, served, ids)
         bridge.sync(model, 2)
+        inflight.check(version_at_start=1)
         assert_serves(url, served, model, ids, version=2)
     # The network path (what a receiver on another host gets): gloo over loopback TCP,
     # /bridge/stage -> broadcast -> /bridge/apply, on a fresh transfer group.
@@ -213,9 +215,10 @@ class TestSingleCopy:
         """Single copy through /dev/shm, then again with a request in flight; then the
         benchmark's legacy mode (bench/bridge_variants.py ``RestartBridge``: stop the server by
         its PID, start it from the saved checkpoint); then the single copy again into the
-        restarted server, which (a new run id) gets a fresh segment, nothing stale reused. One restart serves both
-        checks (they were one restart each, of this server and of the ``none`` server:
-        ``RestartBridge`` restarts any server with its own launch options, whatever its mode)."""
+        restarted server, which (a new run id) gets a fresh segment, nothing stale reused.
+        One restart serves both checks (they were one restart each, of this server and of the
+        ``none`` server: ``RestartBridge`` restarts any server with its own launch options,
+        whatever its mode)."""
         from bench.bridge_variants import RestartBridge
 
         server = shm_server.server
