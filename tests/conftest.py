@@ -243,7 +243,8 @@ def _none_server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[BridgeServer]:
     """One patched vLLM server in bridge mode ``none`` (reload from a checkpoint) serving the
-    tiny model, shared by the session's GRPO trainer tests (``none_server``)."""
+    tiny model, shared by the session's GRPO trainer tests and test_bridge_modes' reload check
+    (``none_server``)."""
     from launch.vllm_server import start_bridge_server
     from tests.integration.grpo_harness import TOKEN
 

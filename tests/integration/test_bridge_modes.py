@@ -2,167 +2,52 @@
 
 For each mode: a real optimizer step on the trainer's HF model, ``sync``, then vLLM's greedy
 completion equals the HF model's greedy generation token for token (logprobs close), the
-weight version advanced, and a request in flight during the sync completed.
+weight version advanced, and a request in flight through the sync completed
+(``tests/integration/bridge_checks.py``).
+
+What runs where (5 vLLM starts and a restart; one server per kind, as a server's mode and
+engine are fixed at its start: ``/bridge/stage`` and ``/bridge/apply`` answer only in mode
+``shared_vllm``, ``/bridge/reload`` only in ``none``, ``/bridge/lora/load`` only in
+``lora_only``; the engine, ``gloo_bcast`` or ``shm`` (``--single-copy``), is a vLLM option):
+- ``gloo_server`` (module): the process tree, the token, the broadcast (same-host and TCP
+  paths), and the first of the two servers of ``test_one_trainer_broadcasts_to_two_servers``
+  (the second starts there: one gloo group must span two live servers);
+- ``shm_server`` (``TestSingleCopy``): the LoRA merge into a full-weight sync, then the single
+  copy, the legacy restart from a checkpoint and the fresh segment after it (one restart);
+- a ``lora_only`` server of its own (``--enable-lora``);
+- the session's ``none`` server (tests/conftest.py ``none_server``, shared with the GRPO
+  trainer tests when they run in the same process).
 """
 
 from __future__ import annotations
 
-import json
+import copy
 import secrets
-import threading
-import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
-from launch.vllm_server import BridgeServer, restart_bridge_server, start_bridge_server
+from launch.vllm_server import BridgeServer, start_bridge_server
+from tests.integration.bridge_checks import (
+    InFlight,
+    assert_serves,
+    hf_greedy,
+    hf_model,
+    optimizer_step,
+    prompt_ids,
+    vllm_greedy,
+)
 from trainer.bridge import make_bridge
-from vllm_patching.protocol import TOKEN_HEADER, VERSION_HEADER
+from vllm_patching.protocol import TOKEN_HEADER
 from vllm_patching.shm_segment import SHM_DIR, SHM_PREFIX
 
 pytestmark = pytest.mark.integration
 
 TOKEN = secrets.token_hex(16)
-PROMPT = "Click the search button to find running shoes"
-N_TOKENS = 16
-
-
-# ------------------------------------------------------------------------------- helpers
-def hf_model(model_dir: Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def prompt_ids(model_dir: Path) -> list[int]:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)(PROMPT)["input_ids"]
-
-
-def optimizer_step(model: torch.nn.Module, ids: list[int], lr: float = 1e-2) -> None:
-    """One real AdamW step on next-token loss: moves every trainable tensor, embeddings too."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    x = torch.tensor([ids])
-    model.train()
-    model(input_ids=x, labels=x).loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    model.eval()
-
-
-@torch.no_grad()
-def hf_greedy(
-    model: torch.nn.Module, ids: list[int], n: int = N_TOKENS
-) -> tuple[list[int], list[float]]:
-    seq, logprobs = list(ids), []
-    for _ in range(n):
-        logits = model(input_ids=torch.tensor([seq])).logits[0, -1].float()
-        lp = torch.log_softmax(logits, -1)
-        tok = int(lp.argmax())
-        seq.append(tok)
-        logprobs.append(float(lp[tok]))
-    return seq[len(ids) :], logprobs
-
-
-def vllm_greedy(
-    url: str, model: str, ids: list[int], n: int = N_TOKENS
-) -> tuple[list[int], list[float], str]:
-    r = httpx.post(
-        f"{url}/v1/completions",
-        json={
-            "model": model,
-            "prompt": ids,
-            "max_tokens": n,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "logprobs": 0,
-            "return_token_ids": True,
-        },
-        timeout=120,
-    )
-    r.raise_for_status()
-    choice = r.json()["choices"][0]
-    return choice["token_ids"], choice["logprobs"]["token_logprobs"], r.headers[VERSION_HEADER]
-
-
-def assert_serves(
-    url: str, served: str, model: torch.nn.Module, ids: list[int], version: int
-) -> None:
-    want_ids, want_lp = hf_greedy(model, ids)
-    got_ids, got_lp, header = vllm_greedy(url, served, ids)
-    assert got_ids == want_ids
-    assert got_lp == pytest.approx(want_lp, abs=2e-3)
-    assert header == str(version)
-    assert httpx.get(f"{url}/bridge/health").json()["weight_version"] == str(version)
-
-
-class InFlight:
-    """A long streamed completion that is decoding when the sync starts.
-
-    The sync starts only once the first token has streamed back (not after a fixed sleep:
-    on an idle machine a short request could finish before the sync, on a loaded one it
-    might not have started), and the request is long enough to outlast the sync: 500 tokens
-    are 4-7 s of decoding for vLLM on the CPU (70-120 tokens/s on the tiny model, measured
-    on a quiet 2-core box), a sync of the tiny model well under a second, and a loaded box
-    slows both. (It was 1,500 tokens: 12-20 s per request, six of them, waited out in full.)
-    """
-
-    def __init__(self, url: str, model: str, ids: list[int], n: int = 500) -> None:
-        self.result: dict = {}
-        self.n = n
-        self.done_at = 0.0
-        self.decoding = threading.Event()
-
-        def run() -> None:
-            body = {
-                "model": model,
-                "prompt": ids,
-                "max_tokens": n,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            try:
-                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
-                    self.result["status"] = r.status_code
-                    self.result["version"] = r.headers.get(VERSION_HEADER)
-                    for line in r.iter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[len("data: ") :])
-                        if chunk.get("choices"):
-                            self.decoding.set()
-                            if chunk["choices"][0].get("finish_reason"):
-                                self.result["finish_reason"] = chunk["choices"][0]["finish_reason"]
-                        if chunk.get("usage"):
-                            self.result["usage"] = chunk["usage"]
-            finally:
-                self.done_at = time.monotonic()
-                self.decoding.set()  # never leave the constructor waiting on a failed request
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        assert self.decoding.wait(180), "the in-flight request never started decoding"
-        self.sync_started_at = time.monotonic()
-
-    def check(self, version_at_start: int, require_overlap: bool = True) -> bool:
-        """The request completed in full on the version it started with; returns whether it
-        was still running when the sync started (asserted unless ``require_overlap=False``:
-        a sync with no pause can miss a request that a loaded box finished first)."""
-        self.thread.join(300)
-        overlapped = self.done_at > self.sync_started_at
-        assert overlapped or not require_overlap, "the request did not overlap the sync"
-        assert self.result["status"] == 200
-        assert self.result["finish_reason"] == "length"
-        assert self.result["usage"]["completion_tokens"] == self.n
-        assert self.result["version"] == str(version_at_start)
-        return overlapped
 
 
 def _server(tiny_model_dir: Path, tmp_path_factory, mode: str, **kw) -> BridgeServer:
@@ -228,9 +113,7 @@ def test_broadcast_sync_optimizer_step_and_embedding(
     optimizer_step(model, ids)
     assert hf_greedy(model, ids)[1] != pytest.approx(before[1], abs=1e-3)  # the step matters
     with make_bridge("shared_vllm", [url], token=TOKEN) as bridge:
-        inflight = InFlight(url, served, ids)
         stats = bridge.sync(model, 1)
-        inflight.check(version_at_start=0)
         assert stats.bytes > 0 and stats.stall_s < stats.total_s
         # same host: the worker proved it maps the trainer's segment, nothing went over TCP
         assert not stats.detail["remote"]
@@ -242,7 +125,11 @@ def test_broadcast_sync_optimizer_step_and_embedding(
         # Only the (tied) embedding changes: the lm_head's packed CPU copy must follow.
         with torch.no_grad():
             model.model.embed_tokens.weight.mul_(1.5).add_(0.05)
+        # with a request in flight: this bridge's second sync (its first set up the gloo
+        # group and the segment before it paused, which a request could outlast no longer)
+        inflight = InFlight(url, served, ids)
         bridge.sync(model, 2)
+        inflight.check(version_at_start=1)
         assert_serves(url, served, model, ids, version=2)
     # The network path (what a receiver on another host gets): gloo over loopback TCP,
     # /bridge/stage -> broadcast -> /bridge/apply, on a fresh transfer group.
@@ -272,25 +159,101 @@ def test_one_trainer_broadcasts_to_two_servers(
 
 
 # ------------------------------------------------------------------- shared_vllm shm
-def test_single_copy_shared_memory(tiny_model_dir, tmp_path_factory) -> None:
-    server = _server(tiny_model_dir, tmp_path_factory, "shared_vllm", single_copy=True)
-    try:
+@dataclass
+class Slot:
+    """The single-copy server; a test that restarts it puts the new one here."""
+
+    server: BridgeServer
+
+
+@pytest.fixture(scope="class")
+def shm_server(tiny_model_dir, tmp_path_factory) -> Iterator[Slot]:
+    """One ``shared_vllm --single-copy`` server (engine ``shm``) for ``TestSingleCopy``: the LoRA
+    merge, then the restarts (which replace it in the slot); stopped after the class."""
+    slot = Slot(_server(tiny_model_dir, tmp_path_factory, "shared_vllm", single_copy=True))
+    yield slot
+    slot.server.stop()
+
+
+def served_version(url: str) -> int:
+    return int(httpx.get(f"{url}/bridge/health").json()["weight_version"])
+
+
+class TestSingleCopy:
+    """The two tests on the single-copy server (``shm_server``)."""
+
+    def test_lora_model_full_weight_sync_serves_the_merged_model(
+        self, shm_server: Slot, tiny_model_dir
+    ) -> None:
+        """A LoRA (peft) trainer with a full-weight bridge: the adapters are merged for the sync.
+
+        The trainer wraps the base model in a real peft LoRA model, takes a real optimizer step
+        on the adapters and syncs through ``shared_vllm --single-copy``: vLLM then generates
+        exactly what peft's own ``merge_and_unload`` model generates (the same names and merge
+        code serve the CUDA path, tests/unit/test_bridge_cuda.py). Runs on the module's
+        single-copy server (it was a server of its own in test_bridge_lora_merge.py)."""
+        from peft import LoraConfig, get_peft_model
+
+        server = shm_server.server
         url, served = server.base_url, server.served_model_name
+        version = served_version(url) + 1
+        ids = prompt_ids(tiny_model_dir)
+        torch.manual_seed(0)
+        model = get_peft_model(
+            hf_model(tiny_model_dir), LoraConfig(r=8, lora_alpha=32, target_modules="all-linear")
+        )
+        optimizer_step(model, ids, lr=5e-2)  # the adapters move (B leaves zero)
+        with make_bridge("shared_vllm", [url], single_copy=True, token=TOKEN) as bridge:
+            bridge.sync(model, version)
+            merged = copy.deepcopy(model).merge_and_unload().eval()
+            assert_serves(url, served, merged, ids, version=version)
+        base = hf_model(tiny_model_dir)
+        name = "model.layers.0.self_attn.q_proj.weight"
+        assert not torch.equal(merged.state_dict()[name], base.state_dict()[name])
+
+    def test_single_copy_and_restarts(self, shm_server: Slot, tiny_model_dir, tmp_path) -> None:
+        """Single copy through /dev/shm, then again with a request in flight; then the
+        benchmark's legacy mode (bench/bridge_variants.py ``RestartBridge``: stop the server by
+        its PID, start it from the saved checkpoint); then the single copy again into the
+        restarted server, which (a new run id) gets a fresh segment, nothing stale reused.
+        One restart serves both checks (they were one restart each, of this server and of the
+        ``none`` server: ``RestartBridge`` restarts any server with its own launch options,
+        whatever its mode)."""
+        from bench.bridge_variants import RestartBridge
+
+        server = shm_server.server
+        url, served = server.base_url, server.served_model_name
+        v0 = served_version(url)
         model, ids = hf_model(tiny_model_dir), prompt_ids(tiny_model_dir)
         optimizer_step(model, ids)
         bridge = make_bridge("shared_vllm", [url], single_copy=True, token=TOKEN)
         try:
-            inflight = InFlight(url, served, ids)
-            bridge.sync(model, 1)
-            inflight.check(version_at_start=0)
-            assert_serves(url, served, model, ids, version=1)
+            bridge.sync(model, v0 + 1)  # creates the segment, the parameters move into it
+            assert_serves(url, served, model, ids, version=v0 + 1)
             segment = bridge.segment.name
             assert (Path(SHM_DIR) / segment).exists()
-            # A restarted server (new run id) gets a fresh segment; nothing stale is reused.
-            server = restart_bridge_server(server, model=tiny_model_dir, initial_version=1)
+            # In flight through a sync that pauses: not the first, whose set-up (the segment,
+            # before the pause) once outlasted a whole request on a fast-decoding run.
             optimizer_step(model, ids)
-            stats = bridge.sync(model, 2)
-            assert_serves(url, served, model, ids, version=2)
+            inflight = InFlight(url, served, ids)
+            bridge.sync(model, v0 + 2)
+            inflight.check(version_at_start=v0 + 1)
+            assert_serves(url, served, model, ids, version=v0 + 2)
+            # the legacy restart: from the checkpoint, by the PID
+            optimizer_step(model, ids)
+            old_pid = server.proc.pid
+            restart = RestartBridge([url], tmp_path / "ckpt", server, token=TOKEN)
+            try:
+                stats = restart.sync(model, v0 + 3)
+                server = shm_server.server = restart.server
+                assert server.proc.pid != old_pid and stats.detail["servers"][0]["restarted"]
+                assert_serves(url, served, model, ids, version=v0 + 3)
+            finally:
+                restart.close()
+            # the single copy into the restarted server (new run id): a fresh segment
+            optimizer_step(model, ids)
+            stats = bridge.sync(model, v0 + 4)
+            assert_serves(url, served, model, ids, version=v0 + 4)
             # the parameters left the old segment before it closed and live in the new one
             assert stats.detail["packed_bytes"] == 0 and stats.detail["resident_params"] > 0
             assert bridge.segment.name != segment and not (Path(SHM_DIR) / segment).exists()
@@ -299,8 +262,6 @@ def test_single_copy_shared_memory(tiny_model_dir, tmp_path_factory) -> None:
             bridge.close()
         assert not (Path(SHM_DIR) / segment).exists()
         assert segment.startswith(SHM_PREFIX)
-    finally:
-        server.stop()
 
 
 # ------------------------------------------------------------------------------ lora_only
@@ -321,8 +282,8 @@ def test_lora_adapter_per_version(tiny_model_dir, tmp_path_factory, tmp_path) ->
             for version in (1, 2, 3):
                 optimizer_step(model, ids, lr=5e-2)
                 # A request on the previous adapter runs through every hot-swap. LoRA never
-                # pauses, so on a loaded box one can finish before the sync starts: at least
-                # one of the three must overlap its sync.
+                # pauses, so on a loaded box one can finish before the swap: at least one of
+                # the three must outlive its sync.
                 inflight = InFlight(url, bridge.served_model or server.served_model_name, ids)
                 bridge.sync(model, version)
                 overlapped.append(inflight.check(version - 1, require_overlap=False))
@@ -339,30 +300,18 @@ def test_lora_adapter_per_version(tiny_model_dir, tmp_path_factory, tmp_path) ->
 
 
 # ----------------------------------------------------------------------------------- none
-def test_checkpoint_reload_and_restart(tiny_model_dir, tmp_path_factory, tmp_path) -> None:
-    server = _server(tiny_model_dir, tmp_path_factory, "none")
-    try:
-        url, served = server.base_url, server.served_model_name
-        model, ids = hf_model(tiny_model_dir), prompt_ids(tiny_model_dir)
-        optimizer_step(model, ids)
-        with make_bridge("none", [url], token=TOKEN, save_dir=tmp_path / "ckpt") as bridge:
-            inflight = InFlight(url, served, ids)
-            bridge.sync(model, 1)
-            inflight.check(version_at_start=0)
-            assert_serves(url, served, model, ids, version=1)
-        # The benchmark's legacy mode (bench/bridge_variants.py): restart the server from
-        # the checkpoint every sync (by its PID).
-        from bench.bridge_variants import RestartBridge
+def test_checkpoint_reload(none_server: BridgeServer, tiny_model_dir, tmp_path) -> None:
+    """``none``: the server reloads the saved checkpoint in place (``/bridge/reload``) while a
+    request is in flight. On the session's ``none`` server (tests/conftest.py, reset to the
+    start weights at version 0; the GRPO trainer tests share it); the restart from a
+    checkpoint runs in ``test_single_copy_and_restarts``."""
+    from tests.integration.grpo_harness import TOKEN as NONE_TOKEN
 
-        optimizer_step(model, ids)
-        old_pid = server.proc.pid
-        bridge = RestartBridge([url], tmp_path / "ckpt2", server, token=TOKEN)
-        try:
-            stats = bridge.sync(model, 2)
-            server = bridge.server
-            assert server.proc.pid != old_pid and stats.detail["servers"][0]["restarted"]
-            assert_serves(url, served, model, ids, version=2)
-        finally:
-            bridge.close()
-    finally:
-        server.stop()
+    url, served = none_server.base_url, none_server.served_model_name
+    model, ids = hf_model(tiny_model_dir), prompt_ids(tiny_model_dir)
+    optimizer_step(model, ids)
+    with make_bridge("none", [url], token=NONE_TOKEN, save_dir=tmp_path / "ckpt") as bridge:
+        inflight = InFlight(url, served, ids)
+        bridge.sync(model, 1)
+        inflight.check(version_at_start=0)
+        assert_serves(url, served, model, ids, version=1)

@@ -7,9 +7,15 @@ For each mode: vLLM's greedy output equals transformers' on real Shop-R1 prompts
 template, the environment's prompt builder), then a real optimizer step on the trainer's
 model (full weights, or a LoRA adapter on q/k/v/o/gate/up/down), ``sync``, and vLLM's greedy
 output equals the stepped model's token for token (logprobs close), with the weight version
-advanced. One vLLM start per mode (each mode's server differs); the cut model is built once
-per run. transformers' greedy outputs, the costly part, are computed once per state of the
-trainer's model: before the sync, and reused as the next step's "before".
+advanced. One vLLM start per mode (each mode's server differs: engine ``gloo_bcast`` or
+``shm``, ``--enable-lora``, ``/bridge/reload`` only in mode ``none``); the cut model is built
+once per run. transformers' greedy outputs, the costly part, are computed once per state of
+the trainer's model and shared: the start weights' outputs (``base_outs``) and the weights
+after the first AdamW step (``stepped``: the first sync of the gloo, single-copy and reload
+tests, which took the same step from the same weights each) once for the module, the later
+states before their sync and reused as the next step's "before". Their prefill computes the
+logits of the last position only (``logits_to_keep=1``): the other 639 rows of the 576 x
+49152 head were thrown away.
 
 Why the cut keeps the point of the module: every decoder layer has the same tensor names
 (``model.layers.N.*``) and shapes, so the bridge's name/shard map, vLLM's fused
@@ -27,6 +33,7 @@ The in-flight and restart behaviour of each mode is covered on the tiny model
 
 from __future__ import annotations
 
+import copy
 import json
 import secrets
 from pathlib import Path
@@ -36,7 +43,7 @@ import pytest
 import torch
 
 from launch.vllm_server import BridgeServer, start_bridge_server
-from tests.integration.test_bridge_modes import hf_model, optimizer_step, vllm_greedy
+from tests.integration.bridge_checks import hf_model, optimizer_step, vllm_greedy
 from trainer.bridge import make_bridge
 
 pytestmark = [pytest.mark.integration, pytest.mark.smol]
@@ -78,7 +85,7 @@ def prompts(smol: Path) -> list[list[int]]:
 @torch.no_grad()
 def hf_greedy(model: torch.nn.Module, ids: list[int]) -> tuple[list[int], list[float]]:
     """Greedy decoding with the KV cache (EOS ignored, as the vLLM request asks)."""
-    out = model(input_ids=torch.tensor([ids]), use_cache=True)
+    out = model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
     toks, lps = [], []
     for _ in range(N_TOKENS):
         lp = torch.log_softmax(out.logits[0, -1].float(), -1)
@@ -128,12 +135,31 @@ def step_moves_outputs(
     return after
 
 
+@pytest.fixture(scope="module")
+def base_outs(smol: Path, prompts: list[list[int]]) -> Greedy:
+    """transformers' greedy outputs of the start weights, once for the module: what vLLM
+    serves at version 0, and the "before" of every test's first step (a LoRA model's
+    adapters start at B = 0, so it computes the same)."""
+    return hf_outputs(hf_model(smol), prompts)
+
+
+@pytest.fixture(scope="module")
+def stepped(
+    smol: Path, prompts: list[list[int]], base_outs: Greedy
+) -> tuple[torch.nn.Module, Greedy]:
+    """The start weights after one real AdamW step (lr 3e-4) and its outputs, once for the
+    module: the gloo, single-copy and reload tests each sync it first (a copy each, so no
+    test sees what another's bridge did to its model)."""
+    model = hf_model(smol)
+    return model, step_moves_outputs(model, prompts, lr=3e-4, before=base_outs)
+
+
 def _server(model_dir: Path, tmp_path_factory, mode: str, **kw) -> BridgeServer:
     log = tmp_path_factory.mktemp(f"smol-{mode}") / "server.log"
     return start_bridge_server(model_dir, mode, log, token=TOKEN, served_model_name=SERVED, **kw)
 
 
-def test_broadcast_gloo_and_same_host(smol, prompts, tmp_path_factory) -> None:
+def test_broadcast_gloo_and_same_host(smol, prompts, base_outs, stepped, tmp_path_factory) -> None:
     server = _server(smol, tmp_path_factory, "shared_vllm")
     try:
         url = server.base_url
@@ -142,10 +168,8 @@ def test_broadcast_gloo_and_same_host(smol, prompts, tmp_path_factory) -> None:
         last = json.loads((smol / "config.json").read_text())["num_hidden_layers"] - 1
         gate = info["param_map"][f"model.layers.{last}.mlp.gate_proj.weight"]
         assert gate["vllm_name"] == f"model.layers.{last}.mlp.gate_up_proj.weight"
-        model = hf_model(smol)
-        outs = hf_outputs(model, prompts)
-        assert_serves(url, SERVED, outs, prompts, version=0)  # the converted model as served
-        outs = step_moves_outputs(model, prompts, lr=3e-4, before=outs)
+        assert_serves(url, SERVED, base_outs, prompts, version=0)  # the converted model served
+        model, outs = copy.deepcopy(stepped[0]), stepped[1]
         # the network path: gloo broadcast over loopback TCP (what another host gets)
         with make_bridge("shared_vllm", [url], shm_fast_path=False, **GLOO) as bridge:
             stats = bridge.sync(model, 1)
@@ -163,12 +187,11 @@ def test_broadcast_gloo_and_same_host(smol, prompts, tmp_path_factory) -> None:
         server.stop()
 
 
-def test_single_copy_shared_memory(smol, prompts, tmp_path_factory) -> None:
+def test_single_copy_shared_memory(smol, prompts, stepped, tmp_path_factory) -> None:
     server = _server(smol, tmp_path_factory, "shared_vllm", single_copy=True)
     try:
         url = server.base_url
-        model = hf_model(smol)
-        outs = step_moves_outputs(model, prompts, lr=3e-4)
+        model, outs = copy.deepcopy(stepped[0]), stepped[1]
         with make_bridge("shared_vllm", [url], single_copy=True, token=TOKEN) as bridge:
             stats = bridge.sync(model, 1)
             assert stats.detail["packed_bytes"] == 0 and stats.detail["resident_params"] > 0
@@ -177,7 +200,7 @@ def test_single_copy_shared_memory(smol, prompts, tmp_path_factory) -> None:
         server.stop()
 
 
-def test_lora_hot_swap(smol, prompts, tmp_path_factory, tmp_path) -> None:
+def test_lora_hot_swap(smol, prompts, base_outs, tmp_path_factory, tmp_path) -> None:
     from peft import LoraConfig, get_peft_model
 
     server = _server(smol, tmp_path_factory, "lora_only")
@@ -191,7 +214,7 @@ def test_lora_hot_swap(smol, prompts, tmp_path_factory, tmp_path) -> None:
         assert wrapped == set(LORA_TARGETS)
         bridge = make_bridge("lora_only", [url], token=TOKEN, save_dir=tmp_path / "adapters")
         try:
-            outs = None
+            outs = base_outs
             for version in (1, 2):  # a second adapter replaces the first while serving
                 outs = step_moves_outputs(model, prompts, lr=2e-3, before=outs)
                 bridge.sync(model, version)
@@ -203,12 +226,11 @@ def test_lora_hot_swap(smol, prompts, tmp_path_factory, tmp_path) -> None:
         server.stop()
 
 
-def test_checkpoint_reload(smol, prompts, tmp_path_factory, tmp_path) -> None:
+def test_checkpoint_reload(smol, prompts, stepped, tmp_path_factory, tmp_path) -> None:
     server = _server(smol, tmp_path_factory, "none")
     try:
         url = server.base_url
-        model = hf_model(smol)
-        outs = step_moves_outputs(model, prompts, lr=3e-4)
+        model, outs = copy.deepcopy(stepped[0]), stepped[1]
         with make_bridge("none", [url], token=TOKEN, save_dir=tmp_path / "ckpt") as bridge:
             bridge.sync(model, 1)
             assert_serves(url, SERVED, outs, prompts, version=1)

@@ -49,7 +49,7 @@ from api.client import ApiClient
 from launch.procs import ManagedProcess, tail
 from launch.vllm_server import BridgeServer, start_bridge_server
 from settings.ports import free_port
-from tests.integration.test_bridge_modes import hf_greedy, vllm_greedy
+from tests.integration.bridge_checks import hf_greedy, vllm_greedy
 
 pytestmark = pytest.mark.integration
 TOKEN = "fault-tolerance-token"
