@@ -56,6 +56,20 @@ def major_faults() -> int:
     return 0
 
 
+def stream_body(model: str, ids: list[int], n: int) -> dict:
+    """An OpenAI completions body: greedy, streamed, exactly ``n`` tokens (EOS ignored), from
+    prompt token ``ids``: the request kept in flight through a sync (here and in the bridge
+    tests' ``InFlight``)."""
+    return {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": n,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+
 class FreezeProbe:
     """An idle process that sleeps 10 ms at a time and keeps the longest it overslept inside
     the window opened by the last :meth:`reset`: a freeze of the whole box (every process
@@ -144,14 +158,7 @@ class StreamWatch:
         self._stop_at = ctx.Value("d", float("inf"))
         self._started = ctx.Event()
         self._recv, send = ctx.Pipe(duplex=False)
-        body = {
-            "model": model,
-            "prompt": ids,
-            "max_tokens": n,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-        }
+        body = stream_body(model, ids, n)
         self.proc = ctx.Process(
             target=_stream_tokens, args=(url, body, self._stop_at, self._started, send), daemon=True
         )

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import torch
 
+from bench.bridge_sync_probes import stream_body
 from vllm_patching.protocol import VERSION_HEADER
 
 PROMPT = "Click the search button to find running shoes"
@@ -115,15 +116,7 @@ class InFlight:
         self.decoding = threading.Event()
 
         def run() -> None:
-            body = {
-                "model": model,
-                "prompt": ids,
-                "max_tokens": n,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
+            body = {**stream_body(model, ids, n), "stream_options": {"include_usage": True}}
             try:
                 with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
                     self.result["status"] = r.status_code
