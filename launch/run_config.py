@@ -150,7 +150,7 @@ def resolve_section(
     its ``flags`` (the section's own) give, in that order."""
     layers = [layer for path in files for layer in file_layers(path)]
     layers += [("environment", expand(env_layer(RunConfig, environ)))]
-    layers += [("command line", nest(section, dict(flags or {})))]
+    layers += [("command line", nest(section, dict(flags)))] if flags else []
     return reduce(getattr, section.split("."), resolve(RunConfig, layers))
 
 

@@ -100,5 +100,6 @@ def resolve(cls: type[M], layers: Sequence[Layer]) -> M:
             origin = [label for label, layer in layers if has_path(layer, err["loc"])]
             where = ".".join(map(str, err["loc"]))
             lines.append(f"{where} (set by {(origin or ['defaults'])[-1]})\n  {err['msg']}")
-            lines[-1] += f" [input: {str(err['input'])[:80]!r}]" if origin else ""
+            shown = origin and not isinstance(err["input"], Mapping)  # no section, no secret
+            lines[-1] += f" [input: {str(err['input'])[:80]!r}]" if shown else ""
         raise RecipeError(f"invalid {e.title}:\n" + "\n".join(lines)) from None
