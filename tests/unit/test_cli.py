@@ -61,9 +61,9 @@ def test_flags_follow_field_types(capsys: pytest.CaptureFixture[str]) -> None:
     assert "expected one argument" in capsys.readouterr().err
     parser = argparse.ArgumentParser()
     cli.add_config_flags(parser, GrpoConfig)
-    text = parser.format_help()
+    text = " ".join(parser.format_help().split())
     assert "--gail.weight" in text and "{ppo,gspo,cispo}" in text
-    assert "Peak learning rate (after" in text  # the field's docstring
+    assert "Peak learning rate (after warm-up)." in text  # the field's docstring
     with pytest.raises(SettingsError):
         parser = argparse.ArgumentParser()
         cli.add_config_flags(parser, EnvConfig)
