@@ -97,8 +97,10 @@ def resolve(cls: type[M], layers: Sequence[Layer]) -> M:
     except ValidationError as e:
         lines = []
         for err in e.errors():
-            origin = [label for label, layer in layers if has_path(layer, err["loc"])]
-            where = ".".join(map(str, err["loc"]))
+            loc, origin = err["loc"], []  # the key a layer sets (a union adds a member's name)
+            while loc and not (origin := [n for n, layer in layers if has_path(layer, loc)]):
+                loc = loc[:-1]
+            where = ".".join(map(str, loc or err["loc"]))
             lines.append(f"{where} (set by {(origin or ['defaults'])[-1]})\n  {err['msg']}")
             shown = origin and not isinstance(err["input"], Mapping)  # no section, no secret
             lines[-1] += f" [input: {str(err['input'])[:80]!r}]" if shown else ""

@@ -16,8 +16,8 @@ import pytest
 from api.config import parse_config as parse_api
 from env_server.config import parse_config as parse_env
 from launch.run_config import RunConfig, file_layers, resolve_run, resolve_section
-from settings.layers import env_layer, expand, resolve
 from settings import paths
+from settings.layers import env_layer, expand, resolve
 from settings.paths import REPO_ROOT
 from trainer.config import GrpoConfig, SftConfig, build_parser, config_from_args
 from vllm_patching.serve import build, file_argv
@@ -58,7 +58,7 @@ def _pinned(recipe: Path) -> dict[str, object]:
     cfg = resolve_run([str(a) for a in argv], environ={})
     text = cfg.model_dump_json(exclude={"recipe"}, exclude_defaults=True)
     for name in ("RUNS_DIR", "ARTIFACTS", "REPO_ROOT"):
-        text = text.replace(str(getattr(paths, name)), "${%s}" % name)
+        text = text.replace(str(getattr(paths, name)), f"${{{name}}}")
     return json.loads(text)
 
 
