@@ -116,3 +116,49 @@ def test_a_wrong_value_names_the_key(tmp_path: Path, text: str, key: str) -> Non
         file_argv(run)
     with pytest.raises(SystemExit, match=rf"invalid RunConfig(.|\n)*vllm\.{key}"):
         resolve_run(["--recipe", str(run)], environ={})
+
+
+def test_the_real_parsers_keep_the_last_value_of_every_kind_of_option() -> None:
+    """A file's options stand where its ``--config`` stands (``serve.expand_files``): vLLM
+    0.32's own parser and the bridge's keep the last value given of a plain option, a
+    boolean (``--x`` / ``--no-x``), a list and a JSON mapping, so the arguments after a file
+    win over it and the file wins over those before it."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_patching.serve import mapping_argv, parse_args
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    file = mapping_argv(
+        {
+            **{"model": "a", "dtype": "float32", "max_model_len": 2048, "enforce_eager": True},
+            **{"enable_prefix_caching": False, "served_model_name": ["x", "y"]},
+            "override_generation_config": {"a": 1},
+        }
+    )
+    flags = ["--model", "b", "--dtype", "bfloat16", "--max-model-len", "4k", "--no-enforce-eager"]
+    flags += ["--enable-prefix-caching", "--served-model-name", "z"]
+    flags += ["--override-generation-config", '{"b": 2}']
+    ns = parser.parse_args([*file, *flags])
+    assert (ns.model, ns.dtype, ns.max_model_len, ns.enforce_eager) == (
+        "b",
+        "bfloat16",
+        4000,
+        False,
+    )
+    assert (ns.enable_prefix_caching, ns.served_model_name) == (True, ["z"])
+    assert ns.override_generation_config == {"b": 2}  # replaced, not merged
+    ns = parser.parse_args([*flags, *file])
+    assert (ns.model, ns.dtype, ns.max_model_len, ns.enforce_eager) == ("a", "float32", 2048, True)
+    assert (ns.enable_prefix_caching, ns.served_model_name) == (False, ["x", "y"])
+    assert ns.override_generation_config == {"a": 1}
+    # the bridge's parser (its booleans are plain flags: a file's false is left out)
+    file = mapping_argv({"weight_bridge_mode": "none", "bridge_lora_keep": 3, "single_copy": False})
+    args, rest = parse_args([*file, "--weight-bridge-mode", "lora_only", "--bridge-lora-keep", "5"])
+    assert (args.weight_bridge_mode, args.bridge_lora_keep, args.single_copy, rest) == (
+        "lora_only",
+        5,
+        False,
+        [],
+    )
+    assert parse_args(mapping_argv({"single_copy": True}))[0].single_copy
