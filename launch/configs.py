@@ -13,8 +13,8 @@ from typing import Any
 import yaml
 
 from launch.run_config import RunConfig, run_layers
-from settings.cli import is_secret, nest
-from settings.layers import has_path, resolve
+from settings.cli import is_secret
+from settings.layers import has_path, nest, resolve
 from settings.paths import PRESETS_DIR
 from settings.recipe import read_recipe
 

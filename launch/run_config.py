@@ -8,7 +8,6 @@ import argparse
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
-from functools import reduce
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,10 +17,10 @@ from pydantic_settings import SettingsConfigDict
 from api.config import ApiConfig
 from env_server.config import EnvConfig
 from launch.launch_config import LaunchConfig
-from settings.cli import add_config_flags, flag_values, nest
-from settings.layers import Layer, env_layer, expand, resolve
+from settings.cli import add_config_flags, flag_values
+from settings.layers import Layer, env_layer, expand, file_layers, resolve
 from settings.paths import PRESETS_DIR
-from settings.recipe import RecipeError, read_recipe, recipe_chain
+from settings.recipe import RecipeError, read_recipe
 from trainer.config import GrpoConfig, SftConfig
 from vllm_patching.config import Mode, VllmConfig
 
@@ -115,11 +114,6 @@ def cli_layer(argv: Sequence[str]) -> dict[str, Any]:
     return _flags([*argv, *more]) if more else first
 
 
-def file_layers(path: Path) -> list[Layer]:
-    """A run file, one layer per file of its ``base:`` chain."""
-    return [(f"file {p}", expand(data)) for p, data in recipe_chain(path)]
-
-
 def run_layers(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> list[Layer]:
@@ -129,7 +123,7 @@ def run_layers(
     if "model" not in read_recipe(preset):
         raise RecipeError(f"{preset}: a preset names its `model`")
     files = [preset, *([Path(cli["recipe"])] if cli.get("recipe") else [])]
-    env = ("environment", expand(env_layer(RunConfig, environ)))
+    env = ("environment", expand(env_layer(RunConfig, "", environ)))
     return [*(layer for f in files for layer in file_layers(f)), env, ("command line", expand(cli))]
 
 
@@ -138,20 +132,6 @@ def resolve_run(
 ) -> RunConfig:
     """The run's layers validated once (the launcher's decisions: ``launch.configs``)."""
     return resolve(RunConfig, run_layers(argv, environ))
-
-
-def resolve_section(
-    section: str,
-    files: Sequence[Path] = (),
-    flags: Mapping[str, Any] | None = None,
-    environ: Mapping[str, str] | None = None,
-) -> Any:
-    """A service's ``section`` (``trainer.grpo``) of the run its files, the environment and
-    its ``flags`` (the section's own) give, in that order."""
-    layers = [layer for path in files for layer in file_layers(path)]
-    layers += [("environment", expand(env_layer(RunConfig, environ)))]
-    layers += [("command line", nest(section, dict(flags)))] if flags else []
-    return reduce(getattr, section.split("."), resolve(RunConfig, layers))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> RunConfig:

@@ -5,13 +5,17 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel
 from pydantic_settings import CliSettingsSource
+
+from settings.layers import env_layer, file_layers, nest, resolve
+
+M = TypeVar("M", bound=BaseModel)
 
 SECRET_WORDS = ("password", "secret", "api_key")
 OPTIONAL_VALUE = {"resume": "latest"}
@@ -64,26 +68,34 @@ def flag_values(ns: argparse.Namespace) -> dict[str, Any]:
     return source(parsed_args={d: v for d, v in vars(ns).items() if d in dests})()
 
 
-def nest(section: str, values: Any) -> Any:
-    """``values`` placed at dotted ``section`` of a run (``trainer.grpo``)."""
-    for part in reversed(section.split(".")):
-        values = {part: values}
-    return values
+def resolve_section(
+    cls: type[M],
+    section: str,
+    files: Sequence[Path] = (),
+    flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> M:
+    """A service's config ``cls``, the run's ``section`` (``trainer.grpo``): defaults < its
+    ``files`` (run files, in order) < ``environ`` (default ``os.environ``) < its ``flags``."""
+    layers = [layer for path in files for layer in file_layers(path)]
+    layers += [("environment", env_layer(cls, section, environ))]
+    layers += [("command line", nest(section, dict(flags)))] if flags else []
+    return resolve(cls, layers, section)
 
 
-def resolve_args(ns: argparse.Namespace, section: str, environ: Any = None) -> Any:
-    """Service ``section``'s config: defaults < ``--config`` files < environment < flags."""
-    from launch.run_config import resolve_section
+def resolve_args(
+    cls: type[M], ns: argparse.Namespace, section: str, environ: Mapping[str, str] | None = None
+) -> M:
+    """:func:`resolve_section` of the namespace of a parser with :func:`add_config_flags`."""
+    return resolve_section(cls, section, ns.config, flag_values(ns), environ)
 
-    return resolve_section(section, ns.config, flag_values(ns), environ)
 
-
-def parse(cls: type[BaseModel], argv: Sequence[str] | None, *, prog: str, section: str) -> Any:
+def parse(cls: type[M], argv: Sequence[str] | None, *, prog: str, section: str) -> M:
     """Parser + resolution of a single-command service; ``--print-config`` prints and exits."""
     parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
     add_config_flags(parser, cls)
     ns = parser.parse_args(argv)
-    config = resolve_args(ns, section)
+    config = resolve_args(cls, ns, section)
     if ns.print_config:
         print(report(config))
         raise SystemExit(0)

@@ -7,12 +7,13 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import EnvSettingsSource
 
-from settings.recipe import RecipeError
+from settings.recipe import RecipeError, recipe_chain
 
 M = TypeVar("M", bound=BaseModel)
 Layer = tuple[str, Mapping[str, Any]]
@@ -27,6 +28,9 @@ SHORTCUTS: dict[str, tuple[str, ...]] = {
     "keep_constant_groups": ("env.drop_constant_groups",),  # negated
 }
 """Top-level keys of a run and the fields they fill."""
+RUN_KEYS = {"name", "description", "preset", "recipe", "env_args", "trainer_args", *SHORTCUTS}
+RUN_KEYS |= {"base", "launch", "api", "env", "trainer", "vllm"}
+"""A run file's top-level keys (``RunConfig``'s fields and ``base``)."""
 REWARD_KEYS = {"rewards", "reward", "reward_variant"}
 """``env``'s three ways to give the reward: a layer giving one drops the lower layers' others."""
 
@@ -54,6 +58,24 @@ def expand(layer: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def file_layers(path: Path) -> list[Layer]:
+    """A run file, one layer per file of its ``base:`` chain (its unknown top-level keys are
+    an error: a service reads only its own section)."""
+    layers: list[Layer] = []
+    for file, data in recipe_chain(path):
+        if unknown := sorted(data.keys() - RUN_KEYS):
+            raise RecipeError(f"{file}: unknown top-level key {unknown[0]!r} of {sorted(RUN_KEYS)}")
+        layers.append((f"file {file}", expand(data)))
+    return layers
+
+
+def nest(section: str, values: Any) -> Any:
+    """``values`` placed at dotted ``section`` of a run (``trainer.grpo``)."""
+    for part in reversed(section.split(".") if section else []):
+        values = {part: values}
+    return values
+
+
 def merge(base: dict[str, Any], over: Mapping[str, Any], path: str = "") -> dict[str, Any]:
     """``over`` onto ``base``, mappings key by key (``rewards`` whole; see ``REWARD_KEYS``)."""
     if path == "env" and REWARD_KEYS & over.keys():
@@ -67,14 +89,16 @@ def merge(base: dict[str, Any], over: Mapping[str, Any], path: str = "") -> dict
     return base
 
 
-def env_layer(cls: type[BaseModel], environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """``SHOP_R1_<SECTION>__<FIELD>`` variables (pydantic-settings' convention) of ``cls``."""
-    source = EnvSettingsSource(
-        cls, env_prefix="SHOP_R1_", env_nested_delimiter="__", case_sensitive=False
-    )
+def env_layer(
+    cls: type[BaseModel], section: str = "", environ: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The run's ``SHOP_R1_<SECTION>__<FIELD>`` variables (pydantic-settings' convention) for
+    ``cls``, the run's ``section``."""
+    prefix = "SHOP_R1_" + "".join(f"{p.upper()}__" for p in section.split(".") if p)
+    source = EnvSettingsSource(cls, env_prefix=prefix, env_nested_delimiter="__")
     if environ is not None:
         source.env_vars = {k.lower(): v for k, v in environ.items()}
-    return source()
+    return nest(section, values) if (values := source()) else {}
 
 
 def has_path(layer: Any, path: Sequence[Any]) -> bool:
@@ -83,21 +107,27 @@ def has_path(layer: Any, path: Sequence[Any]) -> bool:
         if not isinstance(layer, Mapping) or part not in layer:
             return False
         layer = layer[part]
-    return True
+    return layer != {}
 
 
-def resolve(cls: type[M], layers: Sequence[Layer]) -> M:
-    """``(label, values)`` layers merged, lowest first, and validated; an error names each
-    wrong key and the highest layer that set it."""
-    values: dict[str, Any] = {}
+def resolve(cls: type[M], layers: Sequence[Layer], section: str = "") -> M:
+    """``(label, values)`` run layers merged, lowest first, and ``section`` of them (all:
+    ``""``) validated as ``cls``; an error names each wrong key and the highest layer that set
+    it."""
+    values: Any = {}
     for _, layer in layers:
         merge(values, layer)
+    for part in section.split(".") if section else []:
+        values = values.get(part, {}) if isinstance(values, Mapping) else values
     try:
-        return cls.model_validate(values)
+        return cls.model_validate({} if values is None else values)
     except ValidationError as e:
         lines = []
         for err in e.errors():
-            loc, origin = err["loc"], []  # the key a layer sets (a union adds a member's name)
+            loc, origin = (
+                (*(section.split(".") if section else []), *err["loc"]),
+                [],
+            )  # the key a layer sets (a union adds a member's name)
             while loc and not (origin := [n for n, layer in layers if has_path(layer, loc)]):
                 loc = loc[:-1]
             where = ".".join(map(str, loc or err["loc"]))

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser(cls, sub.add_parser(name, help=help_text, description=cls.__doc__))
     ns = parser.parse_args(argv)
     cls = COMMANDS[ns.command][0]
-    cfg = resolve_args(ns, SECTIONS[cls])
+    cfg = resolve_args(cls, ns, SECTIONS[cls])
     if ns.print_config:
         print(report(cfg))
         return 0

@@ -348,4 +348,4 @@ def build_parser(cls: type[_Config], parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(cls: type[C], ns: argparse.Namespace) -> C:
     """Merge recipe, config file, env vars and the flags given, and validate (clear errors)."""
-    return resolve_args(ns, SECTIONS.get(cls, "trainer.grpo"))
+    return resolve_args(cls, ns, SECTIONS.get(cls, "trainer.grpo"))

@@ -52,9 +52,9 @@ their defaults; every other key goes to vLLM."""
 def file_argv(path: Path) -> list[str]:
     """A run file's ``vllm:`` options (its ``base:`` chain and shortcuts applied, typed by
     ``VllmConfig``; a wrong value names the key) as arguments."""
-    from launch.run_config import resolve_section
+    from settings.cli import resolve_section
 
-    vllm = resolve_section("vllm", [path], environ={})
+    vllm = resolve_section(VllmConfig, "vllm", [path], environ={})
     return mapping_argv(vllm.model_dump(mode="json", exclude_none=True))
 
 

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.unit
 def _grpo(argv: list[str], environ: dict[str, str] | None = None) -> GrpoConfig:
     parser = argparse.ArgumentParser()
     cli.add_config_flags(parser, GrpoConfig)
-    return cli.resolve_args(parser.parse_args(argv), "trainer.grpo", environ or {})
+    return cli.resolve_args(GrpoConfig, parser.parse_args(argv), "trainer.grpo", environ or {})
 
 
 def _write(path: Path, text: str) -> Path:
@@ -66,7 +66,7 @@ def test_flags_follow_field_types(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit, match=r"env.rewards \(set by command line\)"):
         parser = argparse.ArgumentParser()
         cli.add_config_flags(parser, EnvConfig)
-        cli.resolve_args(parser.parse_args(["--rewards", "x"]), "env")
+        cli.resolve_args(EnvConfig, parser.parse_args(["--rewards", "x"]), "env")
 
 
 def test_precedence_defaults_file_environment_flags(tmp_path: Path) -> None:
@@ -112,7 +112,7 @@ def test_print_config_masks_secrets(
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("modle: x\ntrainer: {}\n", "modle (set by file"),
+        ("modle: x\ntrainer: {}\n", "unknown top-level key 'modle'"),
         ("trainer:\n  grpo:\n    lr_typo: 1\n", "trainer.grpo.lr_typo (set by file"),
         ("trainer:\n  grpo:\n    gail: {usee: true}\n", "gail.usee (set by file"),
         ("trainer: [1, 2]\n", "trainer (set by file"),

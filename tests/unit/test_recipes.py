@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from api.config import ApiConfig
 from api.config import parse_config as parse_api
 from env_server.config import EnvConfig
 from env_server.config import parse_config as parse_env
 from env_server.reward import RewardConfig, score
-from launch.run_config import resolve_run, resolve_section
+from launch.run_config import resolve_run
+from settings.cli import resolve_section
 from settings.paths import PRESETS_DIR, REPO_ROOT
 from settings.recipe import read_recipe
 from trainer.config import GrpoConfig, SftConfig
@@ -28,10 +30,10 @@ TINY = REPO_ROOT / "recipes" / "tiny-qwen2" / "shop-r1"
 
 def _all(recipe: Path) -> dict[str, object]:
     return {
-        "api": resolve_section("api", [recipe], environ={}),
-        "env": resolve_section("env", [recipe], environ={}),
-        "sft": resolve_section("trainer.sft", [recipe], environ={}),
-        "grpo": resolve_section("trainer.grpo", [recipe], environ={}),
+        "api": resolve_section(ApiConfig, "api", [recipe], environ={}),
+        "env": resolve_section(EnvConfig, "env", [recipe], environ={}),
+        "sft": resolve_section(SftConfig, "trainer.sft", [recipe], environ={}),
+        "grpo": resolve_section(GrpoConfig, "trainer.grpo", [recipe], environ={}),
     }
 
 
@@ -106,7 +108,7 @@ def _check_twin(name: str, twin: Path, differ: tuple[str, ...] = ()) -> dict[str
 def test_tiny_grpo_recipe_matches_the_cpu_tiny_preset() -> None:
     cfgs = _check_twin("cpu-tiny", TINY / "grpo_no_dars.yaml")  # the no_dars ablation
     env, grpo = cfgs["env"], cfgs["grpo"]
-    sft = resolve_section("trainer.sft", [TINY / "sft.yaml"], environ={})
+    sft = resolve_section(SftConfig, "trainer.sft", [TINY / "sft.yaml"], environ={})
     assert env.max_prompt_tokens + env.max_tokens <= sft.max_seq_len
     assert grpo.batch_size == env.group_size * 4
     # the other recipes differ from the preset's twin in the reward only
@@ -172,7 +174,7 @@ def test_smol_recipes_match_the_cpu_smol_preset() -> None:
     assert grpo.model_name == preset.model == str(SMOL_SFT_MODEL_DIR)
     assert grpo.batch_size == env.group_size * 4 and grpo.lora_r == 0
     # SFT: the preset's SFT settings are the SFT recipe's; prompt + completion fit its sequences
-    sft = resolve_section("trainer.sft", [SMOL / "sft.yaml"], environ={})
+    sft = resolve_section(SftConfig, "trainer.sft", [SMOL / "sft.yaml"], environ={})
     assert sft.model_name == preset.launch.base_model == str(SMOL_MODEL_DIR)
     assert sft.save_path == preset.model
     assert env.max_prompt_tokens + env.max_tokens <= sft.max_seq_len

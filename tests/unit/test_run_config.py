@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 
 from api.config import parse_config as parse_api
+from env_server.config import EnvConfig
 from env_server.config import parse_config as parse_env
-from launch.run_config import RunConfig, file_layers, resolve_run, resolve_section
+from launch.run_config import RunConfig, resolve_run
 from settings import paths
-from settings.layers import env_layer, expand, resolve
+from settings.cli import resolve_section
+from settings.layers import env_layer, expand, file_layers, resolve
 from settings.paths import REPO_ROOT
 from trainer.config import GrpoConfig, SftConfig, build_parser, config_from_args
 from vllm_patching.serve import build, file_argv
@@ -98,7 +100,8 @@ def test_precedence_defaults_file_environment_command_line(tmp_path: Path) -> No
     cfg = resolve_run([*argv, "--env.temperature", "0.25"], environ=environ)
     assert cfg.env.temperature == 0.25 and cfg.trainer.grpo.lr == 2e-4  # command line > env
     # a service on its own: the same order, its flags without the section's prefix
-    env = resolve_section("env", [recipe], {"seed": 9}, {"SHOP_R1_ENV__TEMPERATURE": "0.5"})
+    environ = {"SHOP_R1_ENV__TEMPERATURE": "0.5"}
+    env = resolve_section(EnvConfig, "env", [recipe], {"seed": 9}, environ)
     assert (env.temperature, env.group_size, env.seed) == (0.5, 4, 9)
 
 
@@ -160,8 +163,10 @@ def test_a_layer_giving_the_reward_one_way_replaces_the_others(tmp_path: Path) -
 def test_environment_names_and_trainer_level_keys(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    values = env_layer(RunConfig, {"SHOP_R1_API__PORT": "9", "SHOP_R1_TRAINER__GRPO__LR": "1"})
+    environ = {"SHOP_R1_API__PORT": "9", "SHOP_R1_TRAINER__GRPO__LR": "1"}
+    values = env_layer(RunConfig, "", environ)
     assert values == {"api": {"port": "9"}, "trainer": {"grpo": {"lr": "1"}}}
+    assert env_layer(GrpoConfig, "trainer.grpo", environ) == {"trainer": {"grpo": {"lr": "1"}}}
     # the few names outside the convention are defaults read from their variable
     monkeypatch.setenv("GAIL_USE", "1")
     monkeypatch.setenv("SHOP_R1_API_TOKEN", "t")
@@ -203,7 +208,7 @@ def test_errors_name_the_problem_the_file_and_the_key(tmp_path: Path) -> None:
         resolve_run(["--recipe", str(bad)])
     for dropped in ("output_dir: /x", "data: {dir: /x}", "rewards: {}", "logging: {}"):
         bad.write_text(dropped + "\n")  # dropped shortcuts: an error, never ignored
-        with pytest.raises(SystemExit, match="Extra inputs are not permitted"):
+        with pytest.raises(SystemExit, match=f"{bad}: unknown top-level key"):
             parse_env(["--recipe", str(bad)])
     bad.write_text("trainer: {grpo: {clip_eps: 0.3}}\n")  # dropped: clip_low and clip_high
     with pytest.raises(SystemExit, match="trainer.grpo.clip_eps"):
@@ -217,7 +222,7 @@ def test_one_file_flag_takes_run_files_in_order(tmp_path: Path) -> None:
     assert parse_env(["--config", str(GRPO)]) == parse_env(["--recipe", str(GRPO)])
     flat = tmp_path / "env.yaml"
     flat.write_text("group_size: 3\n")
-    with pytest.raises(SystemExit, match="group_size"):
+    with pytest.raises(SystemExit, match=f"{flat}: unknown top-level key 'group_size'"):
         parse_env(["--config", str(flat)])
     one, two = tmp_path / "one.yaml", tmp_path / "two.yaml"
     one.write_text("env: {group_size: 3, seed: 5}\n")
@@ -228,3 +233,12 @@ def test_one_file_flag_takes_run_files_in_order(tmp_path: Path) -> None:
         "sft": {"lr": 2},
         "grpo": {"lr": 1},
     }
+
+
+def test_a_run_files_top_level_keys_are_the_run_configs_fields() -> None:
+    """``settings.layers.RUN_KEYS`` (what a service checks a file's top level against, without
+    importing every section) is ``RunConfig``'s fields and ``base``."""
+    from settings.layers import RUN_KEYS, SHORTCUTS
+
+    assert {*RunConfig.model_fields, "base"} == RUN_KEYS
+    assert set(SHORTCUTS) <= set(RunConfig.model_fields)
