@@ -14,9 +14,8 @@ import yaml
 
 from launch.run_config import RunConfig, run_layers
 from settings.cli import is_secret
-from settings.layers import has_path, nest, resolve
+from settings.layers import has_path, nest, read_recipe, resolve
 from settings.paths import PRESETS_DIR
-from settings.recipe import read_recipe
 
 SERVICE_FILES = {"api": "api", "env": "env", "trainer_grpo": "trainer.grpo"}
 """``<run>/config/<name>.yaml`` -> the section of the run it holds."""
@@ -35,42 +34,21 @@ def launcher_values(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """What the launcher decides for the run, by section: ``(defaults, owned)``, the run's
     defaults (under its file) and the fields that wire the run (over every layer)."""
-    urls = ",".join(vllm_urls)
-    sft_dir = Path(preset_model(cfg))
+    urls, sft_dir, base = ",".join(vllm_urls), Path(preset_model(cfg)), cfg.launch.base_model
+    # the launcher measures the SFT model itself, with vLLM: no generation in the SFT's eval
+    sft = dict(model_name=base, tensorboard=False, eval_generate=0)
+    lora = {"lora_r": 8} if cfg.weight_bridge_mode == "lora_only" else {}
+    defaults = {"trainer": {"sft": sft, "grpo": lora}}
+    api = dict(port=int(api_url.rsplit(":", 1)[1]), db_path=str(run_dir / "api.sqlite"))
+    env = dict(api_url=api_url, inference_url=urls, tokenizer=cfg.model)
+    env["metrics_path"] = str(run_dir / "env_metrics.jsonl")
+    grpo = dict(model_name=cfg.model, save_path=str(run_dir / "trainer"), api_url=api_url)
+    grpo |= dict(weight_bridge_mode=cfg.weight_bridge_mode, single_copy=cfg.single_copy)
+    grpo |= {"inference_url": urls, "device": device}
+    grpo["resume" if cfg.launch.resume else "overwrite"] = True
     sft_resume = (sft_dir / "checkpoints").is_dir()  # an interrupted SFT continues
-    defaults: dict[str, Any] = {
-        "trainer": {
-            "sft": {
-                "model_name": cfg.launch.base_model,
-                "tensorboard": False,
-                "eval_generate": 0,  # the launcher measures the SFT model itself, with vLLM
-            },
-            "grpo": {"lora_r": 8} if cfg.weight_bridge_mode == "lora_only" else {},
-        }
-    }
-    owned = {
-        "api": {"port": int(api_url.rsplit(":", 1)[1]), "db_path": str(run_dir / "api.sqlite")},
-        "env": {
-            "api_url": api_url,
-            "inference_url": urls,
-            "tokenizer": cfg.model,
-            "metrics_path": str(run_dir / "env_metrics.jsonl"),
-        },
-        "trainer": {
-            "grpo": {
-                "model_name": cfg.model,
-                "save_path": str(run_dir / "trainer"),
-                "api_url": api_url,
-                "weight_bridge_mode": cfg.weight_bridge_mode,
-                "single_copy": cfg.single_copy,
-                "inference_url": urls,
-                "device": device,
-                "resume" if cfg.launch.resume else "overwrite": True,
-            },
-            "sft": {"save_path": str(sft_dir), "resume" if sft_resume else "overwrite": True},
-        },
-    }
-    return defaults, owned
+    own_sft = {"save_path": str(sft_dir), "resume" if sft_resume else "overwrite": True}
+    return defaults, {"api": api, "env": env, "trainer": {"grpo": grpo, "sft": own_sft}}
 
 
 def resolve_for_run(
@@ -91,13 +69,9 @@ def resolve_for_run(
         given = [n for n, layer in layers[-2:] if has_path(layer, path)]
         asked, value = (reduce(getattr, path, c) for c in (first, cfg))
         if given and asked != value:
-            print(
-                f"[run_all] WARNING: {'.'.join(path)} = {asked!r} ({given[-1]}) is replaced by "
-                f"the launcher's {value!r}: it wires the run (docs/RECIPES.md); set it with the "
-                "launcher's own options (--api-port, --vllm-port, --run-dir, --model, ...)",
-                file=sys.stderr,
-                flush=True,
-            )
+            why = "it wires the run; set it with the launcher's own options (--api-port, ...)"
+            warn = f"{'.'.join(path)} = {asked!r} ({given[-1]}) is replaced by {value!r}: {why}"
+            print(f"[run_all] WARNING: {warn}", file=sys.stderr, flush=True)
     return cfg
 
 
@@ -121,9 +95,8 @@ def write_config(run_dir: Path, name: str, data: Mapping[str, Any]) -> Path:
 def write_service_config(run_dir: Path, name: str, cfg: RunConfig, section: str) -> Path:
     """:func:`write_config` of the run's ``section`` (secrets left out)."""
     data = reduce(getattr, section.split("."), cfg).model_dump(mode="json")
-    return write_config(
-        run_dir, name, nest(section, {k: v for k, v in data.items() if not is_secret(k)})
-    )
+    data = {k: v for k, v in data.items() if not is_secret(k)}
+    return write_config(run_dir, name, nest(section, data))
 
 
 def vllm_values(cfg: RunConfig) -> dict[str, Any]:
@@ -134,5 +107,4 @@ def vllm_values(cfg: RunConfig) -> dict[str, Any]:
 def write_service_configs(run_dir: Path, cfg: RunConfig) -> dict[str, Path]:
     """Every service's file: ``api``, ``env``, ``trainer_grpo`` and ``vllm``."""
     files = {n: write_service_config(run_dir, n, cfg, s) for n, s in SERVICE_FILES.items()}
-    files["vllm"] = write_config(run_dir, "vllm", {"vllm": vllm_values(cfg)})
-    return files
+    return files | {"vllm": write_config(run_dir, "vllm", {"vllm": vllm_values(cfg)})}

@@ -18,9 +18,8 @@ from api.config import ApiConfig
 from env_server.config import EnvConfig
 from launch.launch_config import LaunchConfig
 from settings.cli import add_config_flags, flag_values
-from settings.layers import Layer, env_layer, expand, file_layers, resolve
+from settings.layers import Layer, RecipeError, env_layer, expand, file_layers, read_recipe, resolve
 from settings.paths import PRESETS_DIR
-from settings.recipe import RecipeError, read_recipe
 from trainer.config import GrpoConfig, SftConfig
 from vllm_patching.config import Mode, VllmConfig
 

@@ -20,6 +20,10 @@ M = TypeVar("M", bound=BaseModel)
 SECRET_WORDS = ("password", "secret", "api_key")
 OPTIONAL_VALUE = {"resume": "latest"}
 """Flags whose value may be left out: ``--resume`` alone is ``--resume latest``."""
+CLI = {"cli_kebab_case": True, "cli_implicit_flags": True, "cli_avoid_json": True}
+CLI |= {"cli_hide_none_type": True, "cli_parse_none_str": "null"}
+"""pydantic-settings' ``CliSettingsSource`` options: ``--kebab-case``, ``--flag``/``--no-flag``."""
+FILES = "YAML run files (recipes/, presets, <run>/config/*.yaml), in order; env and flags win"
 
 
 def add_config_flags(
@@ -28,32 +32,11 @@ def add_config_flags(
     """``--config`` (alias ``--recipe``), ``--print-config`` and one flag per field of ``cls``."""
     if files:
         parser.add_argument(
-            "--config",
-            "--recipe",
-            dest="config",
-            type=Path,
-            action="append",
-            default=[],
-            metavar="FILE",
-            help="YAML run file (recipes/<model>/<task>/*.yaml, a preset, or what "
-            "launch/run_all.sh writes to <run>/config/): this service's section and the "
-            "shortcuts. Several apply in order; the environment and flags override them.",
+            "--config", "--recipe", type=Path, action="append", metavar="FILE", help=FILES
         )
-        parser.add_argument(
-            "--print-config",
-            action="store_true",
-            help="Print the resolved config (secrets masked), then exit.",
-        )
+        parser.add_argument("--print-config", action="store_true", help="print it, then exit")
     before = {a.dest for a in parser._actions}
-    source = CliSettingsSource(
-        cls,
-        root_parser=parser,
-        cli_kebab_case=True,
-        cli_implicit_flags=True,
-        cli_avoid_json=True,
-        cli_hide_none_type=True,
-        cli_parse_none_str="null",
-    )
+    source = CliSettingsSource(cls, root_parser=parser, **CLI)
     dests = {a.dest for a in parser._actions} - before
     for action in parser._actions:
         const = OPTIONAL_VALUE.get(action.dest.rsplit(".", 1)[-1])
@@ -87,7 +70,7 @@ def resolve_args(
     cls: type[M], ns: argparse.Namespace, section: str, environ: Mapping[str, str] | None = None
 ) -> M:
     """:func:`resolve_section` of the namespace of a parser with :func:`add_config_flags`."""
-    return resolve_section(cls, section, ns.config, flag_values(ns), environ)
+    return resolve_section(cls, section, ns.config or (), flag_values(ns), environ)
 
 
 def parse(cls: type[M], argv: Sequence[str] | None, *, prog: str, section: str) -> M:
@@ -112,4 +95,4 @@ def report(config: BaseModel) -> str:
     """``config`` as YAML, secrets masked (``--print-config``, the services' logs)."""
     data = config.model_dump(mode="json")
     data = {k: "***" if is_secret(k) and v is not None else v for k, v in data.items()}
-    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=100)
+    return yaml.safe_dump(data, sort_keys=False, width=100)

@@ -1,19 +1,22 @@
-"""Layered resolution of a run's ``launch.run_config.RunConfig`` (docs/RECIPES.md), lowest
-first: field defaults < files < environment < command line. A shortcut (``model``, ``seed``,
-...) fills its fields inside its own layer, where that layer does not set them itself."""
+"""A run's config, ``launch.run_config.RunConfig``, from layers, lowest first (docs/RECIPES.md):
+field defaults < YAML run files (``base:`` chains, ``${VAR}``) < environment < command line.
+A shortcut (``model``, ``seed``, ...) fills its fields inside its own layer, where that layer
+does not set them itself. Imports no service package."""
 
 from __future__ import annotations
 
 import copy
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import EnvSettingsSource
 
-from settings.recipe import RecipeError, recipe_chain
+from settings import paths
 
 M = TypeVar("M", bound=BaseModel)
 Layer = tuple[str, Mapping[str, Any]]
@@ -33,6 +36,14 @@ RUN_KEYS |= {"base", "launch", "api", "env", "trainer", "vllm"}
 """A run file's top-level keys (``RunConfig``'s fields and ``base``)."""
 REWARD_KEYS = {"rewards", "reward", "reward_variant"}
 """``env``'s three ways to give the reward: a layer giving one drops the lower layers' others."""
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+class RecipeError(SystemExit):
+    """A recipe, a config file or a value is wrong; the message names the file and the key."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"error: {message}")
 
 
 def env_default(name: str, default: Any = None) -> Callable[[], Any]:
@@ -40,33 +51,74 @@ def env_default(name: str, default: Any = None) -> Callable[[], Any]:
     return lambda: os.environ.get(name) or default
 
 
-def expand(layer: Mapping[str, Any]) -> dict[str, Any]:
-    """``layer`` with its ``trainer:`` keys beside ``sft:``/``grpo:`` moved into both, and
-    each shortcut filling its fields where the layer does not set them."""
-    out = copy.deepcopy(dict(layer))
-    if isinstance(trainer := out.get("trainer"), dict):
-        common = {k: v for k, v in trainer.items() if k not in ("sft", "grpo")}
-        sub = {c: trainer.get(c) or {} for c in ("sft", "grpo")}
-        out["trainer"] = {c: {**common, **v} if isinstance(v, dict) else v for c, v in sub.items()}
-    for key, targets in SHORTCUTS.items():
-        for *parents, last in (t.split(".") for t in targets) if key in out else ():
-            d = out
-            for p in parents:
-                d = d.setdefault(p, {}) if isinstance(d, dict) else None
-            if isinstance(d, dict):
-                d.setdefault(last, not out[key] if key == "keep_constant_groups" else out[key])
-    return out
+def read_recipe(path: Path) -> dict[str, Any]:
+    """One YAML mapping (an empty file is ``{}``), ``${VAR}`` expanded, ``base:`` kept."""
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise RecipeError(f"cannot read {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(loaded, dict | None):
+        raise RecipeError(f"{path} must hold a mapping of option: value")
+    return expand_vars(loaded or {}, Path(path))
+
+
+def expand_vars(value: Any, path: Path, where: str = "") -> Any:
+    """``${NAME}`` / ``${NAME:-default}`` in every string of ``value``: the project's
+    locations (``REPO_ROOT``, ``ARTIFACTS``, ``RUNS_DIR``), else the environment."""
+    if isinstance(value, dict):
+        return {k: expand_vars(v, path, f"{where}{k}.") for k, v in value.items()}
+    if isinstance(value, list):
+        return [expand_vars(v, path, where) for v in value]
+
+    def sub(m: re.Match[str]) -> str:
+        name = m.group(1)
+        ours = name in ("REPO_ROOT", "ARTIFACTS", "RUNS_DIR")
+        if (
+            found := str(getattr(paths, name)) if ours else os.environ.get(name, m.group(2))
+        ) is None:
+            raise RecipeError(f"{path}: {where[:-1]} uses ${{{name}}}, which is not set")
+        return found
+
+    return _VAR.sub(sub, value) if isinstance(value, str) else value
+
+
+def recipe_chain(path: Path, _seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict[str, Any]]]:
+    """A recipe and the files of its ``base:`` chain, base first, one layer each."""
+    path = Path(path)
+    if path.resolve() in _seen:
+        raise RecipeError(f"{path}: 'base' loops back to itself ({' -> '.join(map(str, _seen))})")
+    recipe = read_recipe(path)
+    if not isinstance(base := recipe.pop("base", None), str | None):
+        raise RecipeError(f"{path}: 'base' must be the path of another recipe")
+    lower = recipe_chain(path.parent / base, (*_seen, path.resolve())) if base else []
+    return [*lower, (path, recipe)]
 
 
 def file_layers(path: Path) -> list[Layer]:
-    """A run file, one layer per file of its ``base:`` chain (its unknown top-level keys are
-    an error: a service reads only its own section)."""
+    """A run file, one layer per file of its ``base:`` chain."""
     layers: list[Layer] = []
     for file, data in recipe_chain(path):
         if unknown := sorted(data.keys() - RUN_KEYS):
             raise RecipeError(f"{file}: unknown top-level key {unknown[0]!r} of {sorted(RUN_KEYS)}")
         layers.append((f"file {file}", expand(data)))
     return layers
+
+
+def expand(layer: Mapping[str, Any]) -> dict[str, Any]:
+    """``layer`` with its ``trainer:`` keys beside ``sft:``/``grpo:`` moved into both, over
+    what its shortcuts fill."""
+    out, fill = copy.deepcopy(dict(layer)), {}
+    if isinstance(trainer := out.get("trainer"), dict):
+        common = {k: v for k, v in trainer.items() if k not in ("sft", "grpo")}
+        sub = {c: trainer.get(c) or {} for c in ("sft", "grpo")}
+        out["trainer"] = {c: {**common, **v} if isinstance(v, dict) else v for c, v in sub.items()}
+    for key, targets in SHORTCUTS.items():
+        value = not out.get(key) if key == "keep_constant_groups" else out.get(key)
+        for target in targets if key in out else ():
+            merge(fill, nest(target, value))
+    return merge(fill, out)
 
 
 def nest(section: str, values: Any) -> Any:
@@ -92,8 +144,8 @@ def merge(base: dict[str, Any], over: Mapping[str, Any], path: str = "") -> dict
 def env_layer(
     cls: type[BaseModel], section: str = "", environ: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
-    """The run's ``SHOP_R1_<SECTION>__<FIELD>`` variables (pydantic-settings' convention) for
-    ``cls``, the run's ``section``."""
+    """The ``SHOP_R1_<SECTION>__<FIELD>`` variables (pydantic-settings' convention) of ``cls``,
+    the run's ``section``."""
     prefix = "SHOP_R1_" + "".join(f"{p.upper()}__" for p in section.split(".") if p)
     source = EnvSettingsSource(cls, env_prefix=prefix, env_nested_delimiter="__")
     if environ is not None:
@@ -102,7 +154,7 @@ def env_layer(
 
 
 def has_path(layer: Any, path: Sequence[Any]) -> bool:
-    """Whether ``layer`` sets the value at ``path`` (``("env", "seed")``)."""
+    """Whether ``layer`` sets a value at ``path`` (``("env", "seed")``)."""
     for part in path:
         if not isinstance(layer, Mapping) or part not in layer:
             return False
@@ -111,9 +163,8 @@ def has_path(layer: Any, path: Sequence[Any]) -> bool:
 
 
 def resolve(cls: type[M], layers: Sequence[Layer], section: str = "") -> M:
-    """``(label, values)`` run layers merged, lowest first, and ``section`` of them (all:
-    ``""``) validated as ``cls``; an error names each wrong key and the highest layer that set
-    it."""
+    """``(label, values)`` run layers merged, lowest first, and their ``section`` (all: ``""``)
+    validated as ``cls``; an error names each wrong key and the highest layer setting it."""
     values: Any = {}
     for _, layer in layers:
         merge(values, layer)
@@ -123,15 +174,12 @@ def resolve(cls: type[M], layers: Sequence[Layer], section: str = "") -> M:
         return cls.model_validate({} if values is None else values)
     except ValidationError as e:
         lines = []
-        for err in e.errors():
-            loc, origin = (
-                (*(section.split(".") if section else []), *err["loc"]),
-                [],
-            )  # the key a layer sets (a union adds a member's name)
+        for err in e.errors():  # the key a layer sets (a union adds its member's name)
+            loc, origin = (*(section.split(".") if section else []), *err["loc"]), []
             while loc and not (origin := [n for n, layer in layers if has_path(layer, loc)]):
                 loc = loc[:-1]
             where = ".".join(map(str, loc or err["loc"]))
             lines.append(f"{where} (set by {(origin or ['defaults'])[-1]})\n  {err['msg']}")
-            shown = origin and not isinstance(err["input"], Mapping)  # no section, no secret
-            lines[-1] += f" [input: {str(err['input'])[:80]!r}]" if shown else ""
+            if origin and not isinstance(err["input"], Mapping):  # no section, no secret
+                lines[-1] += f" [input: {str(err['input'])[:80]!r}]"
         raise RecipeError(f"invalid {e.title}:\n" + "\n".join(lines)) from None

@@ -64,19 +64,11 @@ def mapping_argv(values: Mapping[str, Any]) -> list[str]:
     argv: list[str] = []
     for key, value in values.items():
         flag = "--" + str(key).replace("_", "-")
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            if value:
-                argv.append(flag)
-            elif key not in BRIDGE_DEFAULTS:  # our bridge booleans are plain store_true flags
-                argv.append("--no-" + flag[2:])
-        elif isinstance(value, list):
-            argv += [flag, *(str(v) for v in value)]
-        elif isinstance(value, dict):
-            argv += [flag, json.dumps(value)]
-        else:
-            argv += [flag, str(value)]
+        if value is True or value is False and key not in BRIDGE_DEFAULTS:  # bridge: store_true
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif value is not None and not isinstance(value, bool):
+            value = json.dumps(value) if isinstance(value, dict) else value
+            argv += [flag, *map(str, value if isinstance(value, list) else [value])]
     return argv
 
 

@@ -12,7 +12,7 @@ from api.config import ApiConfig
 from env_server.config import EnvConfig
 from env_server.config import parse_config as parse_env
 from settings import cli
-from settings.recipe import recipe_chain
+from settings.layers import recipe_chain
 from trainer.config import GrpoConfig
 from vllm_patching.serve import expand_files
 

@@ -20,8 +20,8 @@ from env_server.reward import RewardConfig, score
 from launch.configs import resolve_for_run, write_service_config, write_service_configs
 from launch.run_config import RunConfig, parse_args
 from launch.vllm_server import server_argv
+from settings.layers import read_recipe
 from settings.paths import PRESETS_DIR, REPO_ROOT
-from settings.recipe import read_recipe
 from trainer.config import GrpoConfig, SftConfig, build_parser, config_from_args
 from vllm_patching.serve import build, expand_files
 

@@ -17,8 +17,8 @@ from env_server.config import parse_config as parse_env
 from env_server.reward import RewardConfig, score
 from launch.run_config import resolve_run
 from settings.cli import resolve_section
+from settings.layers import read_recipe
 from settings.paths import PRESETS_DIR, REPO_ROOT
-from settings.recipe import read_recipe
 from trainer.config import GrpoConfig, SftConfig
 from vllm_patching.serve import build
 
