@@ -66,8 +66,11 @@ def read_recipe(path: Path) -> dict[str, Any]:
 
 def expand_vars(value: Any, path: Path, where: str = "") -> Any:
     """``${NAME}`` / ``${NAME:-default}`` in every string of ``value``: the project's
-    locations (``REPO_ROOT``, ``ARTIFACTS``, ``RUNS_DIR``), else the environment."""
+    locations (``REPO_ROOT``, ``ARTIFACTS``, ``RUNS_DIR``), else the environment; keys
+    ``kebab-case`` -> ``snake_case`` (reward entries kept as written)."""
     if isinstance(value, dict):
+        snake = "rewards." not in f".{where}"
+        value = {str(k).replace("-", "_") if snake else k: v for k, v in value.items()}
         return {k: expand_vars(v, path, f"{where}{k}.") for k, v in value.items()}
     if isinstance(value, list):
         return [expand_vars(v, path, where) for v in value]

@@ -140,7 +140,7 @@ def test_recipe_base_variables_and_loops(tmp_path: Path, monkeypatch: pytest.Mon
     child = _write(
         tmp_path / "child.yaml",
         "base: base.yaml\nseed: 2\n"
-        "trainer: {grpo: {tis_cap: 1.5}}\nenv: {rewards: {components: {type: 0.3}}}\n"
+        "trainer: {grpo: {tis-cap: 1.5}}\nenv: {rewards: {components: {type: 0.3}}}\n"
         "name: ${SHOP_R1_TEST_UNSET_VAR:-fallback}\n",
     )
     (base, lower), (path, upper) = recipe_chain(child)  # one layer per file, base first
