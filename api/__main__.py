@@ -6,15 +6,14 @@ import logging
 
 
 def main(argv: list[str] | None = None) -> None:
-    from api.config import resolve_config
+    from api.config import parse_config
     from settings.cli import report
 
-    resolved = resolve_config(argv)  # config errors surface before the server is imported
-    cfg = resolved.config
+    cfg = parse_config(argv)  # config errors surface before the server is imported
     logging.basicConfig(
         level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    logging.getLogger("api").info("config:\n%s", report(resolved))
+    logging.getLogger("api").info("config:\n%s", report(cfg))
     import uvicorn
 
     from api.app import create_app

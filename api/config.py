@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from settings import cli
-from settings.flags import add_config_flags, from_env
+from settings.layers import env_default
 from settings.paths import RUNS_DIR
 from settings.ports import API_PORT
 
@@ -32,10 +31,7 @@ class ApiConfig(BaseModel):
     """SQLite `synchronous` pragma. FULL fsyncs the WAL on every commit, so an acknowledged
     group survives power loss too; NORMAL survives a process crash (`kill -9`) but may lose
     the last commits on an OS crash, in exchange for less fsync latency per request."""
-    token: str | None = Field(
-        default_factory=lambda: os.environ.get(TOKEN_ENV) or None,
-        json_schema_extra=from_env(TOKEN_ENV),
-    )
+    token: str | None = Field(default_factory=env_default(TOKEN_ENV))
     """Shared token required on every route when set (header `Authorization: Bearer <token>`
     or `X-API-Token`); default: $SHOP_R1_API_TOKEN."""
     min_free_mb: float = Field(64.0, ge=0)
@@ -73,16 +69,11 @@ class ApiConfig(BaseModel):
 def build_parser() -> argparse.ArgumentParser:
     """``--config``/``--print-config`` and one flag per :class:`ApiConfig` field."""
     ap = argparse.ArgumentParser(prog="python -m api", description=ApiConfig.__doc__)
-    add_config_flags(ap, ApiConfig)
+    cli.add_config_flags(ap, ApiConfig)
     return ap
 
 
-def resolve_config(argv: list[str] | None = None) -> cli.Resolved:
-    """File (``--config``) < env vars ($SHOP_R1_API_TOKEN) < flags, validated (a bad
-    value exits with a clear message; ``--print-config`` prints the result and exits)."""
-    return cli.parse(ApiConfig, argv, prog="python -m api", section="api")
-
-
 def parse_config(argv: list[str] | None = None) -> ApiConfig:
-    """:func:`resolve_config`, config only."""
-    return resolve_config(argv).config
+    """File (``--config``) < env vars < flags, validated (a bad value exits with a clear
+    message; ``--print-config`` prints the result and exits)."""
+    return cli.parse(ApiConfig, argv, prog="python -m api", section="api")

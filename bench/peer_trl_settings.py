@@ -112,7 +112,7 @@ def resolve(argv: list[str], save_every: int) -> Plan:
     run_dir = first.launch.run_dir or Path("runs/peer_trl")
     urls = ["http://127.0.0.1:2"]
     device = first.launch.trainer_device
-    cfg = resolve_for_run(argv, "http://127.0.0.1:1", urls, run_dir, device).config
+    cfg = resolve_for_run(argv, "http://127.0.0.1:1", urls, run_dir, device)
     env, grpo, model = cfg.env, cfg.trainer.grpo, str(cfg.model)
     if grpo.batch_size % env.group_size:
         raise ValueError(f"batch_size {grpo.batch_size} is not whole groups of {env.group_size}")
@@ -130,7 +130,7 @@ def write_vllm(plan: Plan, run_dir: Path) -> Path:
     from launch.configs import vllm_values, write_config
     from launch.run_config import parse_args
 
-    return write_config(run_dir, "vllm", vllm_values(parse_args(plan.run_all_argv)))
+    return write_config(run_dir, "vllm", {"vllm": vllm_values(parse_args(plan.run_all_argv))})
 
 
 def _schedule(grpo: Any) -> dict[str, Any]:

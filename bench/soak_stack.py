@@ -50,11 +50,11 @@ class SoakStack:
             str(self.save),
         ]
         argv += ["--api.db-path", str(self.data / "api.sqlite")]
-        resolved = resolve_for_run(argv, self.api_url, [self.vllm_url], run_dir, "cpu")
-        self.model = str(resolved.config.model)
-        self.files = write_service_configs(run_dir, resolved)
-        self.env_metrics = Path(resolved.config.env.metrics_path)
-        self.db = Path(resolved.config.api.db_path)
+        cfg = resolve_for_run(argv, self.api_url, [self.vllm_url], run_dir, "cpu")
+        self.model = str(cfg.model)
+        self.files = write_service_configs(run_dir, cfg)
+        self.env_metrics = Path(cfg.env.metrics_path)
+        self.db = Path(cfg.api.db_path)
         self.token = secrets.token_hex(16)
         self.threads = plan_threads(available_cores(), 1, "cpu")
         self.procs: dict[str, ManagedProcess] = {}

@@ -46,8 +46,8 @@ def _rss_mib() -> float:
 
 
 def _preset(name: str) -> dict[str, Any]:
+    from settings.layers import read_recipe
     from settings.paths import PRESETS_DIR
-    from settings.recipe import read_recipe
 
     return read_recipe(PRESETS_DIR / f"{name}.yaml")
 

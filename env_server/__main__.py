@@ -7,15 +7,14 @@ import logging
 
 
 def main(argv: list[str] | None = None) -> None:
-    from env_server.config import resolve_config
+    from env_server.config import parse_config
     from settings.cli import report
 
-    resolved = resolve_config(argv)  # config errors surface before anything heavy is imported
-    cfg = resolved.config
+    cfg = parse_config(argv)  # config errors surface before anything heavy is imported
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    logging.getLogger("env_server").info("config:\n%s", report(resolved))
+    logging.getLogger("env_server").info("config:\n%s", report(cfg))
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
     from settings.ports import check_services
 

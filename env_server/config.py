@@ -1,22 +1,21 @@
 """Config of the environment service and its command line (``settings.cli``).
 
-A YAML file (``--config``, alias ``--recipe``: a run file's shared keys + ``env:`` section,
-or a flat file of these options; docs/RECIPES.md), environment variables, then flags; one ``--kebab-case`` flag per field, whose help
-is the field's docstring. No torch here: ``--help`` and config errors are instant.
+A run file (``--config``, alias ``--recipe``: its shortcuts and ``env:`` section;
+docs/RECIPES.md), environment variables, then flags; one ``--kebab-case`` flag per field, whose
+help is the field's docstring. No torch here: ``--help`` and config errors are instant.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from env_server.reward import RewardConfig, RewardSpec
 from settings import cli
-from settings.flags import add_config_flags, from_env
+from settings.layers import env_default
 from settings.paths import DATA_DIR
 from settings.ports import API_URL, VLLM_URL
 
@@ -34,17 +33,12 @@ class EnvConfig(BaseModel):
     """The Shop-R1 environment service."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-    exclusive_fields: ClassVar[tuple[tuple[str, ...], ...]] = (
-        ("rewards", "reward", "reward_variant"),
-    )
-    # three ways to give the reward: a later layer (flag > env var > config > recipe) that uses
-    # one of them replaces what an earlier layer gave through another (settings/cli.py)
+    # three ways to give the reward: a layer that uses one of them drops what a lower layer
+    # gave through another (settings.layers.REWARD_KEYS)
 
     api_url: str = API_URL
     """Batching API the scored groups go to."""
-    api_token: str | None = Field(
-        default_factory=lambda: os.environ.get(TOKEN_ENV), json_schema_extra=from_env(TOKEN_ENV)
-    )
+    api_token: str | None = Field(default_factory=env_default(TOKEN_ENV))
     """Shared token for the API's mutating routes (default: $SHOP_R1_API_TOKEN)."""
     inference_url: str = VLLM_URL
     """OpenAI-compatible inference server (vLLM) the completions come from; several servers:
@@ -133,16 +127,11 @@ class EnvConfig(BaseModel):
 def build_parser() -> argparse.ArgumentParser:
     """``--recipe``/``--config``/``--print-config`` and one flag per :class:`EnvConfig` field."""
     ap = argparse.ArgumentParser(prog="python -m env_server", description=EnvConfig.__doc__)
-    add_config_flags(ap, EnvConfig)
+    cli.add_config_flags(ap, EnvConfig)
     return ap
 
 
-def resolve_config(argv: list[str] | None = None) -> cli.Resolved:
-    """File (``--config``) < env vars < flags, validated (a bad value
-    exits with a clear message; ``--print-config`` prints the result and exits)."""
-    return cli.parse(EnvConfig, argv, prog="python -m env_server", section="env")
-
-
 def parse_config(argv: list[str] | None = None) -> EnvConfig:
-    """:func:`resolve_config`, config only."""
-    return resolve_config(argv).config
+    """File (``--config``) < env vars < flags, validated (a bad value exits with a clear
+    message; ``--print-config`` prints the result and exits)."""
+    return cli.parse(EnvConfig, argv, prog="python -m env_server", section="env")

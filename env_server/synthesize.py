@@ -226,7 +226,7 @@ def summary_line(s: Mapping[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> SynthConfig:
     """One flag per :class:`SynthConfig` field (settings/cli.py), validated (a bad value:
     argparse's error naming it, exit 2)."""
-    from settings.flags import add_config_flags, flag_values
+    from settings.cli import add_config_flags, flag_values
 
     p = argparse.ArgumentParser(
         prog="python -m env_server.synthesize",
@@ -235,7 +235,7 @@ def parse_args(argv: list[str] | None = None) -> SynthConfig:
     )
     add_config_flags(p, SynthConfig, files=False)
     try:
-        return SynthConfig.model_validate(flag_values(SynthConfig, p.parse_args(argv)))
+        return SynthConfig.model_validate(flag_values(p.parse_args(argv)))
     except Exception as e:  # pydantic ValidationError: say which flag, exit 2
         p.error(str(e))
         raise  # unreachable

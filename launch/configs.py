@@ -1,6 +1,6 @@
 """What launch/run_all.sh hands each service: the run's ``RunConfig`` resolved with the
-launcher's decisions, each service's section written to ``<run>/config/<service>.yaml``
-(secrets never written; docs/RECIPES.md)."""
+launcher's decisions, each service's section written as a run file to
+``<run>/config/<service>.yaml`` (secrets never written; docs/RECIPES.md)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ from typing import Any
 import yaml
 
 from launch.run_config import RunConfig, run_layers
-from settings.cli import config_file_data
-from settings.layers import Resolved, resolve
+from settings.cli import is_secret
+from settings.layers import has_path, nest, read_recipe, resolve
 from settings.paths import PRESETS_DIR
-from settings.recipe import read_recipe
 
 SERVICE_FILES = {"api": "api", "env": "env", "trainer_grpo": "trainer.grpo"}
 """``<run>/config/<name>.yaml`` -> the section of the run it holds."""
@@ -35,42 +34,21 @@ def launcher_values(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """What the launcher decides for the run, by section: ``(defaults, owned)``, the run's
     defaults (under its file) and the fields that wire the run (over every layer)."""
-    urls = ",".join(vllm_urls)
-    sft_dir = Path(preset_model(cfg))
+    urls, sft_dir, base = ",".join(vllm_urls), Path(preset_model(cfg)), cfg.launch.base_model
+    # the launcher measures the SFT model itself, with vLLM: no generation in the SFT's eval
+    sft = dict(model_name=base, tensorboard=False, eval_generate=0)
+    lora = {"lora_r": 8} if cfg.weight_bridge_mode == "lora_only" else {}
+    defaults = {"trainer": {"sft": sft, "grpo": lora}}
+    api = dict(port=int(api_url.rsplit(":", 1)[1]), db_path=str(run_dir / "api.sqlite"))
+    env = dict(api_url=api_url, inference_url=urls, tokenizer=cfg.model)
+    env["metrics_path"] = str(run_dir / "env_metrics.jsonl")
+    grpo = dict(model_name=cfg.model, save_path=str(run_dir / "trainer"), api_url=api_url)
+    grpo |= dict(weight_bridge_mode=cfg.weight_bridge_mode, single_copy=cfg.single_copy)
+    grpo |= {"inference_url": urls, "device": device}
+    grpo["resume" if cfg.launch.resume else "overwrite"] = True
     sft_resume = (sft_dir / "checkpoints").is_dir()  # an interrupted SFT continues
-    defaults: dict[str, Any] = {
-        "trainer": {
-            "sft": {
-                "model_name": cfg.launch.base_model,
-                "tensorboard": False,
-                "eval_generate": 0,  # the launcher measures the SFT model itself, with vLLM
-            },
-            "grpo": {"lora_r": 8} if cfg.weight_bridge_mode == "lora_only" else {},
-        }
-    }
-    owned = {
-        "api": {"port": int(api_url.rsplit(":", 1)[1]), "db_path": str(run_dir / "api.sqlite")},
-        "env": {
-            "api_url": api_url,
-            "inference_url": urls,
-            "tokenizer": cfg.model,
-            "metrics_path": str(run_dir / "env_metrics.jsonl"),
-        },
-        "trainer": {
-            "grpo": {
-                "model_name": cfg.model,
-                "save_path": str(run_dir / "trainer"),
-                "api_url": api_url,
-                "weight_bridge_mode": cfg.weight_bridge_mode,
-                "single_copy": cfg.single_copy,
-                "inference_url": urls,
-                "device": device,
-                "resume" if cfg.launch.resume else "overwrite": True,
-            },
-            "sft": {"save_path": str(sft_dir), "resume" if sft_resume else "overwrite": True},
-        },
-    }
-    return defaults, owned
+    own_sft = {"save_path": str(sft_dir), "resume" if sft_resume else "overwrite": True}
+    return defaults, {"api": api, "env": env, "trainer": {"grpo": grpo, "sft": own_sft}}
 
 
 def resolve_for_run(
@@ -80,44 +58,45 @@ def resolve_for_run(
     run_dir: Path,
     device: str = "cpu",
     environ: Mapping[str, str] | None = None,
-) -> Resolved:
+) -> RunConfig:
     """The run's config: the launcher's defaults < the run's layers < the fields it owns; a
     flag or variable that the launcher overrides gets a WARNING."""
     layers = run_layers(argv, environ)
     first = resolve(RunConfig, layers)  # what the launcher's decisions depend on
-    defaults, owned = launcher_values(first.config, api_url, vllm_urls, run_dir, device)
-    resolved = resolve(RunConfig, [("launcher", defaults), *layers, ("launcher", owned)])
-    for dotted, source in first.sources.items():
-        if source not in ("flag", "environment") or resolved.sources.get(dotted) != "launcher":
-            continue
-        asked, value = (reduce(getattr, dotted.split("."), r.config) for r in (first, resolved))
-        if asked != value:
-            print(
-                f"[run_all] WARNING: {dotted} = {asked!r} ({source}) is replaced by the "
-                f"launcher's {value!r}: it wires the run (docs/RECIPES.md); set it with the "
-                "launcher's own options (--api-port, --vllm-port, --run-dir, --model, ...)",
-                file=sys.stderr,
-                flush=True,
-            )
-    return resolved
+    defaults, owned = launcher_values(first, api_url, vllm_urls, run_dir, device)
+    cfg = resolve(RunConfig, [("launcher", defaults), *layers, ("launcher", owned)])
+    for path in _paths(owned):
+        given = [n for n, layer in layers[-2:] if has_path(layer, path)]
+        asked, value = (reduce(getattr, path, c) for c in (first, cfg))
+        if given and asked != value:
+            why = "it wires the run; set it with the launcher's own options (--api-port, ...)"
+            warn = f"{'.'.join(path)} = {asked!r} ({given[-1]}) is replaced by {value!r}: {why}"
+            print(f"[run_all] WARNING: {warn}", file=sys.stderr, flush=True)
+    return cfg
 
 
-def write_config(
-    run_dir: Path, name: str, data: Mapping[str, Any], sources: Mapping[str, str] | None = None
-) -> Path:
-    """``<run>/config/<name>.yaml``, then (as comments) where each value came from."""
+def _paths(values: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The paths of every value in nested ``values``: ``[("api", "port"), ...]``."""
+    return [
+        p
+        for k, v in values.items()
+        for p in (_paths(v, (*prefix, k)) if isinstance(v, Mapping) else [(*prefix, k)])
+    ]
+
+
+def write_config(run_dir: Path, name: str, data: Mapping[str, Any]) -> Path:
+    """``<run>/config/<name>.yaml``: a run file holding ``data``."""
     path = run_dir / "config" / f"{name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(dict(data), sort_keys=False, default_flow_style=False, width=100)
-    if sources:
-        text += "# set by:\n" + "".join(f"#   {k}: {v}\n" for k, v in sorted(sources.items()))
-    path.write_text(text)
+    path.write_text(yaml.safe_dump(dict(data), sort_keys=False, width=100))
     return path
 
 
-def write_service_config(run_dir: Path, name: str, resolved: Resolved) -> Path:
-    """:func:`write_config` of one resolved section (secrets left out)."""
-    return write_config(run_dir, name, config_file_data(resolved.config), resolved.sources)
+def write_service_config(run_dir: Path, name: str, cfg: RunConfig, section: str) -> Path:
+    """:func:`write_config` of the run's ``section`` (secrets left out)."""
+    data = reduce(getattr, section.split("."), cfg).model_dump(mode="json")
+    data = {k: v for k, v in data.items() if not is_secret(k)}
+    return write_config(run_dir, name, nest(section, data))
 
 
 def vllm_values(cfg: RunConfig) -> dict[str, Any]:
@@ -125,11 +104,7 @@ def vllm_values(cfg: RunConfig) -> dict[str, Any]:
     return cfg.vllm.model_dump(mode="json", exclude_none=True, exclude=LAUNCHER_VLLM_KEYS)
 
 
-def write_service_configs(run_dir: Path, resolved: Resolved) -> dict[str, Path]:
+def write_service_configs(run_dir: Path, cfg: RunConfig) -> dict[str, Path]:
     """Every service's file: ``api``, ``env``, ``trainer_grpo`` and ``vllm``."""
-    files = {
-        name: write_service_config(run_dir, name, resolved.section(section))
-        for name, section in SERVICE_FILES.items()
-    }
-    files["vllm"] = write_config(run_dir, "vllm", vllm_values(resolved.config))
-    return files
+    files = {n: write_service_config(run_dir, n, cfg, s) for n, s in SERVICE_FILES.items()}
+    return files | {"vllm": write_config(run_dir, "vllm", {"vllm": vllm_values(cfg)})}

@@ -11,17 +11,16 @@ from pathlib import Path
 
 from launch.configs import write_service_config
 from launch.follow import sft_source
+from launch.run_config import RunConfig
 from launch.supervisor import PY, run_step
-from settings.layers import Resolved
 
 
-def prepare_embedded(resolved: Resolved, run_dir: Path) -> None:
+def prepare_embedded(cfg: RunConfig, run_dir: Path) -> None:
     """The preset's base model (the tiny model, or SmolLM2 for cpu-smol), the dataset (with
     the env's ``num_sessions``) and the SFT cold start (``trainer.sft``, whose ``save_path``
     the launcher set to the preset's model), each only if missing."""
-    cfg = resolved.config
-    launch_cfg, sft = cfg.launch, resolved.section("trainer.sft")
-    base, sft_dir = Path(launch_cfg.base_model), Path(sft.config.save_path)
+    launch_cfg, sft = cfg.launch, cfg.trainer.sft
+    base, sft_dir = Path(launch_cfg.base_model), Path(sft.save_path)
     if not (base / "config.json").exists():
         name = launch_cfg.build_module.rsplit(".", 1)[-1]
         argv = [PY, "-m", launch_cfg.build_module, "--out", str(base)]
@@ -32,9 +31,9 @@ def prepare_embedded(resolved: Resolved, run_dir: Path) -> None:
             argv += ["--num-sessions", str(cfg.env.num_sessions)]
         run_step("dataset", argv, run_dir / "dataset.log", title="build dataset")
     if not (sft_dir / "model.safetensors").exists():
-        path = write_service_config(run_dir, "trainer_sft", sft)
+        path = write_service_config(run_dir, "trainer_sft", cfg, "trainer.sft")
         argv = [PY, "-m", "trainer", "sft", "--config", str(path)]
-        source = sft_source(sft_dir, sft.config.training_steps)
+        source = sft_source(sft_dir, sft.training_steps)
         run_step("sft", argv, run_dir / "sft.log", title="SFT", source=source)
 
 

@@ -195,19 +195,18 @@ def launch(argv: list[str], cfg: RunConfig, stack: Stack, run_dir: Path) -> int:
     ports += [free_port() for _ in range(lc.num_inference_servers - 1)]
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     # the run's config resolved once, with the launcher's decisions, before anything starts
-    resolved = resolve_for_run(argv, api_url, urls, run_dir, place.trainer_device)
-    cfg = resolved.config
+    cfg = resolve_for_run(argv, api_url, urls, run_dir, place.trainer_device)
     model, save = str(cfg.model), Path(cfg.trainer.grpo.save_path)
     env_cfg, steps = cfg.env, cfg.trainer.grpo.training_steps
     if lc.build_embedded and model == preset_model(cfg):
-        prepare_embedded(resolved, run_dir)
+        prepare_embedded(cfg, run_dir)
     budget = (env_cfg.max_prompt_tokens, env_cfg.max_tokens)
     if (warning := context_warning(model, *budget)) is not None:
         print(f"[run_all] WARNING: {warning}", flush=True)
     if lc.prepare_only:
         print(f"[run_all] prepared {model}", flush=True)
         return 0
-    files = write_service_configs(run_dir, resolved)
+    files = write_service_configs(run_dir, cfg)
     print(
         f"[run_all] configs: {run_dir / 'config'} (preset {cfg.preset}"
         f"{f', recipe {cfg.recipe}' if cfg.recipe else ''})",

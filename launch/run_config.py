@@ -17,42 +17,15 @@ from pydantic_settings import SettingsConfigDict
 from api.config import ApiConfig
 from env_server.config import EnvConfig
 from launch.launch_config import LaunchConfig
-from settings.flags import add_config_flags, flag_values
-from settings.layers import SHORTCUTS, Layer, Resolved, env_layer, expand, resolve
+from settings.cli import add_config_flags, flag_values
+from settings.layers import Layer, RecipeError, env_layer, expand, file_layers, read_recipe, resolve
 from settings.paths import PRESETS_DIR
-from settings.recipe import RecipeError, read_recipe, recipe_chain
 from trainer.config import GrpoConfig, SftConfig
 from vllm_patching.config import Mode, VllmConfig
-
-RUN_SHORTCUTS = {
-    **SHORTCUTS,
-    "model": tuple(t for t in SHORTCUTS["model"] if t != "trainer.sft.model_name"),
-}
-"""A run's ``model`` is the SFT's output, so it does not fill ``trainer.sft.model_name``."""
 
 
 class _Keys(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-
-class DataKeys(_Keys):
-    """``data:`` shortcuts."""
-
-    dir: str | None = None
-    """Dataset directory of the env and the SFT."""
-    num_sessions: int | None = Field(None, ge=10)
-    """Sessions of the simulated dataset (env and SFT)."""
-
-
-class LoggingKeys(_Keys):
-    """``logging:`` shortcuts."""
-
-    wandb_project: str | None = None
-    """Weights & Biases project of both trainer commands."""
-    tensorboard: bool | None = None
-    """TensorBoard event files of both trainer commands."""
-    log_level: Literal["debug", "info", "warning", "error"] | None = None
-    """The API's log level."""
 
 
 class TrainerSection(_Keys):
@@ -86,14 +59,6 @@ class RunConfig(_Keys):
     """What vLLM serves and GRPO starts from (also the env's tokenizer)."""
     seed: int | None = None
     """Every service's seed."""
-    output_dir: str | None = None
-    """Trainer save_path, the API's database, the env's metrics, the bridge file."""
-    data: DataKeys = Field(default_factory=DataKeys)
-    """``data.dir``, ``data.num_sessions``."""
-    logging: LoggingKeys = Field(default_factory=LoggingKeys)
-    """``logging.wandb_project``, ``logging.tensorboard``, ``logging.log_level``."""
-    rewards: dict[str, Any] | None = None
-    """``env.rewards``."""
     weight_bridge_mode: Mode = "shared_vllm"
     """How trainer weights reach vLLM (docs/BRIDGE.md)."""
     single_copy: bool = False
@@ -103,7 +68,7 @@ class RunConfig(_Keys):
     sft_steps: int | None = Field(None, ge=1)
     """SFT steps if SFT must run (``trainer.sft.training_steps``)."""
     num_sessions: int | None = Field(None, ge=10)
-    """Sessions of the dataset, built if missing (``data.num_sessions``)."""
+    """Sessions of the dataset, built if missing (``env.num_sessions``, ``trainer.sft.``)."""
     keep_constant_groups: bool = False
     """Keep groups whose rewards are all equal (``env.drop_constant_groups`` false)."""
     env_args: str | None = None
@@ -137,7 +102,7 @@ def _flags(argv: Sequence[str]) -> dict[str, Any]:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_flags(parser, RunConfig, files=False)
-    return flag_values(RunConfig, parser.parse_args(argv))
+    return flag_values(parser.parse_args(argv))
 
 
 def cli_layer(argv: Sequence[str]) -> dict[str, Any]:
@@ -148,34 +113,22 @@ def cli_layer(argv: Sequence[str]) -> dict[str, Any]:
     return _flags([*argv, *more]) if more else first
 
 
-def file_layers(preset: str, recipe: Path | None) -> list[Layer]:
-    """The preset's file, then the recipe's, one layer per file of a ``base:`` chain."""
-    path = PRESETS_DIR / f"{preset}.yaml"
-    if "model" not in read_recipe(path):
-        raise RecipeError(f"{path}: a preset names its `model`")
-    files = [(f"preset {preset}" if p == path else f"recipe {p}", d) for p, d in recipe_chain(path)]
-    files += [(f"recipe {p}", d) for p, d in recipe_chain(recipe)] if recipe else []
-    return [(label, expand(data, RUN_SHORTCUTS)) for label, data in files]
-
-
 def run_layers(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> list[Layer]:
     """The run's layers, lowest first: preset < recipe < environment < command line."""
     cli = cli_layer([] if argv is None else argv)
-    recipe = cli.get("recipe")
-    layers = file_layers(cli.get("preset", "cpu-tiny"), Path(recipe) if recipe else None)
-    env = env_layer(RunConfig, "", environ)
-    return [
-        *layers,
-        ("environment", expand(env, RUN_SHORTCUTS)),
-        ("flag", expand(cli, RUN_SHORTCUTS)),
-    ]
+    preset = PRESETS_DIR / f"{cli.get('preset', 'cpu-tiny')}.yaml"
+    if "model" not in read_recipe(preset):
+        raise RecipeError(f"{preset}: a preset names its `model`")
+    files = [preset, *([Path(cli["recipe"])] if cli.get("recipe") else [])]
+    env = ("environment", expand(env_layer(RunConfig, "", environ)))
+    return [*(layer for f in files for layer in file_layers(f)), env, ("command line", expand(cli))]
 
 
 def resolve_run(
     argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
-) -> Resolved:
+) -> RunConfig:
     """The run's layers validated once (the launcher's decisions: ``launch.configs``)."""
     return resolve(RunConfig, run_layers(argv, environ))
 
@@ -185,7 +138,7 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
     from launch.placement import PlacementError
 
     try:
-        return resolve_run(sys.argv[1:] if argv is None else argv).config
+        return resolve_run(sys.argv[1:] if argv is None else argv)
     except PlacementError as e:
         print(f"launch/run_all.sh: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -18,7 +18,6 @@ from typing import Any
 from launch.procs import ManagedProcess
 from settings.ports import free_port
 from vllm_patching.protocol import TOKEN_ENV
-from vllm_patching.serve import expand_files, unset_flags
 
 
 @dataclass
@@ -141,9 +140,8 @@ def server_argv(
     ]
     if single_copy:
         argv.append("--single-copy")
-    # on the CPU, the defaults only where neither a file (--config) nor a flag of ``extra`` sets them
-    defaults = unset_flags(SERVER_DEFAULTS, expand_files(list(extra))) if cpu else []
-    return [*argv, *defaults, *extra]
+    # on the CPU, the defaults under ``extra`` (a file's --config, flags): vLLM takes the last
+    return [*argv, *(SERVER_DEFAULTS if cpu else []), *extra]
 
 
 def spawn_bridge_server(

@@ -1,6 +1,6 @@
-"""One command line for every service (docs/RECIPES.md): a service's section resolved from
-field defaults < files (``--config``/``--recipe``: a run file or a flat file, in order) <
-environment < flags. Imports neither torch nor any service package, so ``--help`` is instant."""
+"""One command line for every service (docs/RECIPES.md): ``--config FILE`` (alias
+``--recipe``: run files, in order), ``--print-config``, and one ``--kebab-case`` flag per field
+(pydantic-settings' ``CliSettingsSource``). Imports no service package: ``--help`` is instant."""
 
 from __future__ import annotations
 
@@ -11,68 +11,78 @@ from typing import Any, TypeVar
 
 import yaml
 from pydantic import BaseModel
+from pydantic_settings import CliSettingsSource
 
-from settings.flags import add_config_flags, flag_values
-from settings.layers import SHORTCUTS, Layer, Resolved, env_layer, expand, snake
-from settings.layers import resolve as resolve_layers
-from settings.recipe import SECTIONS, TOP_KEYS, read_yaml, recipe_chain
+from settings.layers import env_layer, file_layers, nest, resolve
 
 M = TypeVar("M", bound=BaseModel)
+
 SECRET_WORDS = ("password", "secret", "api_key")
+OPTIONAL_VALUE = {"resume": "latest"}
+"""Flags whose value may be left out: ``--resume`` alone is ``--resume latest``."""
+CLI = {"cli_kebab_case": True, "cli_implicit_flags": True, "cli_avoid_json": True}
+CLI |= {"cli_hide_none_type": True, "cli_parse_none_str": "null"}
+"""pydantic-settings' ``CliSettingsSource`` options: ``--kebab-case``, ``--flag``/``--no-flag``."""
+FILES = "YAML run files (recipes/, presets, <run>/config/*.yaml), in order; env and flags win"
 
 
-def is_run_file(data: Mapping[str, Any]) -> bool:
-    """A run file (sections, ``base``, or only top-level run keys), not a flat file."""
-    keys = set(data)
-    return bool(keys & {*SECTIONS, "launch", "base"}) or bool(keys) and keys <= {*TOP_KEYS}
+def add_config_flags(
+    parser: argparse.ArgumentParser, cls: type[BaseModel], *, files: bool = True
+) -> None:
+    """``--config`` (alias ``--recipe``), ``--print-config`` and one flag per field of ``cls``."""
+    if files:
+        parser.add_argument(
+            "--config", "--recipe", type=Path, action="append", metavar="FILE", help=FILES
+        )
+        parser.add_argument("--print-config", action="store_true", help="print it, then exit")
+    before = {a.dest for a in parser._actions}
+    source = CliSettingsSource(cls, root_parser=parser, **CLI)
+    dests = {a.dest for a in parser._actions} - before
+    for action in parser._actions:
+        const = OPTIONAL_VALUE.get(action.dest.rsplit(".", 1)[-1])
+        if action.dest in dests and const and action.nargs is None:
+            action.nargs, action.const = "?", const
+    parser.set_defaults(_settings_cli=(source, dests))
 
 
-def file_layers(path: Path, section: str) -> list[Layer]:
-    """Service ``section``'s values in ``path``: a run file's (shortcuts filled in), one layer
-    per file of its ``base:`` chain, or a flat file as it is."""
-    data = read_yaml(path)
-    if not is_run_file(data):
-        return [(f"file {path}", snake(data))]
-    layers: list[Layer] = []
-    for file, recipe in recipe_chain(path):
-        values: Any = expand(recipe, SHORTCUTS)
-        for part in section.split("."):
-            values = values.get(part) or {} if isinstance(values, dict) else {}
-        layers.append((f"file {file}", values))
-    return layers
+def flag_values(ns: argparse.Namespace) -> dict[str, Any]:
+    """The flags given (only those), as a nested mapping of field values."""
+    source, dests = ns._settings_cli
+    return source(parsed_args={d: v for d, v in vars(ns).items() if d in dests})()
 
 
-def resolve(
+def resolve_section(
     cls: type[M],
-    *,
     section: str,
-    config: Sequence[Path] = (),
+    files: Sequence[Path] = (),
     flags: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
-) -> Resolved:
-    """Service ``section`` (``api``, ``trainer.sft``, ...): defaults < ``config`` files <
-    ``environ`` (default ``os.environ``) < ``flags``."""
-    layers = [layer for path in config for layer in file_layers(path, section)]
-    layers += [("environment", env_layer(cls, section, environ)), ("flag", dict(flags or {}))]
-    return resolve_layers(cls, layers)
+) -> M:
+    """A service's config ``cls``, the run's ``section`` (``trainer.grpo``): defaults < its
+    ``files`` (run files, in order) < ``environ`` (default ``os.environ``) < its ``flags``."""
+    layers = [layer for path in files for layer in file_layers(path)]
+    layers += [("environment", env_layer(cls, section, environ))]
+    layers += [("command line", nest(section, dict(flags)))] if flags else []
+    return resolve(cls, layers, section)
 
 
-def resolve_args(cls: type[M], ns: argparse.Namespace, section: str) -> Resolved:
-    """:func:`resolve` from a namespace built by a parser with ``add_config_flags``."""
-    config = getattr(ns, "config", None) or ()
-    return resolve(cls, section=section, config=config, flags=flag_values(cls, ns))
+def resolve_args(
+    cls: type[M], ns: argparse.Namespace, section: str, environ: Mapping[str, str] | None = None
+) -> M:
+    """:func:`resolve_section` of the namespace of a parser with :func:`add_config_flags`."""
+    return resolve_section(cls, section, ns.config or (), flag_values(ns), environ)
 
 
-def parse(cls: type[M], argv: Sequence[str] | None, *, prog: str, section: str) -> Resolved:
-    """Parser + resolution for a single-command service; ``--print-config`` prints and exits."""
+def parse(cls: type[M], argv: Sequence[str] | None, *, prog: str, section: str) -> M:
+    """Parser + resolution of a single-command service; ``--print-config`` prints and exits."""
     parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
     add_config_flags(parser, cls)
     ns = parser.parse_args(argv)
-    resolved = resolve_args(cls, ns, section)
-    if getattr(ns, "print_config", False):
-        print(report(resolved))
+    config = resolve_args(cls, ns, section)
+    if ns.print_config:
+        print(report(config))
         raise SystemExit(0)
-    return resolved
+    return config
 
 
 def is_secret(key: str) -> bool:
@@ -81,15 +91,8 @@ def is_secret(key: str) -> bool:
     return key == "token" or key.endswith("_token") or any(w in key for w in SECRET_WORDS)
 
 
-def config_file_data(config: BaseModel) -> dict[str, Any]:
-    """A resolved config as the flat mapping ``--config`` reads back, secrets left out."""
-    return {k: v for k, v in config.model_dump(mode="json").items() if not is_secret(k)}
-
-
-def report(resolved: Resolved) -> str:
-    """The resolved config as YAML (secrets masked), then where non-default values came from."""
-    data = resolved.config.model_dump(mode="json")
+def report(config: BaseModel) -> str:
+    """``config`` as YAML, secrets masked (``--print-config``, the services' logs)."""
+    data = config.model_dump(mode="json")
     data = {k: "***" if is_secret(k) and v is not None else v for k, v in data.items()}
-    text = yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=100)
-    set_by = [f"#  {k}: {v}" for k, v in sorted(resolved.sources.items())]
-    return text + ("# set by:\n" + "\n".join(set_by) if set_by else "")
+    return yaml.safe_dump(data, sort_keys=False, width=100)

@@ -1,168 +1,188 @@
-"""Layered resolution of one nested config (``launch.run_config.RunConfig`` or one service's
-section), lowest first: field defaults < file < environment < command line; shortcuts and
-setter aliases fill their fields inside their own layer (docs/RECIPES.md). Imports neither
-torch nor any service package."""
+"""A run's config, ``launch.run_config.RunConfig``, from layers, lowest first (docs/RECIPES.md):
+field defaults < YAML run files (``base:`` chains, ``${VAR}``) < environment < command line.
+A shortcut (``model``, ``seed``, ...) fills its fields inside its own layer, where that layer
+does not set them itself. Imports no service package."""
 
 from __future__ import annotations
 
+import copy
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from functools import reduce
+import re
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import EnvSettingsSource
 
-from settings.flags import env_values, set_dotted, setter_paths
-from settings.recipe import RecipeError, model_type
+from settings import paths
 
 M = TypeVar("M", bound=BaseModel)
-ENV_PREFIX = "SHOP_R1_"
 Layer = tuple[str, Mapping[str, Any]]
-_UNSET = object()
-
 SHORTCUTS: dict[str, tuple[str, ...]] = {
-    "model": ("trainer.sft.model_name", "trainer.grpo.model_name", "env.tokenizer", "vllm.model"),
+    "model": ("trainer.grpo.model_name", "env.tokenizer", "vllm.model"),
     "seed": ("trainer.sft.seed", "trainer.grpo.seed", "env.seed", "vllm.seed"),
-    "output_dir": (
-        "trainer.sft.save_path",
-        "trainer.grpo.save_path",
-        "api.db_path={}/api.sqlite",
-        "env.metrics_path={}/env_metrics.jsonl",
-        "vllm.bridge_config={}/vllm_bridge_config.json",
-    ),
-    "data.dir": ("trainer.sft.data_dir", "env.data_dir"),
-    "data.num_sessions": ("trainer.sft.num_sessions", "env.num_sessions"),
-    "rewards": ("env.rewards",),
     "weight_bridge_mode": ("trainer.grpo.weight_bridge_mode", "vllm.weight_bridge_mode"),
     "single_copy": ("trainer.grpo.single_copy", "vllm.single_copy"),
-    "logging.wandb_project": ("trainer.sft.wandb_project", "trainer.grpo.wandb_project"),
-    "logging.tensorboard": ("trainer.sft.tensorboard", "trainer.grpo.tensorboard"),
-    "logging.log_level": ("api.log_level",),
     "training_steps": ("trainer.grpo.training_steps",),
     "sft_steps": ("trainer.sft.training_steps",),
     "num_sessions": ("trainer.sft.num_sessions", "env.num_sessions"),
-    "keep_constant_groups": ("env.drop_constant_groups=not",),
+    "keep_constant_groups": ("env.drop_constant_groups",),  # negated
 }
-"""Top-level keys and the fields they fill (``field={}/file``: a file in that directory;
-``=not``: negated). The section's own value in the same layer wins over the shortcut."""
+"""Top-level keys of a run and the fields they fill."""
+RUN_KEYS = {"name", "description", "preset", "recipe", "env_args", "trainer_args", *SHORTCUTS}
+RUN_KEYS |= {"base", "launch", "api", "env", "trainer", "vllm"}
+"""A run file's top-level keys (``RunConfig``'s fields and ``base``)."""
+REWARD_KEYS = {"rewards", "reward", "reward_variant"}
+"""``env``'s three ways to give the reward: a layer giving one drops the lower layers' others."""
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
-@dataclass
-class Resolved:
-    """A validated config plus, per dotted field, the layer that set it."""
+class RecipeError(SystemExit):
+    """A recipe, a config file or a value is wrong; the message names the file and the key."""
 
-    config: Any
-    sources: dict[str, str] = field(default_factory=dict)
-
-    def section(self, path: str) -> Resolved:
-        """The section at dotted ``path`` with its own sources (``trainer.grpo``)."""
-        n = len(path) + 1
-        return Resolved(
-            reduce(getattr, path.split("."), self.config),
-            {k[n:]: v for k, v in self.sources.items() if k[:n] == path + "."},
-        )
+    def __init__(self, message: str) -> None:
+        super().__init__(f"error: {message}")
 
 
-def snake(value: Any, key: str = "") -> Any:
-    """Keys ``max-tokens`` -> ``max_tokens`` at every level (reward entries kept as written)."""
-    if isinstance(value, Mapping) and key != "rewards":
-        return {str(k).replace("-", "_"): snake(v, str(k)) for k, v in value.items()}
-    return value
+def env_default(name: str, default: Any = None) -> Callable[[], Any]:
+    """A field's ``default_factory``: environment variable ``name`` when set, else ``default``."""
+    return lambda: os.environ.get(name) or default
 
 
-def expand(layer: Mapping[str, Any], shortcuts: Mapping[str, Sequence[str]]) -> dict[str, Any]:
-    """``layer`` with its shortcut keys filled in where it does not set the field itself, and
-    ``trainer:`` keys given beside ``sft:``/``grpo:`` moved into both."""
-    out = snake(dict(layer))
-    trainer = out.get("trainer")
-    if isinstance(trainer, dict):
-        common = {k: v for k, v in trainer.items() if k not in ("sft", "grpo")}
-        out["trainer"] = {c: {**common, **(trainer.get(c) or {})} for c in ("sft", "grpo")}
-    for key, targets in reversed(shortcuts.items()):
-        value: Any = out
-        for part in key.split("."):
-            value = value.get(part, _UNSET) if isinstance(value, Mapping) else _UNSET
-        for target in targets if value is not _UNSET else ():
-            path, _, template = target.partition("=")
-            if template == "not":
-                value_at = not value
-            else:
-                value_at = template.format(value) if template and value is not None else value
-            set_dotted(out, path, value_at, first=True)
-    return out
-
-
-def merge(
-    base: dict[str, Any],
-    over: Mapping[str, Any],
-    cls: type[BaseModel] | None,
-    label: str,
-    sources: dict[str, str],
-    prefix: str = "",
-) -> None:
-    """``over`` onto ``base``: mappings merge key by key (``rewards`` is replaced whole); a
-    layer that sets one field of a class's ``exclusive_fields`` group drops the others; each
-    setter alias (``clip_eps``) sets the fields it names that the layer does not set itself."""
-    over = dict(over)
-    for name, targets in getattr(cls, "setter_aliases", {}).items():
-        value = over.pop(name, None)  # None sets nothing (files of when clip_eps was a field)
-        for target in targets if value is not None else ():
-            over.setdefault(target, value)
-    for group in getattr(cls, "exclusive_fields", ()):
-        if any(k in over for k in group):
-            for k in (k for k in group if k not in over):
-                base.pop(k, None)
-                for s in [s for s in sources if s == prefix + k or s.startswith(f"{prefix}{k}.")]:
-                    del sources[s]
-    for key, value in over.items():
-        info = cls.model_fields.get(key) if cls is not None else None
-        sub = model_type(info.annotation) if info is not None else None
-        if sub is not None and isinstance(value, Mapping) and not isinstance(base.get(key), dict):
-            base[key] = {}  # a section: merged key by key, so its setter aliases resolve
-        if key != "rewards" and isinstance(value, Mapping) and isinstance(base.get(key), dict):
-            merge(base[key], value, sub, label, sources, f"{prefix}{key}.")
-        else:
-            base[key] = dict(value) if isinstance(value, Mapping) else value
-            _record(sources, prefix + key, value, label)
-
-
-def _record(sources: dict[str, str], prefix: str, value: Any, label: str) -> None:
-    if isinstance(value, Mapping) and value:
-        for k, v in value.items():
-            _record(sources, f"{prefix}.{k}", v, label)
-    else:
-        sources[prefix] = label
-
-
-def resolve(cls: type[M], layers: Sequence[Layer]) -> Resolved:
-    """Merge ``(label, values)`` layers, lowest first, and validate (an error names them)."""
-    values: dict[str, Any] = {}
-    sources: dict[str, str] = {}
-    for label, layer in layers:
-        merge(values, layer, cls, label, sources)
+def read_recipe(path: Path) -> dict[str, Any]:
+    """One YAML mapping (an empty file is ``{}``), ``${VAR}`` expanded, ``base:`` kept."""
     try:
-        return Resolved(cls.model_validate(values), sources)
-    except ValidationError as e:
-        origin = ", ".join(label for label, layer in layers if layer) or "defaults"
-        raise RecipeError(f"invalid {cls.__name__} (from {origin}):\n{e}") from None
+        loaded = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise RecipeError(f"cannot read {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(loaded, dict | None):
+        raise RecipeError(f"{path} must hold a mapping of option: value")
+    return expand_vars(loaded or {}, Path(path))
+
+
+def expand_vars(value: Any, path: Path, where: str = "") -> Any:
+    """``${NAME}`` / ``${NAME:-default}`` in every string of ``value``: the project's
+    locations (``REPO_ROOT``, ``ARTIFACTS``, ``RUNS_DIR``), else the environment; keys
+    ``kebab-case`` -> ``snake_case`` (reward entries kept as written)."""
+    if isinstance(value, dict):
+        snake = "rewards." not in f".{where}"
+        value = {str(k).replace("-", "_") if snake else k: v for k, v in value.items()}
+        return {k: expand_vars(v, path, f"{where}{k}.") for k, v in value.items()}
+    if isinstance(value, list):
+        return [expand_vars(v, path, where) for v in value]
+
+    def sub(m: re.Match[str]) -> str:
+        name = m.group(1)
+        ours = name in ("REPO_ROOT", "ARTIFACTS", "RUNS_DIR")
+        if (
+            found := str(getattr(paths, name)) if ours else os.environ.get(name, m.group(2))
+        ) is None:
+            raise RecipeError(f"{path}: {where[:-1]} uses ${{{name}}}, which is not set")
+        return found
+
+    return _VAR.sub(sub, value) if isinstance(value, str) else value
+
+
+def recipe_chain(path: Path, _seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict[str, Any]]]:
+    """A recipe and the files of its ``base:`` chain, base first, one layer each."""
+    path = Path(path)
+    if path.resolve() in _seen:
+        raise RecipeError(f"{path}: 'base' loops back to itself ({' -> '.join(map(str, _seen))})")
+    recipe = read_recipe(path)
+    if not isinstance(base := recipe.pop("base", None), str | None):
+        raise RecipeError(f"{path}: 'base' must be the path of another recipe")
+    lower = recipe_chain(path.parent / base, (*_seen, path.resolve())) if base else []
+    return [*lower, (path, recipe)]
+
+
+def file_layers(path: Path) -> list[Layer]:
+    """A run file, one layer per file of its ``base:`` chain."""
+    layers: list[Layer] = []
+    for file, data in recipe_chain(path):
+        if unknown := sorted(data.keys() - RUN_KEYS):
+            raise RecipeError(f"{file}: unknown top-level key {unknown[0]!r} of {sorted(RUN_KEYS)}")
+        layers.append((f"file {file}", expand(data)))
+    return layers
+
+
+def expand(layer: Mapping[str, Any]) -> dict[str, Any]:
+    """``layer`` with its ``trainer:`` keys beside ``sft:``/``grpo:`` moved into both, over
+    what its shortcuts fill."""
+    out, fill = copy.deepcopy(dict(layer)), {}
+    if isinstance(trainer := out.get("trainer"), dict):
+        common = {k: v for k, v in trainer.items() if k not in ("sft", "grpo")}
+        sub = {c: trainer.get(c) or {} for c in ("sft", "grpo")}
+        out["trainer"] = {c: {**common, **v} if isinstance(v, dict) else v for c, v in sub.items()}
+    for key, targets in SHORTCUTS.items():
+        value = not out.get(key) if key == "keep_constant_groups" else out.get(key)
+        for target in targets if key in out else ():
+            merge(fill, nest(target, value))
+    return merge(fill, out)
+
+
+def nest(section: str, values: Any) -> Any:
+    """``values`` placed at dotted ``section`` of a run (``trainer.grpo``)."""
+    for part in reversed(section.split(".") if section else []):
+        values = {part: values}
+    return values
+
+
+def merge(base: dict[str, Any], over: Mapping[str, Any], path: str = "") -> dict[str, Any]:
+    """``over`` onto ``base``, mappings key by key (``rewards`` whole; see ``REWARD_KEYS``)."""
+    if path == "env" and REWARD_KEYS & over.keys():
+        for key in REWARD_KEYS - over.keys():
+            base.pop(key, None)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict) and key != "rewards":
+            merge(base[key], value, f"{path}.{key}".lstrip("."))
+        else:
+            base[key] = copy.deepcopy(value)
+    return base
 
 
 def env_layer(
-    cls: type[BaseModel], path: str = "", environ: Mapping[str, str] | None = None
+    cls: type[BaseModel], section: str = "", environ: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
-    """The environment's values for ``cls``, the section at dotted ``path`` of a run:
-    ``SHOP_R1_<PATH>__<FIELD>`` (a setter alias too), then the names fields declare, which win."""
-    environ = os.environ if environ is None else environ
-    prefix = ENV_PREFIX + "".join(p.upper() + "__" for p in path.split(".") if p)
-    source = EnvSettingsSource(
-        cls, env_prefix=prefix, env_nested_delimiter="__", case_sensitive=False
-    )
-    source.env_vars = {k.lower(): v for k, v in environ.items()}
-    out = snake(source())
-    for dotted in setter_paths(cls):  # no field, so pydantic-settings skips it at the top
-        value = source.env_vars.get((prefix + dotted.replace(".", "__")).lower())
-        if value:
-            set_dotted(out, dotted, value, first=True)
-    return env_values(cls, environ, out)
+    """The ``SHOP_R1_<SECTION>__<FIELD>`` variables (pydantic-settings' convention) of ``cls``,
+    the run's ``section``."""
+    prefix = "SHOP_R1_" + "".join(f"{p.upper()}__" for p in section.split(".") if p)
+    source = EnvSettingsSource(cls, env_prefix=prefix, env_nested_delimiter="__")
+    if environ is not None:
+        source.env_vars = {k.lower(): v for k, v in environ.items()}
+    return nest(section, values) if (values := source()) else {}
+
+
+def has_path(layer: Any, path: Sequence[Any]) -> bool:
+    """Whether ``layer`` sets a value at ``path`` (``("env", "seed")``)."""
+    for part in path:
+        if not isinstance(layer, Mapping) or part not in layer:
+            return False
+        layer = layer[part]
+    return layer != {}
+
+
+def resolve(cls: type[M], layers: Sequence[Layer], section: str = "") -> M:
+    """``(label, values)`` run layers merged, lowest first, and their ``section`` (all: ``""``)
+    validated as ``cls``; an error names each wrong key and the highest layer setting it."""
+    values: Any = {}
+    for _, layer in layers:
+        merge(values, layer)
+    for part in section.split(".") if section else []:
+        values = values.get(part, {}) if isinstance(values, Mapping) else values
+    try:
+        return cls.model_validate({} if values is None else values)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():  # the key a layer sets (a union adds its member's name)
+            loc, origin = (*(section.split(".") if section else []), *err["loc"]), []
+            while loc and not (origin := [n for n, layer in layers if has_path(layer, loc)]):
+                loc = loc[:-1]
+            where = ".".join(map(str, loc or err["loc"]))
+            lines.append(f"{where} (set by {(origin or ['defaults'])[-1]})\n  {err['msg']}")
+            if origin and not isinstance(err["input"], Mapping):  # no section, no secret
+                lines[-1] += f" [input: {str(err['input'])[:80]!r}]"
+        raise RecipeError(f"invalid {e.title}:\n" + "\n".join(lines)) from None

@@ -31,11 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         build_parser(cls, sub.add_parser(name, help=help_text, description=cls.__doc__))
     ns = parser.parse_args(argv)
     cls = COMMANDS[ns.command][0]
-    resolved = resolve_args(cls, ns, SECTIONS[cls])
+    cfg = resolve_args(cls, ns, SECTIONS[cls])
     if ns.print_config:
-        print(report(resolved))
+        print(report(cfg))
         return 0
-    cfg = resolved.config
     if ns.command == "grpo":  # a URL that answers as another service: say so before torch
         from settings.ports import check_services
 
@@ -44,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.run import setup_logging  # imports torch
 
     setup_logging()
-    logging.getLogger("trainer").info("%s config:\n%s", ns.command, report(resolved))
+    logging.getLogger("trainer").info("%s config:\n%s", ns.command, report(cfg))
     from trainer.checkpoint import CheckpointWriteError
     from trainer.distributed import shutdown
 

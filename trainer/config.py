@@ -8,12 +8,12 @@ This module imports no torch, so ``python -m trainer ... --help`` and config err
 from __future__ import annotations
 
 import argparse
-from typing import ClassVar, Literal, TypeVar
+from typing import Literal, TypeVar
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from settings.cli import resolve_args
-from settings.flags import add_config_flags, flag_const, from_env
+from settings.cli import add_config_flags, resolve_args
+from settings.layers import env_default
 from settings.paths import DATA_DIR, RUNS_DIR, SFT_MODEL_DIR, TINY_MODEL_DIR
 from settings.ports import API_URL, HOST, VLLM_PORT
 from trainer.gail import GailConfig
@@ -32,9 +32,7 @@ class CommonConfig(_Config):
     """Output directory: the final model (save_pretrained, safetensors) goes here, resumable
     checkpoints under ``<save_path>/checkpoints``, metrics in ``<save_path>/metrics.jsonl``."""
     resume: str | None = Field(
-        None,
-        validation_alias=AliasChoices("resume", "resume_from_checkpoint"),
-        json_schema_extra=flag_const("latest"),
+        None, validation_alias=AliasChoices("resume", "resume_from_checkpoint")
     )
     """Continue from a checkpoint (weights, optimizer, scheduler, RNG, step, data position /
     consumed batches): ``latest``, the newest complete one in ``<save_path>/checkpoints``
@@ -118,7 +116,7 @@ class CommonConfig(_Config):
     hub_repo_id: str | None = None
     """Hugging Face Hub repo (``owner/name``) to push every checkpoint's model and trainer
     state to (under ``checkpoints/step_NNNNNN``); unset: nothing leaves the machine."""
-    hub_token: str | None = Field(None, exclude=True, json_schema_extra=from_env("HF_TOKEN"))
+    hub_token: str | None = Field(default_factory=env_default("HF_TOKEN"), exclude=True)
     """Hub access token for ``hub_repo_id`` (default: $HF_TOKEN, else huggingface_hub's own
     login); never written to ``trainer_config.json``."""
     hub_private: bool = True
@@ -221,9 +219,7 @@ class GrpoConfig(CommonConfig):
     ``lease_seconds`` must cover N steps."""
     api_url: str = API_URL
     """Base URL of the batching API."""
-    api_token: str | None = Field(
-        None, exclude=True, json_schema_extra=from_env("SHOP_R1_API_TOKEN")
-    )
+    api_token: str | None = Field(default_factory=env_default("SHOP_R1_API_TOKEN"), exclude=True)
     """Shared token for the API's mutating routes (default: $SHOP_R1_API_TOKEN)."""
     batch_size: int = 32
     """Most sequences per leased batch (= one optimizer step)."""
@@ -255,7 +251,7 @@ class GrpoConfig(CommonConfig):
     inference_device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the vLLM workers run (picks the bridge transport); auto: the trainer's device."""
     bridge_token: str | None = Field(
-        None, exclude=True, json_schema_extra=from_env("SHOP_R1_BRIDGE_TOKEN")
+        default_factory=env_default("SHOP_R1_BRIDGE_TOKEN"), exclude=True
     )
     """Shared token for the vLLM server's /bridge routes (default: $SHOP_R1_BRIDGE_TOKEN)."""
     reload_every: int = Field(
@@ -319,14 +315,9 @@ class GrpoConfig(CommonConfig):
     rollout_samples: int = Field(4, ge=0)
     """Completions per step kept in ``<save_path>/rollouts.jsonl``, TensorBoard text and a W&B
     table: prompt end, completion, parsed and gold action, reward terms (0: none)."""
-    gail: GailConfig = Field(default_factory=GailConfig.from_env)
+    gail: GailConfig = Field(default_factory=GailConfig)
     """Optional discriminator reward (GRAIL; trainer/gail/, docs/GAIL.md): off unless
     ``GAIL_USE=1``, ``gail: {use: true}`` in the recipe, or ``--gail.use``."""
-
-    setter_aliases: ClassVar[dict[str, tuple[str, ...]]] = {"clip_eps": ("clip_low", "clip_high")}
-    """Names that set several fields (a flag, a file key, an environment variable, never a
-    field): Atropos' symmetric ``--clip-eps X`` is ``clip_low`` and ``clip_high`` both X,
-    except a bound the same layer sets itself (``settings.layers.merge``)."""
 
     @model_validator(mode="after")
     def _check_grpo(self) -> GrpoConfig:
@@ -357,4 +348,4 @@ def build_parser(cls: type[_Config], parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(cls: type[C], ns: argparse.Namespace) -> C:
     """Merge recipe, config file, env vars and the flags given, and validate (clear errors)."""
-    return resolve_args(cls, ns, SECTIONS.get(cls, "trainer.grpo")).config
+    return resolve_args(cls, ns, SECTIONS.get(cls, "trainer.grpo"))

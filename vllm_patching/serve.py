@@ -4,8 +4,8 @@
 Runs vLLM's own OpenAI server (in this process) with the bridge plugin enabled: parses the
 bridge flags, passes every other flag to vLLM, sets the environment the plugin reads, writes
 the per-run bridge config file, then hands over to ``vllm.entrypoints.openai.api_server``.
-``--config FILE`` (alias ``--recipe``): a file's ``vllm:`` options become arguments placed
-before the command line's (docs/RECIPES.md).
+``--config FILE`` (alias ``--recipe``): a run file's ``vllm:`` options become arguments in its
+place: the arguments after it win (docs/RECIPES.md).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from settings.ports import VLLM_PORT
-from settings.recipe import RecipeError, unwrap
 from vllm_patching.config import VllmConfig
 from vllm_patching.protocol import PLUGIN_NAME, SETTINGS_ENV, BridgeConfigFile, BridgeSettings
 
@@ -51,16 +50,12 @@ their defaults; every other key goes to vLLM."""
 
 
 def file_argv(path: Path) -> list[str]:
-    """A file's ``vllm:`` options as arguments (``settings.cli.file_layers``: a later file of a
-    ``base:`` chain wins per key), typed by ``VllmConfig``; a wrong value names the key."""
-    from settings.cli import file_layers
+    """A run file's ``vllm:`` options (its ``base:`` chain and shortcuts applied, typed by
+    ``VllmConfig``; a wrong value names the key) as arguments."""
+    from settings.cli import resolve_section
 
-    values = {k: v for _, layer in file_layers(path, "vllm") for k, v in layer.items()}
-    try:
-        data = VllmConfig.model_validate(values).model_dump()
-    except ValidationError as e:
-        raise RecipeError(f"{path}: invalid vllm options:\n{e}") from None
-    return mapping_argv({key: data[key] for key in values})
+    vllm = resolve_section(VllmConfig, "vllm", [path], environ={})
+    return mapping_argv(vllm.model_dump(mode="json", exclude_none=True))
 
 
 def mapping_argv(values: Mapping[str, Any]) -> list[str]:
@@ -69,57 +64,29 @@ def mapping_argv(values: Mapping[str, Any]) -> list[str]:
     argv: list[str] = []
     for key, value in values.items():
         flag = "--" + str(key).replace("_", "-")
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            if value:
-                argv.append(flag)
-            elif key not in BRIDGE_DEFAULTS:  # our bridge booleans are plain store_true flags
-                argv.append("--no-" + flag[2:])
-        elif isinstance(value, list):
-            argv += [flag, *(str(v) for v in value)]
-        elif isinstance(value, dict):
-            argv += [flag, json.dumps(value)]
-        else:
-            argv += [flag, str(value)]
+        if value is True or value is False and key not in BRIDGE_DEFAULTS:  # bridge: store_true
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif value is not None and not isinstance(value, bool):
+            value = json.dumps(value) if isinstance(value, dict) else value
+            argv += [flag, *map(str, value if isinstance(value, list) else [value])]
     return argv
 
 
-def _flag_groups(argv: list[str]) -> list[tuple[str | None, list[str]]]:
-    """``[(flag name without --/no-, tokens)]``: each flag with the values after it."""
-    groups: list[tuple[str | None, list[str]]] = []
-    for tok in argv:
-        if tok.startswith("--"):
-            name = tok[2:].split("=", 1)[0]
-            groups.append((name.removeprefix("no-"), [tok]))
-        elif groups:
-            groups[-1][1].append(tok)
-        else:
-            groups.append((None, [tok]))
-    return groups
-
-
-def unset_flags(defaults: list[str], given: list[str]) -> list[str]:
-    """The flags of ``defaults`` (with their values) that ``given`` does not set."""
-    names = {name for name, _ in _flag_groups(given) if name}
-    return [tok for name, toks in _flag_groups(defaults) if name not in names for tok in toks]
-
-
-def merge_argv(recipe: list[str], cli: list[str]) -> list[str]:
-    """The recipe's arguments that the command line does not give, then the command line."""
-    return unset_flags(recipe, cli) + list(cli)
-
-
 def expand_files(argv: list[str]) -> list[str]:
-    """``argv`` with each ``--config FILE`` (alias ``--recipe``) replaced by the file's
-    arguments, placed before the command line's: a later file, then a flag, wins."""
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    p.add_argument("--config", "--recipe", dest="config", type=Path, action="append", default=[])
-    ns, rest = p.parse_known_args(argv)
-    files: list[str] = []
-    for path in ns.config:
-        files = merge_argv(files, file_argv(path))
-    return merge_argv(files, rest)
+    """``argv`` with each ``--config FILE`` (alias ``--recipe``) replaced, where it stands,
+    by the file's arguments: an argument after it wins (vLLM's parser and ours: the last
+    value of an option counts)."""
+    out: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        name, eq, value = arg.partition("=")
+        if name not in ("--config", "--recipe"):
+            out.append(arg)
+        elif (path := value if eq else next(args, None)) is None:
+            raise SystemExit(f"{PROG}: {name} needs a FILE")
+        else:
+            out += file_argv(Path(path))
+    return out
 
 
 PROG = "python -m vllm_patching.serve"
@@ -143,7 +110,7 @@ def bridge_parser() -> argparse.ArgumentParser:
         if isinstance(default, bool):
             p.add_argument(flag, action="store_true", help=doc)
             continue
-        choices = typing.get_args(unwrap(info.annotation)[0]) or None  # a Literal's values
+        choices = typing.get_args(typing.get_args(info.annotation)[0]) or None  # a Literal's
         kind = int if isinstance(default, int) else str
         p.add_argument(flag, type=kind, default=default, choices=choices, help=doc)
     return p
@@ -163,8 +130,7 @@ def print_help(argv: list[str]) -> int:
         "--config",
         "--recipe",
         metavar="FILE",
-        help="a run file's vllm: section (or a flat file of the same keys) as arguments; "
-        "several apply in order, flags win",
+        help="a run file's vllm: section as arguments, in its place (the arguments after it win)",
     )
     p.add_argument("--model", metavar="PATH", help="model directory or hub id (required)")
     print(p.format_help())
@@ -192,13 +158,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _flag(args: list[str], name: str) -> str | None:
-    """Value of ``--name X`` / ``--name=X`` in a vLLM argv, or None."""
+    """Value of the last ``--name X`` / ``--name=X`` in a vLLM argv (the one vLLM takes)."""
+    found = None
     for i, a in enumerate(args):
         if a == name and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
+            found = args[i + 1]
+        elif a.startswith(name + "="):
+            found = a.split("=", 1)[1]
+    return found
 
 
 def _detect_device() -> str:

@@ -1,72 +1,28 @@
-"""settings/cli.py and settings/flags.py: flags from pydantic fields, recipes, env vars,
-precedence, errors, report."""
+"""settings/cli.py and settings/recipe.py: flags from pydantic fields, run files, environment
+variables, precedence, errors, ``--print-config``; vllm_patching/serve.py's ``--config``."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Literal
 
 import pytest
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
 
-from settings import cli, flags
-from settings.recipe import recipe_chain
-from vllm_patching.serve import expand_files, merge_argv
+from api.config import ApiConfig
+from env_server.config import EnvConfig
+from env_server.config import parse_config as parse_env
+from settings import cli
+from settings.layers import recipe_chain
+from trainer.config import GrpoConfig
+from vllm_patching.serve import expand_files
 
 pytestmark = pytest.mark.unit
 
 
-class Gail(BaseSettings):
-    """A nested settings section read from GAIL_* (like the trainer's GAIL options)."""
-
-    model_config = SettingsConfigDict(env_prefix="GAIL_", extra="forbid")
-
-    use: bool = False
-    """Train with the discriminator reward."""
-    beta: float = 0.5
-    """Mixing weight."""
-
-
-class Demo(BaseModel):
-    """A service config with every kind of field."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    model_name: str = "base"
-    """Model to load."""
-    seed: int = 0
-    """Seed."""
-    lr: float = Field(1e-3, gt=0)
-    """Learning rate, 100% documented."""
-    mode: Literal["fast", "slow"] = "fast"
-    """How to run."""
-    tensorboard: bool = True
-    """Write event files."""
-    urls: list[str] = []
-    """Servers."""
-    cap: float | None = Field(None, validation_alias=AliasChoices("cap", "max_cap"))
-    """Optional cap (also ``--max-cap``)."""
-    token: str | None = Field(None, json_schema_extra=flags.from_env("DEMO_TOKEN"))
-    """Secret token."""
-    table: dict[str, float] = {}
-    """Recipe-only mapping."""
-    gail: Gail = Field(default_factory=Gail)
-    """Nested section."""
-
-
-def _parse(argv: list[str], environ: dict[str, str] | None = None) -> cli.Resolved:
+def _grpo(argv: list[str], environ: dict[str, str] | None = None) -> GrpoConfig:
     parser = argparse.ArgumentParser()
-    flags.add_config_flags(parser, Demo)
-    ns = parser.parse_args(argv)
-    return cli.resolve(
-        Demo,
-        section="trainer.grpo",
-        config=ns.config or (),
-        flags=flags.flag_values(Demo, ns),
-        environ=environ or {},
-    )
+    cli.add_config_flags(parser, GrpoConfig)
+    return cli.resolve_args(GrpoConfig, parser.parse_args(argv), "trainer.grpo", environ or {})
 
 
 def _write(path: Path, text: str) -> Path:
@@ -75,38 +31,45 @@ def _write(path: Path, text: str) -> Path:
 
 
 def test_flags_follow_field_types(capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = _parse(
+    cfg = _grpo(
         [
             "--no-tensorboard",
-            "--urls",
-            "http://a,http://b",
-            "--mode",
-            "slow",
-            "--max-cap",
-            "none",
+            "--tis-cap",
+            "null",
+            "--kl-coef",
+            "0.3",
             "--gail.use",
-            "--gail.beta",
+            "--gail.weight",
             "0.25",
             "--lr",
             "0.5",
+            "--policy-loss",
+            "gspo",
+            "--resume",
         ]
-    ).config
-    assert not cfg.tensorboard and cfg.urls == ["http://a", "http://b"] and cfg.mode == "slow"
-    assert cfg.cap is None and cfg.gail.use and cfg.gail.beta == 0.25 and cfg.lr == 0.5
-    with pytest.raises(SystemExit):  # Literal -> argparse choices
-        _parse(["--mode", "medium"])
-    assert "invalid choice" in capsys.readouterr().err
-    assert _parse(["--table", "a=1.5"]).config.table == {"a": 1.5}  # a mapping: k=v or JSON
-    with pytest.raises(SettingsError):
-        _parse(["--table", "x"])
+    )
+    assert (
+        not cfg.tensorboard and cfg.tis_cap is None and cfg.lr == 0.5 and cfg.policy_loss == "gspo"
+    )
+    assert cfg.gail.use and cfg.gail.weight == 0.25 and cfg.resume == "latest"
+    assert cfg.kl_beta == 0.3  # an Atropos alias
+    with pytest.raises(SystemExit, match="policy_loss"):  # a Literal: pydantic names the field
+        _grpo(["--policy-loss", "medium"])
+    with pytest.raises(SystemExit):
+        _grpo(["--lr"])  # argparse: expected one argument
+    assert "expected one argument" in capsys.readouterr().err
     parser = argparse.ArgumentParser()
-    flags.add_config_flags(parser, Demo)
-    text = parser.format_help()
-    assert "Learning rate, 100% documented." in text and "--gail.beta" in text
-    assert "{fast,slow}" in text
+    cli.add_config_flags(parser, GrpoConfig)
+    text = " ".join(parser.format_help().split())
+    assert "--gail.weight" in text and "{ppo,gspo,cispo}" in text
+    assert "--lr float Learning rate" in text or "--lr float Peak" in text  # its docstring
+    with pytest.raises(SystemExit, match=r"env.rewards \(set by command line\)"):
+        parser = argparse.ArgumentParser()
+        cli.add_config_flags(parser, EnvConfig)
+        cli.resolve_args(EnvConfig, parser.parse_args(["--rewards", "x"]), "env")
 
 
-def test_precedence_defaults_recipe_config_env_flags(tmp_path: Path) -> None:
+def test_precedence_defaults_file_environment_flags(tmp_path: Path) -> None:
     recipe = _write(
         tmp_path / "r.yaml",
         """
@@ -115,61 +78,56 @@ seed: 3
 trainer:
   lr: 0.1
   grpo:
-    mode: slow
-    cap: 2.0
-    token: recipe-token
-    table: {a: 1.0}
-    gail: {use: true, beta: 0.9}
+    policy_loss: gspo
+    tis_cap: 2.0
+    gail: {use: true, weight: 0.9}
 """,
     )
-    config = _write(tmp_path / "c.yaml", "lr: 0.2\n")
-    r = _parse(
-        ["--recipe", str(recipe), "--config", str(config), "--seed", "7"],
-        environ={"DEMO_TOKEN": "env-token", "GAIL_BETA": "0.7"},
-    )
-    cfg = r.config
-    assert cfg.model_name == "from-recipe-shared"  # shared key 'model' -> trainer.model_name
-    assert cfg.mode == "slow" and cfg.cap == 2.0 and cfg.table == {"a": 1.0}  # recipe
-    assert cfg.lr == 0.2  # files apply in order: the flat one, after, beats the run file
-    assert cfg.token == "env-token" and cfg.gail.beta == 0.7  # env beats recipe and config
-    assert cfg.gail.use  # nested: the recipe's other keys survive the env layer
+    config = _write(tmp_path / "c.yaml", "trainer: {grpo: {lr: 0.2}}\n")
+    environ = {"SHOP_R1_TRAINER__GRPO__GAIL__WEIGHT": "0.7", "SHOP_R1_TRAINER__GRPO__SEED": "5"}
+    cfg = _grpo(["--recipe", str(recipe), "--config", str(config), "--seed", "7"], environ)
+    assert cfg.model_name == "from-recipe-shared"  # shared key 'model' -> model_name
+    assert cfg.policy_loss == "gspo" and cfg.tis_cap == 2.0  # the recipe's
+    assert cfg.lr == 0.2  # files apply in order: the later one wins
+    assert cfg.gail.weight == 0.7  # the environment beats the files
+    assert cfg.gail.use  # nested: the recipe's other keys survive the environment layer
     assert cfg.seed == 7  # flags beat everything
-    r2 = _parse(["--recipe", str(recipe), "--gail.beta", "0.1"], environ={"GAIL_BETA": "0.7"})
-    assert r2.config.gail.beta == 0.1 and r2.config.gail.use
-    assert r.sources["seed"] == "flag" and r.sources["token"] == "environment"
-    assert r.sources["lr"] == f"file {config}" and r.sources["mode"] == f"file {recipe}"
-    assert _parse([]).config == Demo()
+    again = _grpo(["--recipe", str(recipe), "--gail.weight", "0.1"], environ)
+    assert again.gail.weight == 0.1 and again.gail.use and again.seed == 5
+    assert _grpo([]) == GrpoConfig()
 
 
-def test_report_masks_secrets_and_says_where_values_came_from(tmp_path: Path) -> None:
-    r = _parse(["--seed", "4"], environ={"DEMO_TOKEN": "s3cret"})
-    text = cli.report(r)
-    assert "s3cret" not in text and "token: '***'" in text
-    assert "#  seed: flag" in text and "seed: 4" in text
-    assert "model_name: base" in text  # only secrets are masked
+def test_print_config_masks_secrets(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SHOP_R1_API_TOKEN", "s3cret")
+    with pytest.raises(SystemExit) as e:
+        cli.parse(ApiConfig, ["--print-config", "--port", "4"], prog="api", section="api")
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "s3cret" not in out and "token: '***'" in out and "port: 4" in out
+    assert "db_path:" in out  # only secrets are masked
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         ("modle: x\ntrainer: {}\n", "unknown top-level key 'modle'"),
-        ("modle: x\n", "modle\n  Extra inputs are not permitted"),  # a flat file's key
-        ("trainer:\n  grpo:\n    lr_typo: 1\n", "lr_typo\n  Extra inputs are not permitted"),
-        ("trainer:\n  gail: {usee: true}\n", "gail.usee\n  Extra inputs are not permitted"),
-        ("data: {directory: x}\n", "unknown key 'data.directory'"),
-        ("trainer: [1, 2]\n", "section 'trainer' must be a mapping"),
+        ("trainer:\n  grpo:\n    lr_typo: 1\n", "trainer.grpo.lr_typo (set by file"),
+        ("trainer:\n  grpo:\n    gail: {usee: true}\n", "gail.usee (set by file"),
+        ("trainer: [1, 2]\n", "trainer (set by file"),
         ("- a\n- b\n", "must hold a mapping"),
         ("trainer: {lr: [unclosed\n", "not valid YAML"),
         ("model: ${SHOP_R1_TEST_UNSET_VAR}\n", "model uses ${SHOP_R1_TEST_UNSET_VAR}"),
-        ("trainer:\n  lr: -1\n", "invalid Demo"),
+        ("trainer:\n  lr: -1\n", "trainer.grpo (set by file"),
+        ("base: [1]\n", "'base' must be the path of another recipe"),
     ],
 )
 def test_recipe_errors_name_the_key_and_the_file(tmp_path: Path, text: str, message: str) -> None:
     recipe = _write(tmp_path / "bad.yaml", text)
     with pytest.raises(SystemExit) as e:
-        _parse(["--recipe", str(recipe)])
-    assert message in str(e.value)
-    assert str(recipe) in str(e.value) or "invalid" in message
+        _grpo(["--recipe", str(recipe)])
+    assert message in str(e.value) and str(recipe) in str(e.value)
 
 
 def test_recipe_base_variables_and_loops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -177,30 +135,39 @@ def test_recipe_base_variables_and_loops(tmp_path: Path, monkeypatch: pytest.Mon
     _write(
         tmp_path / "base.yaml",
         "model: ${SHOP_R1_TEST_DIR}/m\nseed: 1\n"
-        "trainer: {lr: 0.1, grpo: {mode: slow}}\nrewards: {components: {format: 0.5}}\n",
+        "trainer: {lr: 0.1, grpo: {policy_loss: gspo}}\nenv: {rewards: {components: {format: 0.5}}}\n",
     )
     child = _write(
         tmp_path / "child.yaml",
         "base: base.yaml\nseed: 2\n"
-        "trainer: {grpo: {cap: 1.5}}\nrewards: {components: {type: 0.3}}\n"
-        "output_dir: ${SHOP_R1_TEST_UNSET_VAR:-${RUNS_DIR}}\n",
+        "trainer: {grpo: {tis-cap: 1.5}}\nenv: {rewards: {components: {type: 0.3}}}\n"
+        "name: ${SHOP_R1_TEST_UNSET_VAR:-fallback}\n",
     )
     (base, lower), (path, upper) = recipe_chain(child)  # one layer per file, base first
     assert (base, path) == (tmp_path / "base.yaml", child) and "base" not in upper
     assert lower["model"] == "/data/x/m" and (lower["seed"], upper["seed"]) == (1, 2)
-    assert upper["trainer"] == {"grpo": {"cap": 1.5}}
+    assert upper["trainer"] == {"grpo": {"tis_cap": 1.5}} and upper["name"] == "fallback"
+    cfg = _grpo(["--recipe", str(child)])
+    assert (cfg.model_name, cfg.seed, cfg.lr, cfg.policy_loss, cfg.tis_cap) == (
+        "/data/x/m",
+        2,
+        0.1,
+        "gspo",
+        1.5,
+    )
+    rewards = parse_env(["--recipe", str(child)]).rewards
+    assert rewards is not None and set(rewards.components) == {"type"}  # replaced whole
     loop = _write(tmp_path / "loop.yaml", "base: loop.yaml\n")
     with pytest.raises(SystemExit, match="loops back"):
         recipe_chain(loop)
 
 
-def test_vllm_recipe_args_and_flags_win(tmp_path: Path) -> None:
+def test_vllm_file_args_stand_where_the_file_is(tmp_path: Path) -> None:
     recipe = _write(
         tmp_path / "r.yaml",
         """
 model: /models/m
 seed: 5
-output_dir: /runs/x
 single_copy: false
 vllm:
   dtype: float32
@@ -208,20 +175,17 @@ vllm:
   enable_prefix_caching: false
   max_model_len: 2048
   weight_bridge_mode: none
+  bridge_config: /runs/x/vllm_bridge_config.json
 """,
     )
-    argv = expand_files(["--recipe", str(recipe), "--dtype=bfloat16", "--port", "9"])
-    assert argv[:2] == ["--model", "/models/m"] and "--seed" in argv
+    argv = expand_files(
+        ["--dtype=half", "--recipe", str(recipe), "--dtype=bfloat16", "--port", "9"]
+    )
+    assert argv[:3] == ["--dtype=half", "--model", "/models/m"] and "--seed" in argv
     assert "--no-enable-prefix-caching" in argv and "--enforce-eager" in argv
-    assert "--single-copy" not in argv and "--no-single-copy" not in argv
-    assert argv.count("--dtype") == 0 and argv[-3:] == ["--dtype=bfloat16", "--port", "9"]
-    assert ["--bridge-config", "/runs/x/vllm_bridge_config.json"] == argv[
-        argv.index("--bridge-config") : argv.index("--bridge-config") + 2
-    ]
-    assert merge_argv(["--a", "1", "--b"], ["--no-b", "--c", "2"]) == [
-        "--a",
-        "1",
-        "--no-b",
-        "--c",
-        "2",
-    ]
+    assert "--single-copy" not in argv and "--no-single-copy" not in argv  # bridge: store_true
+    assert argv[-3:] == ["--dtype=bfloat16", "--port", "9"]  # after the file: they win
+    i = argv.index("--bridge-config")
+    assert argv[i : i + 2] == ["--bridge-config", "/runs/x/vllm_bridge_config.json"]
+    with pytest.raises(SystemExit, match="needs a FILE"):
+        expand_files(["--config"])

@@ -139,18 +139,18 @@ def test_tokens_come_from_the_environment_and_flags_win(monkeypatch: pytest.Monk
 
 def test_env_service_reward_is_given_once(tmp_path: Path) -> None:
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("rewards:\n  components: {exact_match: 1.0}\n")
+    recipe.write_text("env:\n  rewards:\n    components: {exact_match: 1.0}\n")
     assert parse_env(["--recipe", str(recipe)]).reward_config().weights == {"exact_match": 1.0}
     # a later layer's choice replaces the recipe's reward whole (flag > recipe), never merges
     flag = parse_env(["--recipe", str(recipe), "--reward-variant", "no_dars"])
     assert flag.rewards is None and flag.reward_config() == RewardConfig.variant("no_dars")
     # ... and a recipe that gives the reward twice in itself is refused
     both = tmp_path / "both.yaml"
-    both.write_text("rewards:\n  components: {exact_match: 1.0}\nenv:\n  reward_variant: binary\n")
+    both.write_text("env:\n  rewards: {components: {exact_match: 1.0}}\n  reward_variant: binary\n")
     with pytest.raises(SystemExit, match="give the reward once"):
         parse_env(["--recipe", str(both)])
     bad = tmp_path / "bad.yaml"
-    bad.write_text("rewards:\n  components: {formatt: 1.0}\n")
+    bad.write_text("env:\n  rewards:\n    components: {formatt: 1.0}\n")
     with pytest.raises(SystemExit, match="unknown reward component"):
         parse_env(["--recipe", str(bad)])
 
@@ -168,6 +168,8 @@ def test_gail_section_recipe_env_and_dotted_flags(
     recipe.write_text("trainer:\n  grpo:\n    gail: {use: false, weight: 0.3}\n")
     monkeypatch.setenv("GAIL_USE", "1")
     cfg = _parse(GrpoConfig, ["--recipe", str(recipe)])
-    assert cfg.gail.use and cfg.gail.weight == 0.3  # env beats recipe, per field
+    assert not cfg.gail.use and cfg.gail.weight == 0.3  # GAIL_USE is a default: the file wins
+    cfg = _parse(GrpoConfig, [])
+    assert cfg.gail.use and cfg.gail.weight == 0.5  # ... where no file sets it
     cfg = _parse(GrpoConfig, ["--recipe", str(recipe), "--no-gail.use", "--gail.alpha", "2"])
     assert not cfg.gail.use and cfg.gail.alpha == 2.0 and cfg.gail.weight == 0.3

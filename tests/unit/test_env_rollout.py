@@ -138,7 +138,7 @@ def test_metrics_hand_computed() -> None:
 
 def test_service_config_from_yaml_and_flags(tmp_path) -> None:
     recipe = tmp_path / "env.yaml"
-    recipe.write_text("group_size: 4\nreward:\n  dars_factor: 10\nmodel: tiny\n")
+    recipe.write_text("env:\n  group_size: 4\n  reward:\n    dars_factor: 10\n  model: tiny\n")
     cfg = parse_config(["--config", str(recipe), "--group-size", "6", "--no-drop-constant-groups"])
     assert cfg.group_size == 6 and not cfg.drop_constant_groups and cfg.model == "tiny"
     assert cfg.reward_config().dars_factor == 10

@@ -7,7 +7,9 @@ run-dir paths, device, resume, the served model and bridge mode). The files writ
 from __future__ import annotations
 
 import argparse
+from functools import reduce
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -16,13 +18,12 @@ from api.config import parse_config as parse_api
 from env_server.config import parse_config as parse_env
 from env_server.reward import RewardConfig, score
 from launch.configs import resolve_for_run, write_service_config, write_service_configs
-from launch.run_config import parse_args
+from launch.run_config import RunConfig, parse_args
 from launch.vllm_server import server_argv
-from settings.layers import Resolved
+from settings.layers import read_recipe
 from settings.paths import PRESETS_DIR, REPO_ROOT
-from settings.recipe import read_recipe
 from trainer.config import GrpoConfig, SftConfig, build_parser, config_from_args
-from vllm_patching.serve import build
+from vllm_patching.serve import build, expand_files
 
 pytestmark = pytest.mark.unit
 GRPO = REPO_ROOT / "recipes" / "tiny-qwen2" / "shop-r1" / "grpo.yaml"
@@ -30,17 +31,17 @@ GOLD = {"type": "click", "name": "product_kuro_l370_stainless_steel_paring_knife
 HIT = '{"rationale": "r", "action": {"type": "click", "name": "product_kuro_l370_stainless_steel_paring_knife"}}'
 
 
-def _run(argv: list[str], run_dir: Path, environ: dict[str, str] | None = None) -> Resolved:
+def _run(argv: list[str], run_dir: Path, environ: dict[str, str] | None = None) -> RunConfig:
     """What launch/run_all.sh ``argv`` resolves, with its decisions for a run in ``run_dir``."""
     urls = ["http://127.0.0.1:2", "http://127.0.0.1:3"]
     return resolve_for_run(argv, "http://127.0.0.1:1", urls, run_dir, environ=environ)
 
 
-def _resolve(argv: list[str], run_dir: Path) -> dict[str, Resolved]:
+def _resolve(argv: list[str], run_dir: Path) -> dict[str, Any]:
     """What launch/run_all.sh ``argv`` hands the API, the env and the GRPO trainer."""
     r = _run(argv, run_dir)
     return {
-        n: r.section(s)
+        n: reduce(getattr, s.split("."), r)
         for n, s in (("api", "api"), ("env", "env"), ("trainer_grpo", "trainer.grpo"))
     }
 
@@ -62,19 +63,13 @@ def test_the_recipe_beats_the_preset_reward(tmp_path: Path) -> None:
     on the cpu-tiny preset's `no_dars` ablation (it used to: the preset's flag won)."""
     assert _preset("cpu-tiny")["env"]["reward_variant"] == "no_dars"
     env = _resolve(["--recipe", str(GRPO)], tmp_path)["env"]
-    assert env.config.rewards is not None and env.config.reward_variant == "full"
-    assert (
-        env.sources["rewards.components.format"].startswith("recipe ")
-        and "reward_variant" not in env.sources
-    )
+    assert env.rewards is not None and env.reward_variant == "full"
     full, no_dars = RewardConfig.variant("full"), RewardConfig.variant("no_dars")
-    got = score(HIT, GOLD, env.config.reward_config()).total
+    got = score(HIT, GOLD, env.reward_config()).total
     assert got == score(HIT, GOLD, full).total != score(HIT, GOLD, no_dars).total
     # without the recipe, the preset's ablation
     env = _resolve([], tmp_path)["env"]
-    assert env.config.reward_variant == "no_dars" and env.sources["reward_variant"].startswith(
-        "preset cpu-tiny"
-    )
+    assert env.reward_variant == "no_dars"
 
 
 def test_flags_beat_the_recipe_and_the_recipe_beats_the_preset(tmp_path: Path) -> None:
@@ -84,11 +79,11 @@ def test_flags_beat_the_recipe_and_the_recipe_beats_the_preset(tmp_path: Path) -
         "    training_steps: 33\n    lr: 3.0e-4\n"
     )
     confs = _resolve(["--recipe", str(recipe)], tmp_path)
-    env, grpo = confs["env"].config, confs["trainer_grpo"].config
+    env, grpo = confs["env"], confs["trainer_grpo"]
     assert env.temperature == 0.9  # recipe 0.9 > preset 0.7
     assert grpo.training_steps == 33  # the recipe's: the launcher's default 120 is under it
     assert grpo.lr == 3e-4 and grpo.kl_beta == 0.05  # the recipe's; the preset's where unset
-    assert _resolve([], tmp_path)["trainer_grpo"].config.training_steps == 120  # the default
+    assert _resolve([], tmp_path)["trainer_grpo"].training_steps == 120  # the default
     confs = _resolve(
         [
             "--recipe",
@@ -101,11 +96,11 @@ def test_flags_beat_the_recipe_and_the_recipe_beats_the_preset(tmp_path: Path) -
         ],
         tmp_path,
     )
-    env, grpo = confs["env"].config, confs["trainer_grpo"].config
+    env, grpo = confs["env"], confs["trainer_grpo"]
     assert grpo.training_steps == 7 and grpo.lr == 1e-5  # flags > recipe
     assert env.temperature == 0.5 and not env.drop_constant_groups
     assert env.reward_variant == "binary" and env.rewards is None  # a flag replaces `rewards:`
-    # what the launcher decides for the run beats the recipe's output_dir and model
+    # what the launcher decides for the run beats the recipe's save_path and model
     assert grpo.save_path == str(tmp_path / "trainer") and env.metrics_path == tmp_path / (
         "env_metrics.jsonl"
     )
@@ -117,33 +112,32 @@ def test_the_launchers_defaults_lie_under_every_layer(tmp_path: Path) -> None:
     """The run's defaults (``launch.configs.launcher_values``) replace the field defaults only:
     a preset, a recipe, the environment or a flag that sets the field wins."""
     r = _run([], tmp_path, {})
-    sft = r.section("trainer.sft")
-    assert sft.config.model_name == r.config.launch.base_model != r.config.model
-    assert (sft.config.eval_generate, sft.config.tensorboard) == (0, False)
-    assert sft.sources["eval_generate"] == sft.sources["model_name"] == "launcher"
-    assert r.config.trainer.grpo.lora_r == 0  # shared_vllm: full fine-tuning
+    sft = r.trainer.sft
+    assert sft.model_name == r.launch.base_model != r.model
+    assert (sft.eval_generate, sft.tensorboard) == (0, False)
+    assert r.trainer.grpo.lora_r == 0  # shared_vllm: full fine-tuning
     # `model:` is what GRPO starts from (the SFT's output): it never fills the SFT's input
     recipe = tmp_path / "r.yaml"
     recipe.write_text("model: /m\n")
     r = _run(["--recipe", str(recipe)], tmp_path, {})
-    assert r.config.trainer.grpo.model_name == "/m"
-    assert r.config.trainer.sft.model_name == r.config.launch.base_model
+    assert r.trainer.grpo.model_name == "/m"
+    assert r.trainer.sft.model_name == r.launch.base_model
     recipe.write_text(
-        "model: /m\nlogging: {tensorboard: true}\ndata: {dir: /d}\n"
-        "trainer: {sft: {model_name: /base, eval_generate: 4}, grpo: {lora_r: 4}}\n"
+        "model: /m\nenv: {data_dir: /d}\ntrainer:\n  tensorboard: true\n"
+        "  sft: {model_name: /base, eval_generate: 4, data_dir: /d}\n  grpo: {lora_r: 4}\n"
     )
     r = _run(["--recipe", str(recipe), "--weight-bridge-mode", "lora_only"], tmp_path, {})
-    sft = r.config.trainer.sft
+    sft = r.trainer.sft
     assert (sft.model_name, sft.eval_generate, sft.tensorboard) == ("/base", 4, True)
-    assert r.config.trainer.grpo.lora_r == 4  # the recipe's rank under lora_only
-    assert r.config.env.data_dir == Path("/d") and sft.data_dir == "/d"  # the run's dataset
+    assert r.trainer.grpo.lora_r == 4  # the recipe's rank under lora_only
+    assert r.env.data_dir == Path("/d") and sft.data_dir == "/d"  # the run's dataset
     lora = ["--weight-bridge-mode", "lora_only"]
-    assert _run(lora, tmp_path, {}).config.trainer.grpo.lora_r == 8  # no rank named: 8
+    assert _run(lora, tmp_path, {}).trainer.grpo.lora_r == 8  # no rank named: 8
     environ = {"SHOP_R1_TRAINER__GRPO__LORA_R": "2", "SHOP_R1_TRAINER__SFT__EVAL_GENERATE": "3"}
     r = _run(lora, tmp_path, environ)
-    assert (r.config.trainer.grpo.lora_r, r.config.trainer.sft.eval_generate) == (2, 3)
+    assert (r.trainer.grpo.lora_r, r.trainer.sft.eval_generate) == (2, 3)
     r = _run([*lora, "--trainer.grpo.lora-r", "16", "--trainer.sft.tensorboard"], tmp_path, {})
-    assert r.config.trainer.grpo.lora_r == 16 and r.config.trainer.sft.tensorboard
+    assert r.trainer.grpo.lora_r == 16 and r.trainer.sft.tensorboard
 
 
 def test_the_launcher_owns_the_runs_wiring_over_every_layer(
@@ -153,14 +147,13 @@ def test_the_launcher_owns_the_runs_wiring_over_every_layer(
     servers run: the launcher's, whatever the file, the environment or a flag says."""
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
-        "output_dir: /elsewhere\napi: {port: 5}\n"
+        "api: {port: 5, db_path: /elsewhere/api.sqlite}\n"
         "env: {inference_url: 'http://x:1', tokenizer: /t}\n"
         "trainer: {grpo: {model_name: /other, weight_bridge_mode: none, device: cuda}}\n"
     )
     argv = ["--recipe", str(recipe), "--trainer.grpo.save-path", "/x", "--api.port", "7"]
     argv += ["--env.api-url", "http://y:2", "--trainer.sft.save-path", "/s"]
-    r = _run(argv, tmp_path, {"SHOP_R1_ENV__METRICS_PATH": "/z"})
-    cfg = r.config
+    cfg = _run(argv, tmp_path, {"SHOP_R1_ENV__METRICS_PATH": "/z"})
     assert (cfg.api.port, cfg.api.db_path) == (1, tmp_path / "api.sqlite")
     env, grpo = cfg.env, cfg.trainer.grpo
     assert env.api_url == grpo.api_url == "http://127.0.0.1:1"
@@ -174,12 +167,10 @@ def test_the_launcher_owns_the_runs_wiring_over_every_layer(
     assert grpo.save_path == str(tmp_path / "trainer") and grpo.overwrite
     assert (grpo.weight_bridge_mode, grpo.device) == (cfg.weight_bridge_mode, "cpu")
     assert cfg.trainer.sft.save_path == str(_preset("cpu-tiny")["model"])
-    for section, key in (("api", "port"), ("env", "api_url"), ("trainer.grpo", "save_path")):
-        assert r.section(section).sources[key] == "launcher"
     # what a flag or the environment asked for and did not get is said, once each; a file's
     # wiring (a recipe written for a standalone service) is replaced without a word
     err = capsys.readouterr().err
-    for asked in ("trainer.grpo.save_path = '/x' (flag)", "api.port = 7 (flag)"):
+    for asked in ("trainer.grpo.save_path = '/x' (command line)", "api.port = 7 (command line)"):
         assert f"WARNING: {asked} is replaced" in err and err.count(asked) == 1
     assert "env.metrics_path" in err and "(environment)" in err
     assert "/elsewhere" not in err and "model_name" not in err
@@ -202,55 +193,48 @@ def test_the_resolved_files_are_what_the_services_parse(tmp_path: Path) -> None:
         "trainer_grpo.yaml",
         "vllm.yaml",
     ]
-    assert parse_api(["--config", str(files["api"])]) == confs["api"].config
-    assert parse_env(["--config", str(files["env"])]) == confs["env"].config
+    assert parse_api(["--config", str(files["api"])]) == confs["api"]
+    assert parse_env(["--config", str(files["env"])]) == confs["env"]
     grpo = _trainer("grpo", ["--config", str(files["trainer_grpo"])])
-    assert grpo == confs["trainer_grpo"].config and grpo.training_steps == 5
+    assert grpo == confs["trainer_grpo"] and grpo.training_steps == 5
     assert grpo.kl_beta == 0.02
     text = files["trainer_grpo"].read_text() + files["env"].read_text()
-    assert "api_token" not in yaml.safe_load(files["env"].read_text())
+    assert "api_token" not in yaml.safe_load(files["env"].read_text())["env"]
     assert "bridge_token" not in text  # secrets travel by env var / flag, never in a file
     # the SFT cold start's file
     argv = ["--recipe", str(GRPO), "--sft-steps", "3", "--num-sessions", "200"]
-    sft = _run(argv, tmp_path).section("trainer.sft")
-    path = write_service_config(tmp_path, "trainer_sft", sft)
+    run = _run(argv, tmp_path)
+    path = write_service_config(tmp_path, "trainer_sft", run, "trainer.sft")
     parsed = _trainer("sft", ["--config", str(path)])
-    assert parsed == sft.config and parsed.training_steps == 3 and parsed.num_sessions == 200
+    assert parsed == run.trainer.sft and parsed.training_steps == 3 and parsed.num_sessions == 200
     assert parsed.precision == "fp32" and parsed.eval_generate == 0
     # an interrupted SFT (checkpoints there) continues, else it starts over
     interrupted = (Path(parsed.save_path) / "checkpoints").is_dir()
     assert (parsed.resume, parsed.overwrite) == ("latest" if interrupted else None, not interrupted)
     # vLLM: the preset's and the recipe's options, read in place by the server's own parser
     vllm = files["vllm"]
-    values = yaml.safe_load(vllm.read_text())
+    values = yaml.safe_load(vllm.read_text())["vllm"]  # a run file, as every service's
     assert values["dtype"] == "float32" and values["enforce_eager"] is True  # the recipe's
     assert "model" not in values and "weight_bridge_mode" not in values  # the launcher's
     settings, vllm_args, _ = build(
         [
-            "--model",
-            "m",
-            "--dtype",
-            "bfloat16",
-            "--config",
-            str(vllm),
-            "--bridge-device",
-            "cpu",
-            "--max-model-len",
-            "1024",
+            *["--model", "m", "--dtype", "half", "--config", str(vllm), "--dtype", "bfloat16"],
+            *["--bridge-device", "cpu", "--max-model-len", "1024"],
         ]
     )
-    assert _last(vllm_args, "--dtype") == "bfloat16"  # a flag wins over the file,
-    assert _last(vllm_args, "--max-model-len") == "1024"  # wherever it stands
+    assert _last(vllm_args, "--dtype") == "bfloat16"  # a flag after the file wins over it,
+    assert vllm_args.index("half") < vllm_args.index("float32")  # the file over one before it
+    assert _last(vllm_args, "--max-model-len") == "1024"
     assert "--enforce-eager" in vllm_args  # the file's, no flag sets it
-    # the launcher's vLLM defaults apply only where the file and the flags leave them unset
+    # the launcher's vLLM defaults stand before the file: they count where it is silent
     argv = server_argv("m", 1, "none", tmp_path / "b.json", extra=["--config", str(vllm)])
-    assert "--dtype" not in argv and "--max-model-len" not in argv  # the recipe's file sets them
-    (tmp_path / "gpu.yaml").write_text("dtype: bfloat16\n")
-    argv = server_argv(
-        "m", 1, "none", tmp_path / "b.json", extra=["--config", str(tmp_path / "gpu.yaml")]
-    )
-    assert "--dtype" not in argv and _last(argv, "--max-model-len") == "2048"
+    argv = expand_files(argv[3:])
+    assert (_last(argv, "--dtype"), _last(argv, "--max-model-len")) == ("float32", "2048")
+    (tmp_path / "gpu.yaml").write_text("vllm: {dtype: bfloat16, max_model_len: 4096}\n")
     gpu = ["--config", str(tmp_path / "gpu.yaml")]
+    argv = expand_files(server_argv("m", 1, "none", tmp_path / "b.json", extra=gpu)[3:])
+    assert (_last(argv, "--dtype"), _last(argv, "--max-model-len")) == ("bfloat16", "4096")
+    assert "--enforce-eager" in argv  # the default, the file is silent
     argv = server_argv("m", 1, "none", tmp_path / "b.json", extra=gpu, cpu=False)
     assert not {"--enforce-eager", "--max-model-len", "float32"} & set(argv)  # none on CUDA
     assert settings.mode == "shared_vllm"
@@ -262,20 +246,20 @@ def _last(argv: list[str], flag: str) -> str:
 
 
 def test_cpu_smol_trains_at_auto_precision(tmp_path: Path) -> None:
-    assert _run(["--preset", "cpu-smol"], tmp_path).config.trainer.sft.precision == "auto"
+    assert _run(["--preset", "cpu-smol"], tmp_path).trainer.sft.precision == "auto"
     confs = _resolve(["--preset", "cpu-smol"], tmp_path)
-    assert confs["trainer_grpo"].config.precision == "auto"
-    assert confs["trainer_grpo"].config.batch_size == 32 and confs["env"].config.group_size == 8
+    assert confs["trainer_grpo"].precision == "auto"
+    assert confs["trainer_grpo"].batch_size == 32 and confs["env"].group_size == 8
 
 
 def test_a_preset_sets_its_own_steps_and_evaluation_size(tmp_path: Path) -> None:
     """cpu-smol names 30 GRPO steps and 512 evaluation rows: they are the defaults of its run
     (run_all's 120 applies only to a preset that names none), and a flag still wins."""
-    smol = _resolve(["--preset", "cpu-smol"], tmp_path / "a")["trainer_grpo"].config
-    tiny = _resolve([], tmp_path / "b")["trainer_grpo"].config
+    smol = _resolve(["--preset", "cpu-smol"], tmp_path / "a")["trainer_grpo"]
+    tiny = _resolve([], tmp_path / "b")["trainer_grpo"]
     given = _resolve(["--preset", "cpu-smol", "--training-steps", "7"], tmp_path / "c")
     assert (smol.training_steps, tiny.training_steps) == (30, 120)
-    assert given["trainer_grpo"].config.training_steps == 7
+    assert given["trainer_grpo"].training_steps == 7
     assert parse_args(["--preset", "cpu-smol"]).launch.eval_samples == 512  # the preset's
     assert parse_args([]).launch.eval_samples == 512
     assert parse_args(["--preset", "cpu-smol", "--eval-samples", "8"]).launch.eval_samples == 8

@@ -120,7 +120,7 @@ def _configs(
     argv: list[str], tmp_path: Path, urls: list[str] | None = None, device: str = "cpu"
 ) -> RunConfig:
     """The run config launch/run_all.sh ``argv`` would write the services' files from."""
-    return resolve_for_run(argv, "http://api:1", urls or ["http://v:2"], tmp_path, device).config
+    return resolve_for_run(argv, "http://api:1", urls or ["http://v:2"], tmp_path, device)
 
 
 def test_trainer_config_lists_every_server_and_the_placed_device(tmp_path: Path) -> None:
@@ -202,11 +202,10 @@ def test_trainer_and_env_args_pass_through_last(tmp_path: Path) -> None:
     """--trainer-args / --env-args are the last layer, so they win over the preset."""
     argv = ["--trainer-args=--lr 2e-4 --kl-coef 0.07", "--env-args=--group-size 6"]
     r = resolve_for_run(argv, "http://api:1", ["http://v:2"], tmp_path)
-    grpo, env = r.section("trainer.grpo"), r.section("env")
+    grpo, env = r.trainer.grpo, r.env
     assert parse_args([]).trainer.grpo.lr == 1e-4  # the preset's
-    assert grpo.config.lr == 2e-4 and grpo.config.kl_beta == 0.07  # ours (--kl-coef: Atropos')
-    assert grpo.sources["lr"] == "flag" and env.sources["group_size"] == "flag"
-    assert env.config.group_size == 6 and r.config.env_args == "--group-size 6"
+    assert grpo.lr == 2e-4 and grpo.kl_beta == 0.07  # ours (--kl-coef: Atropos')
+    assert env.group_size == 6 and r.env_args == "--group-size 6"
 
 
 def test_context_warning_when_rollouts_reach_past_the_sft_sequences(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ score exactly like the paper's variants."""
 from __future__ import annotations
 
 import json
+from functools import reduce
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,9 @@ from env_server.config import EnvConfig
 from env_server.config import parse_config as parse_env
 from env_server.reward import RewardConfig, score
 from launch.run_config import resolve_run
-from settings.cli import resolve
+from settings.cli import resolve_section
+from settings.layers import read_recipe
 from settings.paths import PRESETS_DIR, REPO_ROOT
-from settings.recipe import read_recipe
 from trainer.config import GrpoConfig, SftConfig
 from vllm_patching.serve import build
 
@@ -29,10 +30,10 @@ TINY = REPO_ROOT / "recipes" / "tiny-qwen2" / "shop-r1"
 
 def _all(recipe: Path) -> dict[str, object]:
     return {
-        "api": resolve(ApiConfig, section="api", config=[recipe]).config,
-        "env": resolve(EnvConfig, section="env", config=[recipe]).config,
-        "sft": resolve(SftConfig, section="trainer.sft", config=[recipe]).config,
-        "grpo": resolve(GrpoConfig, section="trainer.grpo", config=[recipe]).config,
+        "api": resolve_section(ApiConfig, "api", [recipe], environ={}),
+        "env": resolve_section(EnvConfig, "env", [recipe], environ={}),
+        "sft": resolve_section(SftConfig, "trainer.sft", [recipe], environ={}),
+        "grpo": resolve_section(GrpoConfig, "trainer.grpo", [recipe], environ={}),
     }
 
 
@@ -52,11 +53,12 @@ def test_recipes_are_shipped() -> None:
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: str(p.relative_to(REPO_ROOT)))
 def test_every_recipe_parses_into_every_service(recipe: Path) -> None:
     cfgs = _all(recipe)
-    model = cfgs["sft"].model_name if "sft" in recipe.name else cfgs["grpo"].model_name
-    assert cfgs["env"].tokenizer == model  # the shared 'model' key reaches every service
     assert cfgs["sft"].seed == cfgs["grpo"].seed == cfgs["env"].seed
-    settings, vllm_args, _ = build(["--recipe", str(recipe), "--bridge-device", "cpu"])
-    assert vllm_args[vllm_args.index("--model") + 1] == model
+    if "sft" not in recipe.name:  # the shared 'model' key reaches every service but the SFT
+        model = cfgs["grpo"].model_name
+        assert cfgs["env"].tokenizer == model
+        settings, vllm_args, _ = build(["--recipe", str(recipe), "--bridge-device", "cpu"])
+        assert vllm_args[vllm_args.index("--model") + 1] == model
     if "grpo" in recipe.name:
         assert cfgs["env"].rewards is not None  # ablations are recipe entries
         assert settings.mode == cfgs["grpo"].weight_bridge_mode
@@ -68,7 +70,7 @@ def test_every_recipe_parses_into_every_service(recipe: Path) -> None:
 
 def _preset(name: str, cls: type, section: str) -> object:
     """What preset ``name`` alone gives a service (no recipe, no launcher decisions)."""
-    return resolve_run(["--preset", name], environ={}).section(section).config
+    return reduce(getattr, section.split("."), resolve_run(["--preset", name], environ={}))
 
 
 def load_preset(name: str) -> object:
@@ -76,7 +78,7 @@ def load_preset(name: str) -> object:
     from types import SimpleNamespace
 
     recipe = read_recipe(PRESETS_DIR / f"{name}.yaml")
-    launch = resolve_run(["--preset", name], environ={}).config.launch
+    launch = resolve_run(["--preset", name], environ={}).launch
     return SimpleNamespace(recipe=recipe, model=recipe["model"], launch=launch)
 
 
@@ -106,7 +108,7 @@ def _check_twin(name: str, twin: Path, differ: tuple[str, ...] = ()) -> dict[str
 def test_tiny_grpo_recipe_matches_the_cpu_tiny_preset() -> None:
     cfgs = _check_twin("cpu-tiny", TINY / "grpo_no_dars.yaml")  # the no_dars ablation
     env, grpo = cfgs["env"], cfgs["grpo"]
-    sft = resolve(SftConfig, section="trainer.sft", config=[TINY / "sft.yaml"]).config
+    sft = resolve_section(SftConfig, "trainer.sft", [TINY / "sft.yaml"], environ={})
     assert env.max_prompt_tokens + env.max_tokens <= sft.max_seq_len
     assert grpo.batch_size == env.group_size * 4
     # the other recipes differ from the preset's twin in the reward only
@@ -172,7 +174,7 @@ def test_smol_recipes_match_the_cpu_smol_preset() -> None:
     assert grpo.model_name == preset.model == str(SMOL_SFT_MODEL_DIR)
     assert grpo.batch_size == env.group_size * 4 and grpo.lora_r == 0
     # SFT: the preset's SFT settings are the SFT recipe's; prompt + completion fit its sequences
-    sft = resolve(SftConfig, section="trainer.sft", config=[SMOL / "sft.yaml"]).config
+    sft = resolve_section(SftConfig, "trainer.sft", [SMOL / "sft.yaml"], environ={})
     assert sft.model_name == preset.launch.base_model == str(SMOL_MODEL_DIR)
     assert sft.save_path == preset.model
     assert env.max_prompt_tokens + env.max_tokens <= sft.max_seq_len

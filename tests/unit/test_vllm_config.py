@@ -30,9 +30,8 @@ TAIL = [
 def _launched(argv: list[str], run_dir: Path, device: list[str], cpu: bool = True) -> list[str]:
     """The vLLM argv of launch/run_all.sh ``argv``'s server: its ``<run>/config/vllm.yaml``,
     the launcher's flags, through ``vllm_patching.serve.build`` (as launch/run_all.py does)."""
-    resolved = resolve_for_run(argv, "http://127.0.0.1:8000", ["http://127.0.0.1:9001"], run_dir)
-    cfg = resolved.config
-    config = write_service_configs(run_dir, resolved)["vllm"]
+    cfg = resolve_for_run(argv, "http://127.0.0.1:8000", ["http://127.0.0.1:9001"], run_dir)
+    config = write_service_configs(run_dir, cfg)["vllm"]
     extra = ["--config", str(config), *vllm_extra(cfg), *device]
     mode, bridge = cfg.weight_bridge_mode, run_dir / "b.json"
     cmd = server_argv(str(cfg.model), 9001, mode, bridge, extra=extra, cpu=cpu)
@@ -47,10 +46,10 @@ def test_the_vllm_argv_of_a_gpu_recipe_and_of_cpu_smol_is_pinned(tmp_path: Path)
     gpu = RECIPES / "qwen2.5-0.5b-instruct" / "shop-r1" / "grpo.yaml"
     argv = _launched(["--preset", "gpu-0.5b", "--recipe", str(gpu)], tmp_path / "gpu", [], False)
     assert argv == [
-        *["--seed", "0", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.5"],
-        *["--max-model-len", "4096"],
         *_serving(RUNS_DIR / "qwen2.5-0.5b-instruct" / "shop-r1" / "sft"),
         *["--served-model-name", "tiny"],
+        *["--seed", "0", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.5"],
+        *["--max-model-len", "4096"],
         *["--weight-transfer-config", '{"backend": "nccl"}', *TAIL],
     ]
     # a preset alone on CUDA: no CPU default caps its 3072 + 256-token context or its CUDA graphs
@@ -64,8 +63,16 @@ def test_the_vllm_argv_of_a_gpu_recipe_and_of_cpu_smol_is_pinned(tmp_path: Path)
         *["--max-model-len", "2048"],
         *["--weight-transfer-config", '{"backend": "gloo_bcast"}', *TAIL],
     ]
-    # started on its own from the recipe: the section's keys in the file's order
+    # on the CPU the launcher's defaults stand before the file, which wins (vLLM takes the last)
     tiny = RECIPES / "tiny-qwen2" / "shop-r1" / "grpo.yaml"
+    cpu = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "2048"]
+    argv = _launched(["--recipe", str(tiny)], tmp_path / "tiny", smol)
+    assert argv == [
+        *_serving(SFT_MODEL_DIR),
+        *["--served-model-name", "tiny", *cpu, "--seed", "0", *cpu],
+        *["--weight-transfer-config", '{"backend": "gloo_bcast"}', *TAIL],
+    ]
+    # started on its own from the recipe: the section's fields in their declared order
     assert build(["--config", str(tiny), "--bridge-device", "cpu"])[1] == [
         *["--model", str(SFT_MODEL_DIR), "--seed", "0"],
         *["--enforce-eager", "--dtype", "float32", "--max-model-len", "2048"],
@@ -77,17 +84,17 @@ def test_the_vllm_argv_of_a_gpu_recipe_and_of_cpu_smol_is_pinned(tmp_path: Path)
 def test_known_options_are_typed_and_others_pass_through(tmp_path: Path) -> None:
     flat = tmp_path / "vllm.yaml"
     flat.write_text(
-        "max_model_len: '2048'\nenforce_eager: true\nmax_num_batched_tokens: 8192\n"
-        "compilation_config: {level: 0}\n"
+        "vllm:\n  max_model_len: '2048'\n  enforce_eager: true\n  max_num_batched_tokens: 8192\n"
+        "  compilation_config: {level: 0}\n"
     )
     assert file_argv(flat) == [
-        *["--max-model-len", "2048", "--enforce-eager"],
+        *["--enforce-eager", "--max-model-len", "2048"],  # typed fields first
         *["--max-num-batched-tokens", "8192", "--compilation-config", '{"level": 0}'],
     ]
     assert VllmConfig(max_model_len="4k").max_model_len == "4k"  # vLLM's own spelling
     assert VllmConfig(max_model_len="auto").max_model_len == "auto"
     assert VllmConfig.model_fields["dtype"].description  # documented (--help of the launcher)
-    vllm = resolve_run(["--vllm.max-model-len", "4k", "--vllm.max-num-seqs", "8"]).config.vllm
+    vllm = resolve_run(["--vllm.max-model-len", "4k", "--vllm.max-num-seqs", "8"]).vllm
     assert (vllm.max_model_len, vllm.max_num_seqs) == ("4k", 8)
 
 
@@ -103,11 +110,55 @@ def test_known_options_are_typed_and_others_pass_through(tmp_path: Path) -> None
     ],
 )
 def test_a_wrong_value_names_the_key(tmp_path: Path, text: str, key: str) -> None:
-    flat = tmp_path / "vllm.yaml"
-    flat.write_text(text)
-    with pytest.raises(SystemExit, match=rf"{flat}: invalid vllm options:\n(.|\n)*{key}"):
-        file_argv(flat)
     run = tmp_path / "run.yaml"
     run.write_text("vllm:\n  " + text)
+    with pytest.raises(SystemExit, match=rf"vllm\.{key} \(set by file {run}\)"):
+        file_argv(run)
     with pytest.raises(SystemExit, match=rf"invalid RunConfig(.|\n)*vllm\.{key}"):
         resolve_run(["--recipe", str(run)], environ={})
+
+
+def test_the_real_parsers_keep_the_last_value_of_every_kind_of_option() -> None:
+    """A file's options stand where its ``--config`` stands (``serve.expand_files``): vLLM
+    0.32's own parser and the bridge's keep the last value given of a plain option, a
+    boolean (``--x`` / ``--no-x``), a list and a JSON mapping, so the arguments after a file
+    win over it and the file wins over those before it."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_patching.serve import mapping_argv, parse_args
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    file = mapping_argv(
+        {
+            **{"model": "a", "dtype": "float32", "max_model_len": 2048, "enforce_eager": True},
+            **{"enable_prefix_caching": False, "served_model_name": ["x", "y"]},
+            "override_generation_config": {"a": 1},
+        }
+    )
+    flags = ["--model", "b", "--dtype", "bfloat16", "--max-model-len", "4k", "--no-enforce-eager"]
+    flags += ["--enable-prefix-caching", "--served-model-name", "z"]
+    flags += ["--override-generation-config", '{"b": 2}']
+    ns = parser.parse_args([*file, *flags])
+    assert (ns.model, ns.dtype, ns.max_model_len, ns.enforce_eager) == (
+        "b",
+        "bfloat16",
+        4000,
+        False,
+    )
+    assert (ns.enable_prefix_caching, ns.served_model_name) == (True, ["z"])
+    assert ns.override_generation_config == {"b": 2}  # replaced, not merged
+    ns = parser.parse_args([*flags, *file])
+    assert (ns.model, ns.dtype, ns.max_model_len, ns.enforce_eager) == ("a", "float32", 2048, True)
+    assert (ns.enable_prefix_caching, ns.served_model_name) == (False, ["x", "y"])
+    assert ns.override_generation_config == {"a": 1}
+    # the bridge's parser (its booleans are plain flags: a file's false is left out)
+    file = mapping_argv({"weight_bridge_mode": "none", "bridge_lora_keep": 3, "single_copy": False})
+    args, rest = parse_args([*file, "--weight-bridge-mode", "lora_only", "--bridge-lora-keep", "5"])
+    assert (args.weight_bridge_mode, args.bridge_lora_keep, args.single_copy, rest) == (
+        "lora_only",
+        5,
+        False,
+        [],
+    )
+    assert parse_args(mapping_argv({"single_copy": True}))[0].single_copy
