@@ -18,6 +18,7 @@ from typing import Any
 from launch.procs import ManagedProcess
 from settings.ports import free_port
 from vllm_patching.protocol import TOKEN_ENV
+from vllm_patching.serve import expand_files
 
 
 @dataclass
@@ -140,8 +141,9 @@ def server_argv(
     ]
     if single_copy:
         argv.append("--single-copy")
-    # on the CPU, the defaults under ``extra`` (a file's --config, flags): vLLM takes the last
-    return [*argv, *(SERVER_DEFAULTS if cpu else []), *extra]
+    # on the CPU, the defaults under ``extra``'s files (--config), which are under its flags:
+    # vLLM keeps the last value of an option
+    return [*argv, *(SERVER_DEFAULTS if cpu else []), *expand_files(list(extra))]
 
 
 def spawn_bridge_server(

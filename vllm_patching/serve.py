@@ -73,20 +73,21 @@ def mapping_argv(values: Mapping[str, Any]) -> list[str]:
 
 
 def expand_files(argv: list[str]) -> list[str]:
-    """``argv`` with each ``--config FILE`` (alias ``--recipe``) replaced, where it stands,
-    by the file's arguments: an argument after it wins (vLLM's parser and ours: the last
-    value of an option counts)."""
-    out: list[str] = []
+    """``argv`` with each ``--config FILE`` (alias ``--recipe``) taken out and the files'
+    arguments put first, in order: a later file, then any argument of the command line, wins
+    wherever it stands (vLLM's parser and ours keep the last value of an option)."""
+    files: list[str] = []
+    rest: list[str] = []
     args = iter(argv)
     for arg in args:
         name, eq, value = arg.partition("=")
         if name not in ("--config", "--recipe"):
-            out.append(arg)
+            rest.append(arg)
         elif (path := value if eq else next(args, None)) is None:
             raise SystemExit(f"{PROG}: {name} needs a FILE")
         else:
-            out += file_argv(Path(path))
-    return out
+            files += file_argv(Path(path))
+    return files + rest
 
 
 PROG = "python -m vllm_patching.serve"

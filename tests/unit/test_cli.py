@@ -181,10 +181,11 @@ vllm:
     argv = expand_files(
         ["--dtype=half", "--recipe", str(recipe), "--dtype=bfloat16", "--port", "9"]
     )
-    assert argv[:3] == ["--dtype=half", "--model", "/models/m"] and "--seed" in argv
+    assert argv[:2] == ["--model", "/models/m"] and "--seed" in argv  # the file's first
     assert "--no-enable-prefix-caching" in argv and "--enforce-eager" in argv
     assert "--single-copy" not in argv and "--no-single-copy" not in argv  # bridge: store_true
-    assert argv[-3:] == ["--dtype=bfloat16", "--port", "9"]  # after the file: they win
+    # the command line's, before or after --recipe, after the file's: they win
+    assert argv[-4:] == ["--dtype=half", "--dtype=bfloat16", "--port", "9"]
     i = argv.index("--bridge-config")
     assert argv[i : i + 2] == ["--bridge-config", "/runs/x/vllm_bridge_config.json"]
     with pytest.raises(SystemExit, match="needs a FILE"):

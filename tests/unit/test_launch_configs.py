@@ -222,21 +222,23 @@ def test_the_resolved_files_are_what_the_services_parse(tmp_path: Path) -> None:
             *["--bridge-device", "cpu", "--max-model-len", "1024"],
         ]
     )
-    assert _last(vllm_args, "--dtype") == "bfloat16"  # a flag after the file wins over it,
-    assert vllm_args.index("half") < vllm_args.index("float32")  # the file over one before it
+    assert _last(vllm_args, "--dtype") == "bfloat16"  # a flag wins over the file, also one
+    assert vllm_args.index("float32") < vllm_args.index("half")  # given before its --config
     assert _last(vllm_args, "--max-model-len") == "1024"
     assert "--enforce-eager" in vllm_args  # the file's, no flag sets it
     # the launcher's vLLM defaults stand before the file: they count where it is silent
     argv = server_argv("m", 1, "none", tmp_path / "b.json", extra=["--config", str(vllm)])
-    argv = expand_files(argv[3:])
+    assert "--config" not in argv and argv == [*argv[:3], *expand_files(argv[3:])]
     assert (_last(argv, "--dtype"), _last(argv, "--max-model-len")) == ("float32", "2048")
     (tmp_path / "gpu.yaml").write_text("vllm: {dtype: bfloat16, max_model_len: 4096}\n")
     gpu = ["--config", str(tmp_path / "gpu.yaml")]
-    argv = expand_files(server_argv("m", 1, "none", tmp_path / "b.json", extra=gpu)[3:])
+    argv = server_argv("m", 1, "none", tmp_path / "b.json", extra=[*gpu, "--max-num-seqs", "3"])
+    assert _last(argv, "--max-num-seqs") == "3"  # extra's flags over its file
     assert (_last(argv, "--dtype"), _last(argv, "--max-model-len")) == ("bfloat16", "4096")
     assert "--enforce-eager" in argv  # the default, the file is silent
     argv = server_argv("m", 1, "none", tmp_path / "b.json", extra=gpu, cpu=False)
-    assert not {"--enforce-eager", "--max-model-len", "float32"} & set(argv)  # none on CUDA
+    assert not {"--enforce-eager", "float32", "2048"} & set(argv)  # no default on CUDA
+    assert argv.count("--max-model-len") == 1 and _last(argv, "--max-model-len") == "4096"
     assert settings.mode == "shared_vllm"
 
 

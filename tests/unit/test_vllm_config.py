@@ -119,10 +119,9 @@ def test_a_wrong_value_names_the_key(tmp_path: Path, text: str, key: str) -> Non
 
 
 def test_the_real_parsers_keep_the_last_value_of_every_kind_of_option() -> None:
-    """A file's options stand where its ``--config`` stands (``serve.expand_files``): vLLM
-    0.32's own parser and the bridge's keep the last value given of a plain option, a
-    boolean (``--x`` / ``--no-x``), a list and a JSON mapping, so the arguments after a file
-    win over it and the file wins over those before it."""
+    """A file's options go before the command line's (``serve.expand_files``): vLLM 0.32's own
+    parser and the bridge's keep the last value given of a plain option, a boolean (``--x`` /
+    ``--no-x``), a list and a JSON mapping, so the command line wins over the file."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
