@@ -106,11 +106,13 @@ class Lineage:
         steps: int,
         procs: int = 1,
         keep: int = 2,
+        bridge_token: str = TOKEN,
     ) -> None:
         self.dir = root / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.name, self.model, self.vllm_url = name, model, vllm_url
         self.steps, self.procs, self.keep = steps, procs, keep
+        self.bridge_token = bridge_token  # the vLLM server's (a shared one has its own)
         self.save, self.db = self.dir / "trainer", self.dir / "api.sqlite"
         self.url = f"http://127.0.0.1:{free_port()}"
         self.starts = 0
@@ -138,7 +140,7 @@ class Lineage:
         args = ["-m", "trainer", "grpo", "--model-name", str(self.model)]
         args += ["--save-path", str(self.save), "--api-url", self.url, "--api-token", TOKEN]
         args += ["--weight-bridge-mode", "none", "--inference-url", self.vllm_url]
-        args += ["--bridge-token", TOKEN, "--device", "cpu", "--precision", "fp32"]
+        args += ["--bridge-token", self.bridge_token, "--device", "cpu", "--precision", "fp32"]
         args += ["--training-steps", str(self.steps), "--batch-size", str(GROUP)]
         args += ["--lr", "1e-3", "--kl-beta", "0.05", "--lease-seconds", "1"]
         args += ["--save-every", "1", "--keep-checkpoints", str(self.keep)]

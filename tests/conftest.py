@@ -243,8 +243,8 @@ def _none_server(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[BridgeServer]:
     """One patched vLLM server in bridge mode ``none`` (reload from a checkpoint) serving the
-    tiny model, shared by the session's GRPO trainer tests and test_bridge_modes' reload check
-    (``none_server``)."""
+    tiny model, shared by the session's GRPO trainer tests, test_bridge_modes' reload check
+    (``none_server``) and test_checkpoint_faults' runs."""
     from launch.vllm_server import start_bridge_server
     from tests.integration.grpo_harness import TOKEN
 
@@ -263,14 +263,6 @@ def none_server(_none_server: BridgeServer, tiny_model_dir: Path) -> BridgeServe
     does), so no test sees the weights or the version another test left. The GRPO trainer
     tests (test_trainer_grpo, test_trainer_gail) each started a server of their own, ~30 s
     apiece on a quiet core; they use the server only as their weights' sync target."""
-    import httpx
+    from tests.integration.grpo_harness import reset_none_server
 
-    from tests.integration.grpo_harness import TOKEN
-    from vllm_patching.protocol import TOKEN_HEADER
-
-    url = _none_server.base_url
-    body = {"path": str(tiny_model_dir), "version": 0}
-    r = httpx.post(f"{url}/bridge/reload", json=body, headers={TOKEN_HEADER: TOKEN}, timeout=300)
-    r.raise_for_status()
-    assert httpx.get(f"{url}/bridge/health", timeout=30).json()["weight_version"] == "0"
-    return _none_server
+    return reset_none_server(_none_server, tiny_model_dir)

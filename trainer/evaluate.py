@@ -7,19 +7,21 @@ This is the trainer's quick self-check after SFT (no vLLM needed); the full eval
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from trainer.model import LoadedModel, autocast
-from trainer.sft_data import end_of_turn_id, prompt_ids
+if TYPE_CHECKING:  # torch loads where it runs: ``python -m trainer.evaluate --help`` is quick
+    from trainer.model import LoadedModel
 
 
-@torch.no_grad()
 def generate_greedy(
     lm: LoadedModel, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 8
 ) -> list[str]:
     """Greedy completions (left-padded batches), decoded without special tokens."""
+    import torch
+
+    from trainer.model import autocast
+    from trainer.sft_data import end_of_turn_id
+
     tok, model = lm.tokenizer, lm.model
     stop = end_of_turn_id(tok)
     pad = tok.pad_token_id
@@ -33,7 +35,7 @@ def generate_greedy(
         for r, p in enumerate(chunk):
             ids[r, width - len(p) :] = torch.tensor(p)
             attn[r, width - len(p) :] = 1
-        with autocast(lm.device, lm.compute_dtype):
+        with torch.no_grad(), autocast(lm.device, lm.compute_dtype):
             out = model.generate(
                 input_ids=ids.to(lm.device),
                 attention_mask=attn.to(lm.device),
@@ -58,6 +60,7 @@ def format_valid_rate(
     """Share of greedy outputs that parse (Shop-R1 format), exact action match, mean reward."""
     from env_server.actions import actions_equal
     from env_server.reward import parse_output, score
+    from trainer.sft_data import prompt_ids
 
     budget = max_seq_len - max_new_tokens
     prompts = [prompt_ids(r, lm.tokenizer, budget, latest_only) for r in rows]
@@ -79,8 +82,6 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     from trainer.config import SftConfig
-    from trainer.model import load_model
-    from trainer.sft_data import load_or_build_dataset
 
     p = argparse.ArgumentParser("python -m trainer.evaluate", description=main.__doc__)
     p.add_argument("--model", required=True, help="Model directory (e.g. a checkpoint's model/).")
@@ -91,6 +92,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=160, help="Generation budget.")
     p.add_argument("--latest-only", action="store_true", help="Latest page only in the prompt.")
     a = p.parse_args(argv)
+    from trainer.model import load_model  # torch: after --help
+    from trainer.sft_data import load_or_build_dataset
+
     lm = load_model(SftConfig(model_name=a.model, save_path=""))
     rows = list(load_or_build_dataset(a.data_dir, SftConfig().num_sessions, 0)[a.split])[: a.n]
     result = format_valid_rate(lm, rows, a.max_seq_len, a.max_new_tokens, a.latest_only)

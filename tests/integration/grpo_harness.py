@@ -15,10 +15,26 @@ from pathlib import Path
 
 from api.client import ApiClient
 from launch.procs import ManagedProcess
+from launch.vllm_server import BridgeServer
 from settings.ports import free_port
 
 TOKEN = "trainer-test-token"
 GROUP = 4
+
+
+def reset_none_server(server: BridgeServer, model: Path) -> BridgeServer:
+    """Reload ``model`` into the session's ``none`` server as version 0, what a fresh start
+    serves (the ``none_server`` fixture before each test; test_checkpoint_faults' module)."""
+    import httpx
+
+    from vllm_patching.protocol import TOKEN_HEADER
+
+    url = server.base_url
+    body = {"path": str(model), "version": 0}
+    r = httpx.post(f"{url}/bridge/reload", json=body, headers={TOKEN_HEADER: TOKEN}, timeout=300)
+    r.raise_for_status()
+    assert httpx.get(f"{url}/bridge/health", timeout=30).json()["weight_version"] == "0"
+    return server
 
 
 def start_api(tmp_path: Path, timeout: float = 60.0) -> tuple[ManagedProcess, ApiClient, str]:

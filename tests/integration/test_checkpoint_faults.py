@@ -39,7 +39,6 @@ import pytest
 
 from bench.small_disk import SmallDisk, limit_file_size
 from bench.trainer_faults import (
-    TOKEN,
     Lineage,
     exactly_once,
     fabricate_groups,
@@ -50,8 +49,10 @@ from bench.trainer_faults import (
 )
 from launch.lifeline import descendants, signal_group
 from launch.procs import ManagedProcess, tail
-from launch.vllm_server import start_bridge_server
+from launch.vllm_server import BridgeServer
 from settings.ports import free_port
+from tests.integration.grpo_harness import TOKEN as SERVER_TOKEN
+from tests.integration.grpo_harness import reset_none_server
 
 pytestmark = pytest.mark.integration
 STEPS = 6
@@ -70,29 +71,41 @@ class Services:
 
 
 @pytest.fixture(scope="module")
-def services(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
-    """One vLLM server (mode none) for every run, and the uninterrupted reference run."""
+def services(
+    _none_server: BridgeServer, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Services]:
+    """The session's vLLM server in mode ``none`` (tests/conftest.py; it only takes the runs'
+    checkpoints as their sync target, so it need not be the module's own: that start was 46 s
+    of the module), reset to the start weights at version 0, and the uninterrupted reference
+    run."""
     root = tmp_path_factory.mktemp("ckpt_faults")
-    server = start_bridge_server(
-        tiny_model_dir, "none", root / "vllm.log", token=TOKEN, timeout=1800
-    )  # a loaded 2-core box takes minutes
+    server = reset_none_server(_none_server, tiny_model_dir)
     ref = None
     try:
         groups = fabricate_groups(tiny_model_dir, STEPS + 4)
-        ref = Lineage(root, "reference", tiny_model_dir, server.base_url, groups, STEPS, keep=STEPS)
+        url = server.base_url  # every run syncs into it, with its token
+        ref = Lineage(
+            root,
+            "reference",
+            tiny_model_dir,
+            url,
+            groups,
+            STEPS,
+            keep=STEPS,
+            bridge_token=SERVER_TOKEN,
+        )
         window = reference(ref)
         yield Services(tiny_model_dir, server.base_url, groups, ref, window, root)
     finally:
         if ref is not None:
             ref.stop()
-        server.stop()
 
 
 def test_a_full_checkpoint_disk_stops_the_trainer_and_resume_continues_exactly(
     services: Services, tmp_path: Path
 ) -> None:
     s = services
-    lin = Lineage(tmp_path, "disk", s.model, s.vllm_url, s.groups, STEPS)
+    lin = Lineage(tmp_path, "disk", s.model, s.vllm_url, s.groups, STEPS, bridge_token=SERVER_TOKEN)
     disk = SmallDisk(lin.save / "checkpoints", 160 << 20) if SmallDisk.can_mount() else None
     try:
         with disk or contextlib.nullcontext():
@@ -140,7 +153,16 @@ def test_sigkill_inside_checkpoint_writes_resumes_exactly(
     services: Services, tmp_path: Path, procs: int
 ) -> None:
     s = services
-    lin = Lineage(tmp_path, f"torn{procs}", s.model, s.vllm_url, s.groups, STEPS, procs)
+    lin = Lineage(
+        tmp_path,
+        f"torn{procs}",
+        s.model,
+        s.vllm_url,
+        s.groups,
+        STEPS,
+        procs,
+        bridge_token=SERVER_TOKEN,
+    )
     try:
         window = max(0.2, procs * s.window_s)  # a sharded write takes longer
         out = torn_run(lin, s.ref, random.Random(29 + procs), TRIALS[procs], window, 1e-5)
