@@ -76,12 +76,14 @@ def expand_vars(value: Any, path: Path, where: str = "") -> Any:
         return [expand_vars(v, path, where) for v in value]
 
     def sub(m: re.Match[str]) -> str:
-        name = m.group(1)
-        ours = name in ("REPO_ROOT", "ARTIFACTS", "RUNS_DIR")
-        if (
-            found := str(getattr(paths, name)) if ours else os.environ.get(name, m.group(2))
-        ) is None:
-            raise RecipeError(f"{path}: {where[:-1]} uses ${{{name}}}, which is not set")
+        name, default = m.group(1), m.group(2)
+        if name in ("REPO_ROOT", "ARTIFACTS", "RUNS_DIR"):
+            return str(getattr(paths, name))
+        if (found := os.environ.get(name, default)) is None:
+            raise RecipeError(
+                f"{path}: {where[:-1]} uses ${{{name}}}, which is not set "
+                f"(set it, or write ${{{name}:-default}})"
+            )
         return found
 
     return _VAR.sub(sub, value) if isinstance(value, str) else value

@@ -4,8 +4,8 @@
 Runs vLLM's own OpenAI server (in this process) with the bridge plugin enabled: parses the
 bridge flags, passes every other flag to vLLM, sets the environment the plugin reads, writes
 the per-run bridge config file, then hands over to ``vllm.entrypoints.openai.api_server``.
-``--config FILE`` (alias ``--recipe``): a run file's ``vllm:`` options become arguments in its
-place: the arguments after it win (docs/RECIPES.md).
+``--config FILE`` (alias ``--recipe``): a run file's ``vllm:`` options become arguments placed
+before the command line's, so a flag wins over the file (docs/RECIPES.md).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def print_help(argv: list[str]) -> int:
         "--config",
         "--recipe",
         metavar="FILE",
-        help="a run file's vllm: section as arguments, in its place (the arguments after it win)",
+        help="a run file's vllm: section as arguments before the command line's (flags win)",
     )
     p.add_argument("--model", metavar="PATH", help="model directory or hub id (required)")
     print(p.format_help())
