@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM
 
 from bench.api_throughput_servers import ensure_atropos
 from launch.procs import ManagedProcess, tail
-from launch.vllm_server import spawn_bridge_server
+from launch.vllm_server import start_bridge_server
 from settings.ports import free_port
 from vllm_patching.protocol import VERSION_HEADER
 
@@ -140,16 +140,13 @@ def test_atroposlib_env_and_shop_r1_train_one_trainer(tiny_model_dir: Path, tmp_
     procs: list[ManagedProcess] = []
     vllm = None
     try:
-        # vLLM's start (the longest) first; the API, the trainer and the copy-word env start
-        # beside it: the trainer retries its bridge until vLLM answers, and no env samples
-        # before the trainer's first lease (atroposlib waits for a started trainer)
-        vllm = spawn_bridge_server(
-            tiny_model_dir, "shared_vllm", tmp_path / "vllm.log", token=TOKEN, timeout=1800
-        )
         api_argv = _python("-m", "api", "--port", str(api_port), "--db-path", str(db))
         api = ManagedProcess("api", [*api_argv, "--max-staleness", "12"], tmp_path / "api.log")
         procs.append(api.start())
         api.wait_http(api_url + "/health", timeout=300)
+        vllm = start_bridge_server(
+            tiny_model_dir, "shared_vllm", tmp_path / "vllm.log", token=TOKEN, timeout=1800
+        )
         argv = _trainer_argv(tiny_model_dir, save, api_url, vllm.base_url)
         trainer = ManagedProcess("trainer", argv, tmp_path / "trainer.log").start()
         procs.append(trainer)
@@ -160,7 +157,6 @@ def test_atroposlib_env_and_shop_r1_train_one_trainer(tiny_model_dir: Path, tmp_
             "copy_word", [*copy_argv, str(cfg)], tmp_path / "copy.log", env=env
         )
         procs.append(copy_env.start())
-        vllm.wait(1800)  # a loaded 2-core box takes minutes
 
         def registered() -> bool:
             names = [e["name"] for e in httpx.get(api_url + "/status", timeout=30).json()["envs"]]
