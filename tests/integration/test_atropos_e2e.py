@@ -43,6 +43,12 @@ HERE = Path(__file__).resolve().parent
 STEPS, GROUP, BATCH = 12, 4, 16
 WEIGHTS = {"atropos": 3.0, "shop_r1": 1.0}
 TOKEN = "e2e-bridge-token"
+OFFPOLICY, WORKERS = 5, 4  # atroposlib's max_batches_offpolicy and max_num_workers
+# How many steps a copy-word group can wait in the queue: atroposlib adds workers while its
+# in-flight plus the whole queue is under OFFPOLICY batches of groups, so at most that many
+# groups plus the workers' are ahead of one, drained 3 per step (its 3 : 1 share).
+COPY_PER_BATCH = round(BATCH // GROUP * WEIGHTS["atropos"] / sum(WEIGHTS.values()))
+LAG = -(-(OFFPOLICY * BATCH // GROUP + WORKERS) // COPY_PER_BATCH)
 PROBE = [5, 17, 33, 250, 11, 2000, 64, 9, 310, 42]  # token ids whose logprobs /generate reports
 
 
@@ -60,9 +66,9 @@ def _atropos_config(tmp: Path, api_url: str, vllm_url: str, model: Path) -> Path
             "total_steps": 1000,  # runs until stopped; the trainer decides the steps
             # atroposlib throttles on the whole queue, Shop-R1's share (13 groups, API
             # backpressure) included: 5 batches leave it ~2 steps of its own (docs/ATROPOS.md)
-            "max_batches_offpolicy": 5,
+            "max_batches_offpolicy": OFFPOLICY,
             "max_token_length": 8,
-            "max_num_workers": 4,
+            "max_num_workers": WORKERS,
             "use_wandb": False,
             "wandb_name": "copy_word",
         },
@@ -206,13 +212,15 @@ def test_atroposlib_env_and_shop_r1_train_one_trainer(tiny_model_dir: Path, tmp_
     assert acked_posts and acked_posts <= set(by_id), "a group the API acknowledged is missing"
 
     # later rollouts carry the new weight versions, and /generate serves the trained weights
+    # (the API stamps each group with the version live when it arrived). Its first burst
+    # filled the queue before the first sync; after that the env throttles, so the last batch
+    # holds groups at most LAG steps old and its last post is no older. Without syncs
+    # reaching the API every version would be 0 (seen in CI: last post 9, last batch 5+).
     posted = [r[4] for r in rows if r[1] in copy_names]  # in arrival order
-    assert posted == sorted(posted) and posted[-1] >= STEPS - 1, posted
-    # its first burst filled the queue before the first sync (max_batches_offpolicy); once
-    # drained, what trains was sampled a few steps before, by synced weights
+    assert posted == sorted(posted) and posted[-1] >= STEPS - 1 - LAG, (LAG, posted)
     last = [by_id[g] for g in state["recent_batches"][-1]["group_ids"]]
     fresh = [r[4] for r in last if r[1] in copy_names]
-    assert fresh and min(fresh) >= STEPS // 2, [(r[1], r[4]) for r in last]
+    assert fresh and min(fresh) >= STEPS - 1 - LAG, (LAG, [(r[1], r[4]) for r in last])
     assert probe.status_code == 200 and probe.headers[VERSION_HEADER] == str(STEPS)
     entries = probe.json()["prompt_logprobs"][1:]
     served = [float(next(iter(e.values()))) for e in entries]  # the prompt's own token first
