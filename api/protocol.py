@@ -267,7 +267,7 @@ class Status(BaseModel):
 class Health(BaseModel):
     status: Literal["ok"] = "ok"
     service: Literal["shop-r1-api"] = "shop-r1-api"
-    """Says which service answers (settings/ports.py tells a client pointed elsewhere)."""
+    """Says which service answers (api/service_check.py tells a client pointed elsewhere)."""
 
 
 # --- Atropos wire compatibility (field names as atroposlib's run-api sends them) ----------

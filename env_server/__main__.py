@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     logging.getLogger("env_server").info("config:\n%s", report(cfg))
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
-    from settings.ports import check_services
+    from api.service_check import check_services
 
     # a URL that answers as another service: say so now
     check_services(cfg.api_url, cfg.inference_urls(), cfg.api_token)

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         print(report(cfg))
         return 0
     if ns.command == "grpo":  # a URL that answers as another service: say so before torch
-        from settings.ports import check_services
+        from api.service_check import check_services
 
         check_services(cfg.api_url, cfg.inference_urls(), cfg.api_token)
 

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from api.config import ApiConfig
+from api.service_check import API_SERVICE, WrongService, check_service
 from env_server.config import EnvConfig
 from env_server.data.dataset import MANIFEST, DatasetMismatch, build_and_save, load_or_build
 from settings import paths, ports
-from settings.ports import WrongService, check_service, free_port
+from settings.ports import free_port
 from trainer.config import GrpoConfig, SftConfig
 
 pytestmark = pytest.mark.unit
@@ -89,7 +90,7 @@ def _serve(routes: dict[str, tuple[int, object]]) -> tuple[ThreadingHTTPServer, 
 
 def test_a_url_that_answers_as_another_service_is_named() -> None:
     vllm, vllm_url = _serve({"/health": (200, {}), "/v1/models": (200, {"data": []})})
-    api, api_url = _serve({"/health": (200, {"status": "ok", "service": ports.API_SERVICE})})
+    api, api_url = _serve({"/health": (200, {"status": "ok", "service": API_SERVICE})})
     try:
         check_service(api_url, "api")
         check_service(vllm_url, "inference")
@@ -101,12 +102,6 @@ def test_a_url_that_answers_as_another_service_is_named() -> None:
         vllm.shutdown()
         api.shutdown()
     check_service(f"http://127.0.0.1:{free_port()}", "api")  # not up yet: the retries wait
-
-
-def test_our_api_says_what_it_is() -> None:
-    from api.protocol import Health
-
-    assert Health().model_dump()["service"] == ports.API_SERVICE
 
 
 def test_a_service_that_asks_for_credentials_or_fails_is_not_called_wrong() -> None:
