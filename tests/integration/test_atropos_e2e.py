@@ -134,12 +134,13 @@ def test_atroposlib_env_and_shop_r1_train_one_trainer(tiny_model_dir: Path, tmp_
     Shop-R1, and the running share never strays more than one group from 3 : 1 (the
     stride-scheduling lag bound; the env that arrives second starts at the virtual time, so the
     first mixed batch may be off by that one group). Hence ``<= 1 group`` over the batches from
-    the first one holding both envs. Both stay backlogged: the Shop-R1 env starts first, the
-    trainer once it has groups queued (started after the copy-word env, it once joined under
-    load only for the last 2 batches), and it keeps its share (13 groups: API backpressure)
-    queued; the copy-word env registers once the trainer polls (atroposlib waits for a
-    started trainer) and refills the queue up to ``max_batches_offpolicy`` batches within
-    seconds. ``--max-staleness 12`` is not less
+    the first one holding both envs. Both stay backlogged, and from the start: the trainer
+    starts once the Shop-R1 env has groups queued and the copy-word env is up and asking to
+    register (atroposlib waits for a trainer's first ``/batch``; the API answers "wait for
+    trainer to start"). Started while the trainer ran, an env that came up slowly under load
+    missed most of the run: Shop-R1 joined for the last 2 batches once, copy-word for the
+    last 3 once. The copy-word env then refills the queue up to ``max_batches_offpolicy``
+    batches within seconds, and Shop-R1 keeps its share (13 groups: API backpressure) queued. ``--max-staleness 12`` is not less
     than the steps, so nothing can be dropped as stale and every group is accounted for."""
     py_atropos = ensure_atropos()
     api_port = free_port()
@@ -157,15 +158,6 @@ def test_atroposlib_env_and_shop_r1_train_one_trainer(tiny_model_dir: Path, tmp_
         )
         argv = _shop_argv(tiny_model_dir, tmp_path / "data", api_url, vllm.base_url)
         procs.append(ManagedProcess("shop_r1", argv, tmp_path / "shop_r1.log").start())
-
-        def queued(prefix: str) -> int:
-            envs = httpx.get(api_url + "/status", timeout=30).json()["envs"]
-            return sum(e["queued_groups"] for e in envs if e["name"].startswith(prefix))
-
-        _wait_for("Shop-R1 groups", lambda: queued("shop_r1") > 0, procs)
-        argv = _trainer_argv(tiny_model_dir, save, api_url, vllm.base_url)
-        trainer = ManagedProcess("trainer", argv, tmp_path / "trainer.log").start()
-        procs.append(trainer)
         cfg = _atropos_config(tmp_path, api_url, vllm.base_url, tiny_model_dir)
         env = {**os.environ, "ATROPOS_RECORD": str(record), "HF_HUB_OFFLINE": "1"}
         copy_argv = [str(py_atropos), str(HERE / "atropos_recorded_env.py"), "serve", "--config"]
@@ -174,6 +166,15 @@ def test_atroposlib_env_and_shop_r1_train_one_trainer(tiny_model_dir: Path, tmp_
         )
         procs.append(copy_env.start())
 
+        def both_ready() -> bool:  # Shop-R1 has groups queued; copy-word asks to register
+            envs = httpx.get(api_url + "/status", timeout=30).json()["envs"]
+            shop = sum(e["queued_groups"] for e in envs if e["name"] == "shop_r1")
+            return shop > 0 and "wait for trainer to start" in copy_env.log_path.read_text()
+
+        _wait_for("both envs", both_ready, procs)
+        argv = _trainer_argv(tiny_model_dir, save, api_url, vllm.base_url)
+        trainer = ManagedProcess("trainer", argv, tmp_path / "trainer.log").start()
+        procs.append(trainer)
         assert trainer.wait_exit(stall=1800, limit=5400) == 0, tail(trainer.log_path)
         assert copy_env.alive(), tail(copy_env.log_path)  # never crashed against our stack
         probe = httpx.post(
