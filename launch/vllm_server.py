@@ -70,6 +70,9 @@ def cpu_env(token: str | None) -> dict[str, str]:
     # is 0; otherwise it spawns the worker as a third process that imports vLLM and torch
     # again. The OpenAI server still runs its engine core as a process of its own.
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # The engine core forked from the OpenAI server, not spawned: it skips importing vLLM and
+    # torch a second time (vllm_patching.plugin.keep_fork_on_cpu; docs/TESTING.md).
+    env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
     env["VLLM_NO_USAGE_STATS"] = "1"
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"

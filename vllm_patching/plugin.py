@@ -1,18 +1,54 @@
 """General plugin (``vllm.general_plugins``): runs in every vLLM process, workers included.
 
-It only registers our CPU weight-transfer engines in vLLM's engine factory (lazily, by
-module path), which is vLLM's extension point for new transports. Idempotent: vLLM may call
-it several times per process.
+It registers our CPU weight-transfer engines in vLLM's engine factory (lazily, by module
+path), which is vLLM's extension point for new transports, and on the CPU honours an explicit
+``VLLM_WORKER_MULTIPROC_METHOD=fork`` (``keep_fork_on_cpu``). Idempotent: vLLM may call it
+several times per process.
 """
 
 from __future__ import annotations
+
+import os
 
 from vllm.logger import init_logger
 
 logger = init_logger("vllm.shop_r1_bridge.plugin")
 
 
+def keep_fork_on_cpu() -> None:
+    """vLLM's CPU platform sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` while it checks the
+    config, whatever the user asked, so the OpenAI server's engine-core process imports vLLM
+    and torch again (~11 s of a ~25 s start on 2 cores). When the variable says ``fork``
+    (``launch.vllm_server.cpu_env`` sets it), this puts it back after that check, and the
+    engine core is forked from the server, as vLLM does on CUDA before CUDA is initialised.
+    One worker per server here (world size 1, the worker inside the engine core). Not applied
+    on other platforms. The forked engine core says so in the server's log
+    (tests/integration/test_bridge_modes.py checks it)."""
+    from vllm.platforms import current_platform
+
+    cls = type(current_platform)
+    if getattr(cls, "_shop_r1_keeps_fork", False):
+        return
+    if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") != "fork" or not current_platform.is_cpu():
+        return
+    checked = cls.check_and_update_config.__func__
+
+    def check_and_update_config(platform: type, vllm_config: object) -> None:
+        checked(platform, vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    cls.check_and_update_config = classmethod(check_and_update_config)
+    cls._shop_r1_keeps_fork = True
+    server = os.getpid()
+    os.register_at_fork(  # the server forks only its engine core
+        after_in_child=lambda: print(
+            f"[bridge] engine core forked from server pid {server}", flush=True
+        )
+    )
+
+
 def register() -> None:
+    keep_fork_on_cpu()
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     from vllm_patching.engines import ENGINES

@@ -134,10 +134,13 @@ def test_atroposlib_env_and_shop_r1_train_one_trainer(tiny_model_dir: Path, tmp_
     Shop-R1, and the running share never strays more than one group from 3 : 1 (the
     stride-scheduling lag bound; the env that arrives second starts at the virtual time, so the
     first mixed batch may be off by that one group). Hence ``<= 1 group`` over the batches from
-    the first one holding both envs. Both stay backlogged: the copy-word env registers once the
-    trainer polls (atroposlib waits for a started trainer) and refills the queue up to
-    ``max_batches_offpolicy`` batches within seconds; the Shop-R1 env starts after it and
-    keeps its share (13 groups: API backpressure) queued. ``--max-staleness 12`` is not less
+    the first one holding both envs. Both stay backlogged, and from the start: the trainer
+    starts once the Shop-R1 env has groups queued and the copy-word env is up and asking to
+    register (atroposlib waits for a trainer's first ``/batch``; the API answers "wait for
+    trainer to start"). Started while the trainer ran, an env that came up slowly under load
+    missed most of the run: Shop-R1 joined for the last 2 batches once, copy-word for the
+    last 3 once. The copy-word env then refills the queue up to ``max_batches_offpolicy``
+    batches within seconds, and Shop-R1 keeps its share (13 groups: API backpressure) queued. ``--max-staleness 12`` is not less
     than the steps, so nothing can be dropped as stale and every group is accounted for."""
     py_atropos = ensure_atropos()
     api_port = free_port()
@@ -153,9 +156,8 @@ def test_atroposlib_env_and_shop_r1_train_one_trainer(tiny_model_dir: Path, tmp_
         vllm = start_bridge_server(
             tiny_model_dir, "shared_vllm", tmp_path / "vllm.log", token=TOKEN, timeout=1800
         )
-        argv = _trainer_argv(tiny_model_dir, save, api_url, vllm.base_url)
-        trainer = ManagedProcess("trainer", argv, tmp_path / "trainer.log").start()
-        procs.append(trainer)
+        argv = _shop_argv(tiny_model_dir, tmp_path / "data", api_url, vllm.base_url)
+        procs.append(ManagedProcess("shop_r1", argv, tmp_path / "shop_r1.log").start())
         cfg = _atropos_config(tmp_path, api_url, vllm.base_url, tiny_model_dir)
         env = {**os.environ, "ATROPOS_RECORD": str(record), "HF_HUB_OFFLINE": "1"}
         copy_argv = [str(py_atropos), str(HERE / "atropos_recorded_env.py"), "serve", "--config"]
@@ -164,13 +166,15 @@ def test_atroposlib_env_and_shop_r1_train_one_trainer(tiny_model_dir: Path, tmp_
         )
         procs.append(copy_env.start())
 
-        def registered() -> bool:
-            names = [e["name"] for e in httpx.get(api_url + "/status", timeout=30).json()["envs"]]
-            return any(n.startswith("copy_word") for n in names)
+        def both_ready() -> bool:  # Shop-R1 has groups queued; copy-word asks to register
+            envs = httpx.get(api_url + "/status", timeout=30).json()["envs"]
+            shop = sum(e["queued_groups"] for e in envs if e["name"] == "shop_r1")
+            return shop > 0 and "wait for trainer to start" in copy_env.log_path.read_text()
 
-        _wait_for("copy-word registration", registered, procs)
-        argv = _shop_argv(tiny_model_dir, tmp_path / "data", api_url, vllm.base_url)
-        procs.append(ManagedProcess("shop_r1", argv, tmp_path / "shop_r1.log").start())
+        _wait_for("both envs", both_ready, procs)
+        argv = _trainer_argv(tiny_model_dir, save, api_url, vllm.base_url)
+        trainer = ManagedProcess("trainer", argv, tmp_path / "trainer.log").start()
+        procs.append(trainer)
         assert trainer.wait_exit(stall=1800, limit=5400) == 0, tail(trainer.log_path)
         assert copy_env.alive(), tail(copy_env.log_path)  # never crashed against our stack
         probe = httpx.post(

@@ -308,6 +308,8 @@ def test_checkpoint_reload(none_server: BridgeServer, tiny_model_dir, tmp_path) 
     from tests.integration.grpo_harness import TOKEN as NONE_TOKEN
 
     url, served = none_server.base_url, none_server.served_model_name
+    # its engine core was forked from the server, not spawned (vllm_patching.plugin)
+    assert "[bridge] engine core forked from server pid" in none_server.proc.log_path.read_text()
     model, ids = hf_model(tiny_model_dir), prompt_ids(tiny_model_dir)
     optimizer_step(model, ids)
     with make_bridge("none", [url], token=NONE_TOKEN, save_dir=tmp_path / "ckpt") as bridge:
