@@ -9,8 +9,12 @@ several times per process.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 logger = init_logger("vllm.shop_r1_bridge.plugin")
 
@@ -21,9 +25,9 @@ def keep_fork_on_cpu() -> None:
     and torch again (~11 s of a ~25 s start on 2 cores). When the variable says ``fork``
     (``launch.vllm_server.cpu_env`` sets it), this puts it back after that check, and the
     engine core is forked from the server, as vLLM does on CUDA before CUDA is initialised.
-    One worker per server here (world size 1, the worker inside the engine core). Not applied
-    on other platforms. The forked engine core says so in the server's log
-    (tests/integration/test_bridge_modes.py checks it)."""
+    Only at world size 1 (one worker, inside the engine core; tensor or pipeline parallel
+    workers on the CPU keep vLLM's spawn). Not applied on other platforms. The forked engine
+    core says so in the server's log (tests/integration/test_bridge_modes.py checks it)."""
     from vllm.platforms import current_platform
 
     cls = type(current_platform)
@@ -33,9 +37,10 @@ def keep_fork_on_cpu() -> None:
         return
     checked = cls.check_and_update_config.__func__
 
-    def check_and_update_config(platform: type, vllm_config: object) -> None:
+    def check_and_update_config(platform: type, vllm_config: VllmConfig) -> None:
         checked(platform, vllm_config)
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+        if vllm_config.parallel_config.world_size == 1:  # more workers: vLLM's spawn
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
 
     cls.check_and_update_config = classmethod(check_and_update_config)
     cls._shop_r1_keeps_fork = True
