@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sqlite3
 import sys
 import time
 from collections import Counter
+from contextlib import closing
 from pathlib import Path
 
 import httpx
@@ -127,6 +129,18 @@ def _wait_for(what: str, check, procs: list[ManagedProcess], timeout: float = 18
         time.sleep(1.0)
 
 
+def _api_started(db: Path) -> bool:
+    """Whether a trainer asked the API for a batch (what atroposlib envs wait for)."""
+    with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        row = conn.execute("SELECT value FROM meta WHERE key='started'").fetchone()
+    return row is not None and json.loads(row[0]) is True
+
+
+def _queued(api_url: str, prefix: str) -> int:
+    envs = httpx.get(api_url + "/status", timeout=30).json()["envs"]
+    return sum(e["queued_groups"] for e in envs if e["name"].startswith(prefix))
+
+
 def test_atroposlib_env_and_shop_r1_train_one_trainer(tiny_model_dir: Path, tmp_path: Path):
     """Ratio tolerance: the API leases by stride scheduling over sequences (each group adds
     ``n_seqs / weight`` to its env's pass, the lowest pass goes next, ties by name), so while
@@ -134,13 +148,15 @@ def test_atroposlib_env_and_shop_r1_train_one_trainer(tiny_model_dir: Path, tmp_
     Shop-R1, and the running share never strays more than one group from 3 : 1 (the
     stride-scheduling lag bound; the env that arrives second starts at the virtual time, so the
     first mixed batch may be off by that one group). Hence ``<= 1 group`` over the batches from
-    the first one holding both envs. Both stay backlogged, and from the start: the trainer
-    starts once the Shop-R1 env has groups queued and the copy-word env is up and asking to
-    register (atroposlib waits for a trainer's first ``/batch``; the API answers "wait for
-    trainer to start"). Started while the trainer ran, an env that came up slowly under load
-    missed most of the run: Shop-R1 joined for the last 2 batches once, copy-word for the
-    last 3 once. The copy-word env then refills the queue up to ``max_batches_offpolicy``
-    batches within seconds, and Shop-R1 keeps its share (13 groups: API backpressure) queued. ``--max-staleness 12`` is not less
+    the first one holding both envs. Both stay backlogged from the first batch on: the trainer
+    starts first and is paused (SIGSTOP) once it has asked for a batch (atroposlib envs wait
+    for that before they register) and before any env exists, so it holds no lease; it goes
+    on (SIGCONT) once the copy-word env has groups queued (up to ``max_batches_offpolicy``
+    batches of the whole queue) and then the Shop-R1 env too (its share, 13 groups: API
+    backpressure). Envs started beside a running trainer missed most of the run under load:
+    Shop-R1 joined for the last 2 batches once, copy-word for the last 3 once; a Shop-R1 env
+    started before any trainer queued 66 groups (the API's capacity for a lone env), more than
+    atroposlib's cap on the whole queue, and the copy-word env never sampled. ``--max-staleness 12`` is not less
     than the steps, so nothing can be dropped as stale and every group is accounted for."""
     py_atropos = ensure_atropos()
     api_port = free_port()
@@ -156,25 +172,25 @@ def test_atroposlib_env_and_shop_r1_train_one_trainer(tiny_model_dir: Path, tmp_
         vllm = start_bridge_server(
             tiny_model_dir, "shared_vllm", tmp_path / "vllm.log", token=TOKEN, timeout=1800
         )
-        argv = _shop_argv(tiny_model_dir, tmp_path / "data", api_url, vllm.base_url)
-        procs.append(ManagedProcess("shop_r1", argv, tmp_path / "shop_r1.log").start())
-        cfg = _atropos_config(tmp_path, api_url, vllm.base_url, tiny_model_dir)
-        env = {**os.environ, "ATROPOS_RECORD": str(record), "HF_HUB_OFFLINE": "1"}
-        copy_argv = [str(py_atropos), str(HERE / "atropos_recorded_env.py"), "serve", "--config"]
-        copy_env = ManagedProcess(
-            "copy_word", [*copy_argv, str(cfg)], tmp_path / "copy.log", env=env
-        )
-        procs.append(copy_env.start())
-
-        def both_ready() -> bool:  # Shop-R1 has groups queued; copy-word asks to register
-            envs = httpx.get(api_url + "/status", timeout=30).json()["envs"]
-            shop = sum(e["queued_groups"] for e in envs if e["name"] == "shop_r1")
-            return shop > 0 and "wait for trainer to start" in copy_env.log_path.read_text()
-
-        _wait_for("both envs", both_ready, procs)
         argv = _trainer_argv(tiny_model_dir, save, api_url, vllm.base_url)
         trainer = ManagedProcess("trainer", argv, tmp_path / "trainer.log").start()
         procs.append(trainer)
+        _wait_for("the trainer's first /batch request", lambda: _api_started(db), procs)
+        os.kill(trainer.pid, signal.SIGSTOP)  # no env yet, so no batch: it holds no lease
+        try:
+            cfg = _atropos_config(tmp_path, api_url, vllm.base_url, tiny_model_dir)
+            env = {**os.environ, "ATROPOS_RECORD": str(record), "HF_HUB_OFFLINE": "1"}
+            copy = [str(py_atropos), str(HERE / "atropos_recorded_env.py"), "serve", "--config"]
+            copy_env = ManagedProcess(
+                "copy_word", [*copy, str(cfg)], tmp_path / "copy.log", env=env
+            )
+            procs.append(copy_env.start())
+            _wait_for("copy-word groups", lambda: _queued(api_url, "copy_word") > 0, procs)
+            argv = _shop_argv(tiny_model_dir, tmp_path / "data", api_url, vllm.base_url)
+            procs.append(ManagedProcess("shop_r1", argv, tmp_path / "shop_r1.log").start())
+            _wait_for("Shop-R1 groups", lambda: _queued(api_url, "shop_r1") > 0, procs)
+        finally:
+            os.kill(trainer.pid, signal.SIGCONT)
         assert trainer.wait_exit(stall=1800, limit=5400) == 0, tail(trainer.log_path)
         assert copy_env.alive(), tail(copy_env.log_path)  # never crashed against our stack
         probe = httpx.post(
