@@ -156,8 +156,9 @@ def test_atroposlib_env_and_shop_r1_train_one_trainer(tiny_model_dir: Path, tmp_
     backpressure). Envs started beside a running trainer missed most of the run under load:
     Shop-R1 joined for the last 2 batches once, copy-word for the last 3 once; a Shop-R1 env
     started before any trainer queued 66 groups (the API's capacity for a lone env), more than
-    atroposlib's cap on the whole queue, and the copy-word env never sampled. ``--max-staleness 12`` is not less
-    than the steps, so nothing can be dropped as stale and every group is accounted for."""
+    atroposlib's cap on the whole queue, and the copy-word env never sampled.
+    ``--max-staleness 12`` is not less than the steps, so nothing can be dropped as stale and
+    every group is accounted for."""
     py_atropos = ensure_atropos()
     api_port = free_port()
     api_url = f"http://127.0.0.1:{api_port}"
