@@ -34,6 +34,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
+from api.store_queue import Queue
 from bench.api_throughput_servers import ensure_atropos
 from launch.procs import ManagedProcess, tail
 from launch.vllm_server import start_bridge_server
@@ -132,8 +133,7 @@ def _wait_for(what: str, check, procs: list[ManagedProcess], timeout: float = 18
 def _api_started(db: Path) -> bool:
     """Whether a trainer asked the API for a batch (what atroposlib envs wait for)."""
     with closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
-        row = conn.execute("SELECT value FROM meta WHERE key='started'").fetchone()
-    return row is not None and json.loads(row[0]) is True
+        return Queue.started(conn)
 
 
 def _queued(api_url: str, prefix: str) -> int:
