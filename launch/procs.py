@@ -15,10 +15,14 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from launch.lifeline import die_with_parent, lifeline, signal_group
+
+if TYPE_CHECKING:
+    from launch.forked import ForkedPopen
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,13 +47,16 @@ class ManagedProcess:
         log_path: Path | str,
         env: Mapping[str, str] | None = None,
         cwd: Path | str | None = None,
+        forked: bool = False,
     ) -> None:
         self.name = name
         self.argv = list(argv)
         self.log_path = Path(log_path)
         self.env = dict(os.environ if env is None else env)
         self.cwd = str(cwd or REPO_ROOT)
-        self.popen: subprocess.Popen[bytes] | None = None
+        self.forked = forked
+        """``python -m`` forked from a template that imported vLLM once (``launch.forked``)."""
+        self.popen: subprocess.Popen[bytes] | ForkedPopen | None = None
 
     @property
     def pid(self) -> int:
@@ -58,6 +65,12 @@ class ManagedProcess:
 
     def start(self) -> ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.forked:
+            from launch.forked import fork_module
+
+            self.popen = fork_module(self.argv, self.env, self.cwd, self.log_path)
+            lifeline().register(self.popen.pid, self.name, self.log_path)
+            return self
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         try:
             self.popen = subprocess.Popen(

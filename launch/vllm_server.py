@@ -163,9 +163,12 @@ def spawn_bridge_server(
     timeout: float = 600.0,
     env: Mapping[str, str] | None = None,
     name: str | None = None,
+    forked: bool = False,
 ) -> BridgeServer:
     """Start the server without waiting for it (``BridgeServer.wait``): several servers can
-    start side by side. ``env`` defaults to ``cpu_env(token)`` (see ``server_env``)."""
+    start side by side. ``env`` defaults to ``cpu_env(token)`` (see ``server_env``); ``forked``
+    forks it from a template that imported vLLM once (``launch.forked``: many starts in one
+    process, the tests')."""
     launch = dict(
         model=model,
         mode=mode,
@@ -177,6 +180,7 @@ def spawn_bridge_server(
         timeout=timeout,
         env=None if env is None else dict(env),
         name=name,
+        forked=forked,
     )
     port = port or free_port()
     config_path = log_path.parent / f"vllm_bridge_config.{port}.json"
@@ -185,7 +189,8 @@ def spawn_bridge_server(
     argv = server_argv(
         model, port, mode, config_path, single_copy, served_model_name, initial_version, extra, cpu
     )
-    proc = ManagedProcess(name or f"vllm-bridge-{mode}", argv, log_path, env=env).start()
+    name = name or f"vllm-bridge-{mode}"
+    proc = ManagedProcess(name, argv, log_path, env=env, forked=forked).start()
     return BridgeServer(proc, port, served_model_name, config_path, launch)
 
 

@@ -216,7 +216,7 @@ def start_plain_vllm(model_dir: Path, log_path: Path, extra: list[str] | None = 
         "tiny",
         *(extra or []),
     ]
-    proc = ManagedProcess("vllm", argv, log_path, env=cpu_env(None)).start()
+    proc = ManagedProcess("vllm", argv, log_path, env=cpu_env(None), forked=True).start()
     try:
         proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=600)
     except BaseException:
@@ -249,7 +249,9 @@ def _none_server(
     from tests.integration.grpo_harness import TOKEN
 
     log = tmp_path_factory.mktemp("vllm-none") / "vllm.log"
-    server = start_bridge_server(tiny_model_dir, "none", log, token=TOKEN, timeout=1800)
+    server = start_bridge_server(
+        tiny_model_dir, "none", log, token=TOKEN, timeout=1800, forked=True
+    )
     try:
         yield server
     finally:

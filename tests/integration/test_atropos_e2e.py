@@ -171,7 +171,12 @@ def test_atroposlib_env_and_shop_r1_train_one_trainer(tiny_model_dir: Path, tmp_
         procs.append(api.start())
         api.wait_http(api_url + "/health", timeout=300)
         vllm = start_bridge_server(
-            tiny_model_dir, "shared_vllm", tmp_path / "vllm.log", token=TOKEN, timeout=1800
+            tiny_model_dir,
+            "shared_vllm",
+            tmp_path / "vllm.log",
+            token=TOKEN,
+            timeout=1800,
+            forked=True,
         )
         argv = _trainer_argv(tiny_model_dir, save, api_url, vllm.base_url)
         trainer = ManagedProcess("trainer", argv, tmp_path / "trainer.log").start()

@@ -29,7 +29,7 @@ API_KEY, BRIDGE_TOKEN = "atropos-key", "bridge-token"
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("generate") / "vllm.log"
     srv = start_bridge_server(
-        tiny_model_dir, "none", log, token=BRIDGE_TOKEN, extra=["--api-key", API_KEY]
+        tiny_model_dir, "none", log, token=BRIDGE_TOKEN, extra=["--api-key", API_KEY], forked=True
     )
     yield srv
     srv.stop()

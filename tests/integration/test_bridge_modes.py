@@ -52,7 +52,7 @@ TOKEN = secrets.token_hex(16)
 
 def _server(tiny_model_dir: Path, tmp_path_factory, mode: str, **kw) -> BridgeServer:
     log = tmp_path_factory.mktemp(f"bridge-{mode}") / "server.log"
-    return start_bridge_server(tiny_model_dir, mode, log, token=TOKEN, **kw)
+    return start_bridge_server(tiny_model_dir, mode, log, token=TOKEN, forked=True, **kw)
 
 
 # ------------------------------------------------------------------------ shared_vllm gloo

@@ -156,7 +156,8 @@ def stepped(
 
 def _server(model_dir: Path, tmp_path_factory, mode: str, **kw) -> BridgeServer:
     log = tmp_path_factory.mktemp(f"smol-{mode}") / "server.log"
-    return start_bridge_server(model_dir, mode, log, token=TOKEN, served_model_name=SERVED, **kw)
+    kw |= dict(token=TOKEN, served_model_name=SERVED, forked=True)
+    return start_bridge_server(model_dir, mode, log, **kw)
 
 
 def test_broadcast_gloo_and_same_host(smol, prompts, base_outs, stepped, tmp_path_factory) -> None:

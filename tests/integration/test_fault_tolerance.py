@@ -123,6 +123,7 @@ class Stack:
             token=TOKEN,
             port=self.vllm_port,
             timeout=WAIT_S,
+            forked=True,
         )
         self.procs["vllm"] = self.vllm.proc
         self.history.append(self.vllm.proc)

@@ -1,0 +1,111 @@
+"""``python -m MODULE ARGS`` run as a fork of a template process that imported vLLM once
+(multiprocessing's ``forkserver`` with ``PRELOAD``), for a process that starts many vLLM
+servers one after another: the test session's fixtures (docs/TESTING.md).
+
+Importing vLLM is most of a CPU server's start (~14 of ~17 s CPU on the tiny model); a fork
+of the template skips it. The forked child is what ``python -m`` would run -- the module as
+``__main__`` with ``sys.argv``, the given environment and working directory, its output in
+its log, a session (process group) of its own -- and is handled like a ``Popen``: its PID,
+``poll``/``wait`` and exit code (negative: the signal that killed it). It dies with the
+template (a parent-death signal), and the template with the process that started it (its pipe
+closes); ``launch.procs.ManagedProcess`` also registers it with the lifeline's reaper. The
+launcher does not use this: it starts one server per run, and its runs test the plain start.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing
+import os
+import runpy
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from multiprocessing.context import ForkServerContext
+from pathlib import Path
+
+from procutil import parent_death
+
+PRELOAD = ["vllm.entrypoints.openai.api_server", "vllm_patching.serve"]
+"""What the template imports once: vLLM's OpenAI server (torch, transformers) and ours."""
+_context: ForkServerContext | None = None
+_running: list[ForkedPopen] = []
+
+
+def _run_module(module: str, args: list[str], env: dict, cwd: str, log_path: str) -> None:
+    """In the forked child: ``python -m module *args`` with ``env``, ``cwd`` and the log."""
+    os.setsid()  # its own process group: stopped as a whole, by its PID
+    if parent_death.SUPPORTED:
+        parent_death.die_with(os.getppid())  # the template
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    with contextlib.suppress(ImportError):  # vLLM retitles its processes (VLLM::EngineCore):
+        import setproctitle  # its first call must see the environment as the process began
+
+        setproctitle.getproctitle()
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+class ForkedPopen:
+    """The parts of ``subprocess.Popen`` that ``ManagedProcess`` uses, for a forked child."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        self._process = process
+        self.pid = int(process.pid or 0)
+        self.args = process.name
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return None if self._process.is_alive() else self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return self._process.exitcode
+
+
+def _kill_left_running() -> None:
+    """At exit (before multiprocessing's own hook would wait for them): the children still
+    running get SIGKILL, their groups included."""
+    for child in _running:
+        if child.poll() is None:
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            child.wait(10)
+
+
+def fork_module(
+    argv: Sequence[str], env: Mapping[str, str], cwd: Path | str, log_path: Path | str
+) -> ForkedPopen:
+    """Start ``argv`` (``[python, "-m", module, *args]``) as a fork of the template."""
+    global _context
+    if len(argv) < 3 or argv[1] != "-m":
+        raise ValueError(f"a forked start runs `python -m MODULE ...`, not {list(argv)[:3]}")
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+        atexit.register(_kill_left_running)
+    module, args = argv[2], list(argv[3:])
+    process = _context.Process(
+        target=_run_module,
+        args=(module, args, dict(env), str(cwd), str(log_path)),
+        name=f"{module} (forked)",
+    )
+    process.start()
+    child = ForkedPopen(process)
+    _running[:] = [c for c in _running if c.poll() is None] + [child]
+    return child
