@@ -43,10 +43,10 @@ def _run_module(module: str, args: list[str], env: dict, cwd: str, log_path: str
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    with contextlib.suppress(ImportError):  # vLLM retitles its processes (VLLM::EngineCore):
+    with contextlib.suppress(ImportError):  # ps shows the command, not the template's; and
         import setproctitle  # its first call must see the environment as the process began
 
-        setproctitle.getproctitle()
+        setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *args]))
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)

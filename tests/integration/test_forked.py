@@ -1,0 +1,90 @@
+"""launch/forked.py: ``python -m`` forked from the template that imported vLLM once (what the
+test session's vLLM servers use) behaves as the plain start does: argv, environment, working
+directory, log, own session, exit code; stopped by its PID with its group; and it dies with
+the process that started it when that one is SIGKILLed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from launch.lifeline import is_running, proc_info
+from launch.procs import REPO_ROOT, ManagedProcess
+
+pytestmark = pytest.mark.integration
+PROBE = "tests.integration.forked_probe"
+LIMIT_S = 120.0
+
+
+def _seen(log: Path) -> dict:
+    deadline = time.monotonic() + LIMIT_S
+    while not log.exists() or not log.read_text().strip():
+        assert time.monotonic() < deadline, f"the probe wrote nothing to {log}"
+        time.sleep(0.05)
+    return json.loads(log.read_text().splitlines()[0])
+
+
+def test_a_forked_module_sees_what_python_m_would(tmp_path: Path) -> None:
+    log = tmp_path / "probe.log"
+    env = dict(os.environ, PROBE="yes")
+    argv = [sys.executable, "-m", PROBE, "0", "3"]
+    proc = ManagedProcess("probe", argv, log, env=env, cwd=tmp_path, forked=True).start()
+    assert proc.wait_exit(stall=LIMIT_S) == 3
+    seen = _seen(log)
+    assert seen["argv"][1:] == ["0", "3"] and seen["argv"][0].endswith("forked_probe.py")
+    assert seen["cwd"] == str(tmp_path) and seen["probe"] == "yes"
+    assert seen["own_session"] and seen["vllm_imported"]  # forked after the imports
+    assert proc.stop() == 3
+
+
+def test_a_forked_process_is_stopped_by_its_pid(tmp_path: Path) -> None:
+    proc = ManagedProcess(
+        "sleeper", [sys.executable, "-m", PROBE, "600", "0"], tmp_path / "s.log", forked=True
+    ).start()
+    _seen(tmp_path / "s.log")
+    assert proc.alive() and proc_info(proc.pid).pgrp == proc.pid
+    cmdline = Path(f"/proc/{proc.pid}/cmdline").read_text()  # ps shows what it runs
+    assert cmdline.startswith(f"{sys.executable} -m {PROBE} 600 0"), cmdline
+    assert proc.stop() == -signal.SIGTERM
+    assert not proc.alive() and proc_info(proc.pid) is None
+
+
+def test_a_forked_process_dies_with_its_starter(tmp_path: Path) -> None:
+    log = tmp_path / "child.log"
+    code = f"""
+        import sys, time
+        from launch.procs import ManagedProcess
+        p = ManagedProcess("child", [sys.executable, "-m", {PROBE!r}, "600", "0"], sys.argv[1],
+                           forked=True).start()
+        print(p.pid, flush=True)
+        time.sleep(600)
+    """
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    parent = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), str(log)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+        start_new_session=True,
+    )
+    try:
+        child = int(parent.stdout.readline())
+        _seen(log)
+        info = proc_info(child)
+        assert info is not None and info.ppid != parent.pid  # the template's child, not ours
+    finally:
+        parent.kill()
+        parent.wait(timeout=60)
+    deadline = time.monotonic() + LIMIT_S
+    while is_running(child, info.starttime):
+        assert time.monotonic() < deadline, "the forked child outlived its starter"
+        time.sleep(0.05)
