@@ -251,10 +251,20 @@ def write_config_file(settings: BridgeSettings, vllm_args: list[str]) -> Path:
     return path
 
 
+def missing_local_model(argv: list[str]) -> str | None:
+    """The ``--model`` of ``argv`` if it is a local path that does not exist (a path starts
+    with ``/``, ``.`` or ``~``; a hub id with none of them)."""
+    model = _flag(parse_args(expand_files(argv))[1], "--model")
+    local = model is not None and model.startswith(("/", "./", "../", "~"))
+    return model if local and not Path(model).expanduser().exists() else None
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in HELP_FLAGS or a.startswith("--help=") for a in argv):
         sys.exit(print_help(argv))
+    if missing := missing_local_model(argv):  # said at once, not after vLLM's imports (~15 s)
+        raise SystemExit(f"{PROG}: --model {missing}: no such file or directory")
     settings, vllm_args, env = build(argv)
     os.environ.update(env)
     path = write_config_file(settings, vllm_args)

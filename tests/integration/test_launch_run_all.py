@@ -221,7 +221,8 @@ def check_what_the_user_sees(run_dir: Path, out: str, tmp_path: Path) -> None:
 def test_run_all_names_the_log_of_a_service_that_will_not_start(
     artifacts_env: dict[str, str], launcher: Callable[..., LauncherRun], tmp_path: Path
 ) -> None:
-    """vLLM cannot load the model: a clear failure naming vllm.log, nothing left running."""
+    """The vLLM server refuses the model (a path that does not exist, said before vLLM is
+    imported): a clear failure naming vllm.log and what it says, nothing left running."""
     run_dir = tmp_path / "run"
     run = launcher(
         run_dir,
@@ -236,6 +237,7 @@ def test_run_all_names_the_log_of_a_service_that_will_not_start(
     out = run.output() if run.wait() == 1 else pytest.fail(run.tails())
     assert "[run_all] FAILED: vllm did not come up: vllm exited with" in out
     assert f"read {run_dir / 'vllm.log'}" in out
+    assert f"--model {tmp_path / 'no-such-model'}: no such file or directory" in out
     pids = json.loads((run_dir / "pids.json").read_text())
     assert set(pids) == {"api", "vllm"}  # the env and the trainer were never started
     assert all(gone(p["pid"]) for p in pids.values()), pids

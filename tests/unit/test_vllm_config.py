@@ -14,7 +14,7 @@ from launch.run_config import resolve_run
 from launch.vllm_server import server_argv
 from settings.paths import REPO_ROOT, RUNS_DIR, SFT_MODEL_DIR, SMOL_SFT_MODEL_DIR
 from vllm_patching.config import VllmConfig
-from vllm_patching.serve import build, file_argv
+from vllm_patching.serve import build, file_argv, main, missing_local_model
 
 pytestmark = pytest.mark.unit
 RECIPES = REPO_ROOT / "recipes"
@@ -161,3 +161,14 @@ def test_the_real_parsers_keep_the_last_value_of_every_kind_of_option() -> None:
         [],
     )
     assert parse_args(mapping_argv({"single_copy": True}))[0].single_copy
+
+
+def test_a_local_model_path_that_does_not_exist_is_refused_before_vllm(tmp_path: Path) -> None:
+    """Said at once, not after vLLM's imports; a hub id (no leading ``/``, ``.``, ``~``) is
+    vLLM's to resolve."""
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(SystemExit, match=f"--model {missing}: no such file or directory"):
+        main(["--model", missing, "--bridge-device", "cpu"])
+    assert missing_local_model(["--model", missing]) == missing
+    assert missing_local_model(["--model", str(tmp_path)]) is None
+    assert missing_local_model(["--model", "Qwen/Qwen2.5-0.5B"]) is None
