@@ -289,7 +289,19 @@ def _trainer_idle(stack: Stack, client: ApiClient) -> bool:
         and step > 0
         and status.policy_version == step
         and stack.vllm_health()["weight_version"] == str(step)
+        and _polls_for_data(stack.tmp / f"trainer.{stack.starts['trainer']}.log")
     )
+
+
+def _polls_for_data(log: Path) -> bool:
+    """The trainer's last lease, after its last step, came back empty (204). The API's view
+    alone is not enough: a trainer acks its batch before it syncs and logs the step, so
+    between the two it looks idle (a run saw vLLM killed there, and the step trained after
+    the restart)."""
+    lines = log.read_text(errors="replace").splitlines()
+    leases = [i for i, line in enumerate(lines) if "/batches/lease " in line]
+    steps = [i for i, line in enumerate(lines) if "trainer.grpo: step " in line]
+    return bool(leases) and " 204 " in lines[leases[-1]] and leases[-1] > max(steps, default=-1)
 
 
 def _kill_and_restart(stack: Stack, names: tuple[str, ...]) -> dict:
