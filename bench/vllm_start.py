@@ -1,10 +1,12 @@
 """How long one patched vLLM CPU server takes to start, its engine core forked from the OpenAI
 server (``VLLM_WORKER_MULTIPROC_METHOD=fork``, what ``launch.vllm_server.cpu_env`` sets) or
-spawned (vLLM's CPU default), alternating so the box's load drifts hit both alike.
+spawned (vLLM's CPU default); and, ``template``, the whole server forked from a template that
+imported vLLM once (``launch.forked``: the test fixtures' servers; the template's own start
+is measured apart, once). Alternating, so the box's load drifts hit every method alike.
 
 Per start: seconds from the command to ``/bridge/health`` answering 200, the CPU seconds the
 server's processes used by then (user + system, from /proc), and one greedy completion's text
-(the two start methods must answer the same). Results: ``docs/results/vllm_start.json``.
+(every method must answer the same). Results: ``docs/results/vllm_start.json``.
 
     python bench/vllm_start.py --rounds 3
 """
@@ -22,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import RESULTS, machine, write_result  # noqa: E402
 
-METHODS = ("fork", "spawn")
+METHODS = ("fork", "spawn", "template")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -43,12 +45,15 @@ def cpu_seconds(pid: int) -> float:
 
 def one_start(model: Path, method: str, log_dir: Path) -> dict[str, object]:
     import httpx
+    import psutil
 
     from launch.vllm_server import cpu_env, spawn_bridge_server
 
-    env = cpu_env("bench-token") | {"VLLM_WORKER_MULTIPROC_METHOD": method}
+    engine = "fork" if method == "template" else method
+    env = cpu_env("bench-token") | {"VLLM_WORKER_MULTIPROC_METHOD": engine}
     t0 = time.monotonic()
-    server = spawn_bridge_server(model, "none", log_dir / f"{method}.log", env=env)
+    log = log_dir / f"{method}.log"
+    server = spawn_bridge_server(model, "none", log, env=env, forked=method == "template")
     try:
         server.wait(timeout=900)
         ready = time.monotonic() - t0
@@ -58,12 +63,11 @@ def one_start(model: Path, method: str, log_dir: Path) -> dict[str, object]:
         r = httpx.post(server.base_url + "/v1/completions", json=body, timeout=120)
         r.raise_for_status()
         forked = "engine core forked from server pid" in server.proc.log_path.read_text()
-        return dict(
-            ready_s=round(ready, 2),
-            cpu_s=round(cpu, 2),
-            forked=forked,
-            text=r.json()["choices"][0]["text"],
-        )
+        row = dict(ready_s=round(ready, 2), cpu_s=round(cpu, 2), forked=forked)
+        if method == "template":  # its CPU so far: its one import and the forks
+            t = psutil.Process(server.proc.pid).parent().cpu_times()
+            row["template_cpu_s"] = round(t.user + t.system, 2)
+        return row | {"text": r.json()["choices"][0]["text"]}
     finally:
         server.stop()
 
@@ -80,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or TINY_MODEL_DIR
     runs: dict[str, list[dict[str, object]]] = {m: [] for m in METHODS}
     with tempfile.TemporaryDirectory() as tmp:
+        first = one_start(model, "template", Path(tmp))  # the template starts: apart
+        print(f"template's first start: {first}", flush=True)
         for i in range(args.rounds):
             for method in METHODS if i % 2 == 0 else reversed(METHODS):
                 runs[method].append(row := one_start(model, method, Path(tmp)))
@@ -89,12 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         m: {k: statistics.median(float(r[k]) for r in rows) for k in ("ready_s", "cpu_s")}
         for m, rows in runs.items()
     }
-    result = dict(
-        machine=machine(), model=str(model), runs=runs, median=summary, same_text=len(texts) == 1
-    )
+    texts.add(str(first["text"]))
+    result = dict(machine=machine(), model=str(model), runs=runs, median=summary)
+    result |= dict(template_first_start=first, same_text=len(texts) == 1)
     write_result(args.out, "start", result)
     print(f"median: {summary}; same greedy text: {len(texts) == 1}")
-    return 0 if len(texts) == 1 and all(r["forked"] for r in runs["fork"]) else 1
+    forked = all(r["forked"] for m in ("fork", "template") for r in runs[m])
+    return 0 if len(texts) == 1 and forked else 1
 
 
 if __name__ == "__main__":
