@@ -10,6 +10,8 @@ its log, a session (process group) of its own -- and is handled like a ``Popen``
 template (a parent-death signal), and the template with the process that started it (its pipe
 closes); ``launch.procs.ManagedProcess`` also registers it with the lifeline's reaper. The
 launcher does not use this: it starts one server per run, and its runs test the plain start.
+As with multiprocessing's spawn, the child imports the starter's main script (if it is one):
+a script that starts forked servers keeps its work under ``if __name__ == "__main__"``.
 """
 
 from __future__ import annotations
