@@ -65,25 +65,24 @@ class ManagedProcess:
 
     def start(self) -> ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        if self.forked:
+        if self.forked:  # its own session and parent-death signal: launch.forked
             from launch.forked import fork_module
 
             self.popen = fork_module(self.argv, self.env, self.cwd, self.log_path)
-            lifeline().register(self.popen.pid, self.name, self.log_path)
-            return self
-        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
-        try:
-            self.popen = subprocess.Popen(
-                self.argv,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                cwd=self.cwd,
-                start_new_session=True,  # own process group: stop() reaches its children
-                preexec_fn=die_with_parent(),  # SIGKILL when we die (the direct child only)
-            )
-        finally:
-            log.close()
+        else:
+            log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+            try:
+                self.popen = subprocess.Popen(
+                    self.argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self.env,
+                    cwd=self.cwd,
+                    start_new_session=True,  # own process group: stop() reaches its children
+                    preexec_fn=die_with_parent(),  # SIGKILL when we die (the direct child only)
+                )
+            finally:
+                log.close()
         # If we die, the reaper stops the whole group (vLLM's engine core, workers, ...).
         lifeline().register(self.popen.pid, self.name, self.log_path)
         return self

@@ -252,8 +252,8 @@ def write_config_file(settings: BridgeSettings, vllm_args: list[str]) -> Path:
 
 
 def missing_local_model(argv: list[str]) -> str | None:
-    """The ``--model`` of ``argv`` if it is a local path that does not exist (a path starts
-    with ``/``, ``.`` or ``~``; a hub id with none of them)."""
+    """The ``--model`` of ``argv`` if it is a local path that does not exist (one starting
+    with ``/``, ``./``, ``../`` or ``~``; a hub id such as ``Qwen/Qwen2.5-0.5B`` never does)."""
     model = _flag(parse_args(expand_files(argv))[1], "--model")
     local = model is not None and model.startswith(("/", "./", "../", "~"))
     return model if local and not Path(model).expanduser().exists() else None
