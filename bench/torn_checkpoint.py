@@ -41,18 +41,21 @@ sys.path.insert(0, str(REPO))
 from bench.common import machine  # noqa: E402
 
 
-def one_size(procs: int, trials: int, seed: int, root: Path, vllm_url: str, model: Path) -> dict:
+def one_size(
+    procs: int, trials: int, seed: int, root: Path, vllm_url: str, model: Path, forked: bool
+) -> dict:
     from bench.trainer_faults import Lineage, fabricate_groups, reference, torn_run
 
     steps = 2 * trials + 2
     groups = fabricate_groups(model, steps + 4)
-    ref = Lineage(root, f"reference{procs}", model, vllm_url, groups, steps, procs, keep=steps)
+    kw = {"procs": procs, "forked": forked}
+    ref = Lineage(root, f"reference{procs}", model, vllm_url, groups, steps, keep=steps, **kw)
     lin = None
     try:
         t0 = time.monotonic()
         window = reference(ref)
         ref_s = time.monotonic() - t0
-        lin = Lineage(root, f"torn{procs}", model, vllm_url, groups, steps, procs)
+        lin = Lineage(root, f"torn{procs}", model, vllm_url, groups, steps, **kw)
         t0 = time.monotonic()
         out = torn_run(lin, ref, random.Random(seed + procs), trials, window, 0.0)
         out.update(procs=procs, steps=steps, window_s=round(window, 3))
@@ -88,6 +91,12 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=29)
     ap.add_argument("--out", type=Path, default=None, help="folder for torn_checkpoint.json")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir)")
+    ap.add_argument(
+        "--forked-starts",
+        action="store_true",
+        help="start the one-process trainers as forks of a process that imported vLLM, torch "
+        "and transformers once (launch/forked.py): ~5 s less CPU per start",
+    )
     a = ap.parse_args()
     import tempfile
 
@@ -106,7 +115,11 @@ def main() -> int:
     results = []
     try:
         for procs in a.procs:
-            results.append(one_size(procs, a.trials, a.seed, work, server.base_url, TINY_MODEL_DIR))
+            results.append(
+                one_size(
+                    procs, a.trials, a.seed, work, server.base_url, TINY_MODEL_DIR, a.forked_starts
+                )
+            )
             print(summary(results[-1]), flush=True)
     finally:
         server.stop()

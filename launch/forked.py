@@ -1,12 +1,15 @@
 """``python -m MODULE ARGS`` run as a fork of a template process that imported vLLM once
-(multiprocessing's ``forkserver`` with ``PRELOAD``), for a process that starts many vLLM
-servers one after another: the test session's fixtures (docs/TESTING.md).
+(multiprocessing's ``forkserver`` with ``PRELOAD``), for a process that starts many Python
+services one after another: the test session's vLLM servers, trainers and env services
+(docs/TESTING.md).
 
-Importing vLLM is most of a CPU server's start (~14 of ~17 s CPU on the tiny model); a fork
-of the template skips it. The forked child is what ``python -m`` would run -- the module as
-``__main__`` with ``sys.argv``, the given environment and working directory, its output in
-its log, a session (process group) of its own -- and is handled like a ``Popen``: its PID,
-``poll``/``wait`` and exit code (negative: the signal that killed it). It dies with the
+Importing vLLM is most of a CPU server's start (~14 of ~17 s CPU on the tiny model), and
+torch with transformers most of a trainer's (~5 of ~7 s); a fork of the template skips both
+(what a trainer or env imports beyond vLLM's imports costs it ~0.5 s). The forked child is
+what ``python -m`` would run -- the module as ``__main__`` with ``sys.argv``, the given
+environment and working directory, its output in its log, a session (process group) of its
+own, torch's thread count from its ``OMP_NUM_THREADS`` -- and is handled like a ``Popen``:
+its PID, ``poll``/``wait`` and exit code (negative: the signal that killed it). It dies with the
 template (a parent-death signal), and the template with the process that started it (its pipe
 closes); ``launch.procs.ManagedProcess`` also registers it with the lifeline's reaper. The
 launcher does not use this: it starts one server per run, and its runs test the plain start.
@@ -51,6 +54,10 @@ def _run_module(module: str, args: list[str], env: dict, cwd: str, log_path: str
         setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *args]))
     os.environ.clear()
     os.environ.update(env)
+    torch = sys.modules.get("torch")
+    if torch is not None and env.get("OMP_NUM_THREADS", "").isdigit():
+        # OpenMP read the template's environment when torch loaded it: the child's own count
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     os.chdir(cwd)
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -102,6 +109,8 @@ def fork_module(
         _context.set_forkserver_preload(PRELOAD)
         atexit.register(_kill_left_running)
     module, args = argv[2], list(argv[3:])
+    # the log exists when this returns, as with a Popen whose output goes to it
+    os.close(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
     process = _context.Process(
         target=_run_module,
         args=(module, args, dict(env), str(cwd), str(log_path)),

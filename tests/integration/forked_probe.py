@@ -14,6 +14,7 @@ if __name__ == "__main__":
         "probe": os.environ.get("PROBE"),
         "own_session": os.getsid(0) == os.getpid(),
         "vllm_imported": "vllm.entrypoints.openai.api_server" in sys.modules,
+        "torch_threads": sys.modules["torch"].get_num_threads(),
     }
     print(json.dumps(seen), flush=True)
     time.sleep(float(sys.argv[1]))

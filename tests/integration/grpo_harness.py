@@ -121,7 +121,7 @@ def run_trainer(
     ]
     log = save.parent / f"trainer-{steps}.log"
     proc_env = {**os.environ, **env} if env else None
-    proc = ManagedProcess("trainer", argv, log, env=proc_env).start()
+    proc = ManagedProcess("trainer", argv, log, env=proc_env, forked=True).start()
     try:
         rc = proc.wait_exit()  # fails only when its log stops growing (a busy box is slow)
     finally:

@@ -179,7 +179,7 @@ def test_atroposlib_env_and_shop_r1_train_one_trainer(tiny_model_dir: Path, tmp_
             forked=True,
         )
         argv = _trainer_argv(tiny_model_dir, save, api_url, vllm.base_url)
-        trainer = ManagedProcess("trainer", argv, tmp_path / "trainer.log").start()
+        trainer = ManagedProcess("trainer", argv, tmp_path / "trainer.log", forked=True).start()
         procs.append(trainer)
         _wait_for("the trainer's first /batch request", lambda: _api_started(db), procs)
         os.kill(trainer.pid, signal.SIGSTOP)  # no env yet, so no batch: it holds no lease
@@ -193,7 +193,8 @@ def test_atroposlib_env_and_shop_r1_train_one_trainer(tiny_model_dir: Path, tmp_
             procs.append(copy_env.start())
             _wait_for("copy-word groups", lambda: _queued(api_url, "copy_word") > 0, procs)
             argv = _shop_argv(tiny_model_dir, tmp_path / "data", api_url, vllm.base_url)
-            procs.append(ManagedProcess("shop_r1", argv, tmp_path / "shop_r1.log").start())
+            shop_r1 = ManagedProcess("shop_r1", argv, tmp_path / "shop_r1.log", forked=True)
+            procs.append(shop_r1.start())
             _wait_for("Shop-R1 groups", lambda: _queued(api_url, "shop_r1") > 0, procs)
         finally:
             os.kill(trainer.pid, signal.SIGCONT)

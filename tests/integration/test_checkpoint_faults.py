@@ -93,6 +93,7 @@ def services(
             STEPS,
             keep=STEPS,
             bridge_token=SERVER_TOKEN,
+            forked=True,
         )
         window = reference(ref)
         yield Services(tiny_model_dir, server.base_url, groups, ref, window, root)
@@ -105,7 +106,16 @@ def test_a_full_checkpoint_disk_stops_the_trainer_and_resume_continues_exactly(
     services: Services, tmp_path: Path
 ) -> None:
     s = services
-    lin = Lineage(tmp_path, "disk", s.model, s.vllm_url, s.groups, STEPS, bridge_token=SERVER_TOKEN)
+    lin = Lineage(
+        tmp_path,
+        "disk",
+        s.model,
+        s.vllm_url,
+        s.groups,
+        STEPS,
+        bridge_token=SERVER_TOKEN,
+        forked=True,
+    )
     disk = SmallDisk(lin.save / "checkpoints", 160 << 20) if SmallDisk.can_mount() else None
     try:
         with disk or contextlib.nullcontext():
@@ -162,6 +172,7 @@ def test_sigkill_inside_checkpoint_writes_resumes_exactly(
         STEPS,
         procs,
         bridge_token=SERVER_TOKEN,
+        forked=True,  # a one-process trainer; torchrun's ranks start plain
     )
     try:
         window = max(0.2, procs * s.window_s)  # a sharded write takes longer

@@ -75,7 +75,7 @@ def test_service_pushes_scored_groups(vllm_server, tiny_model_dir, tmp_path) -> 
         "--metrics-path",
         str(tmp_path / "env_metrics.jsonl"),
     ]
-    env = ManagedProcess("env", argv, tmp_path / "env.log").start()
+    env = ManagedProcess("env", argv, tmp_path / "env.log", forked=True).start()
     try:
         wait_for_log(env, "API POST /envs/register failed", timeout=120)  # cannot reach the API
         api = start_api(port, db, tmp_path / "api.log")

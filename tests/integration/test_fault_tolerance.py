@@ -164,7 +164,7 @@ class Stack:
             "--metrics-path",
             str(self.env_metrics),
         ]
-        self.procs["env"] = ManagedProcess("env", argv, self._log("env")).start()
+        self.procs["env"] = ManagedProcess("env", argv, self._log("env"), forked=True).start()
         self.history.append(self.procs["env"])
 
     def start_trainer(self) -> None:
@@ -211,7 +211,8 @@ class Stack:
             "--no-tensorboard",
             resume,
         ]
-        self.procs["trainer"] = ManagedProcess("trainer", argv, self._log("trainer")).start()
+        trainer = ManagedProcess("trainer", argv, self._log("trainer"), forked=True)
+        self.procs["trainer"] = trainer.start()
         self.history.append(self.procs["trainer"])
 
     def start(self, name: str) -> None:

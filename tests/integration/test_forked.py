@@ -34,7 +34,7 @@ def _seen(log: Path) -> dict:
 
 def test_a_forked_module_sees_what_python_m_would(tmp_path: Path) -> None:
     log = tmp_path / "probe.log"
-    env = dict(os.environ, PROBE="yes")
+    env = dict(os.environ, PROBE="yes", OMP_NUM_THREADS="1")  # the template has its own
     argv = [sys.executable, "-m", PROBE, "0", "3"]
     proc = ManagedProcess("probe", argv, log, env=env, cwd=tmp_path, forked=True).start()
     assert proc.wait_exit(stall=LIMIT_S) == 3
@@ -42,6 +42,7 @@ def test_a_forked_module_sees_what_python_m_would(tmp_path: Path) -> None:
     assert seen["argv"][1:] == ["0", "3"] and seen["argv"][0].endswith("forked_probe.py")
     assert seen["cwd"] == str(tmp_path) and seen["probe"] == "yes"
     assert seen["own_session"] and seen["vllm_imported"]  # forked after the imports
+    assert seen["torch_threads"] == 1  # OpenMP read the template's environment, not this one
     assert proc.stop() == 3
 
 

@@ -63,7 +63,7 @@ def test_sft_loss_falls_and_kill_resume_is_exact(tiny_model_dir: Path, tmp_path:
     assert "val_loss" in rows[STEPS - 1] and "eval/format_valid" in rows[-1]
 
     killed = _cfg(tiny_model_dir, data, tmp_path / "killed")
-    proc = ManagedProcess("sft", _argv(killed), tmp_path / "killed.log").start()
+    proc = ManagedProcess("sft", _argv(killed), tmp_path / "killed.log", forked=True).start()
     ckpt = tmp_path / "killed" / "checkpoints" / "step_000002"
     deadline = time.monotonic() + 240
     while not ckpt.exists() and proc.alive() and time.monotonic() < deadline:
