@@ -27,6 +27,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
@@ -60,6 +61,8 @@ def _run_module(module: str, args: list[str], env: dict, cwd: str, log_path: str
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     os.chdir(cwd)
     sys.argv = [module, *args]
+    # a preloaded module runs again as __main__, as intended: not worth runpy's warning
+    warnings.filterwarnings("ignore", "'.*' found in sys.modules after import", RuntimeWarning)
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
