@@ -55,10 +55,10 @@ def _run_module(module: str, args: list[str], env: dict, cwd: str, log_path: str
         setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *args]))
     os.environ.clear()
     os.environ.update(env)
-    torch = sys.modules.get("torch")
-    if torch is not None and env.get("OMP_NUM_THREADS", "").isdigit():
+    torch, threads = sys.modules.get("torch"), env.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
         # OpenMP read the template's environment when torch loaded it: the child's own count
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+        torch.set_num_threads(int(threads))
     os.chdir(cwd)
     sys.argv = [module, *args]
     # a preloaded module runs again as __main__, as intended: not worth runpy's warning
