@@ -55,7 +55,7 @@ def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
 @functools.cache  # `serve --help` imports vLLM: two tests read one run
 def _run_once(argv: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
-    if "vllm_patching.serve" in argv or "vllm_patching.serve:main" in argv:
+    if any(a.startswith("vllm_patching.serve") for a in argv):  # `-m` or a console script
         return _forked(argv, env)
     return subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
 
