@@ -1,7 +1,10 @@
 """launch/run_all.sh with a 2-rank trainer (``--trainer-procs 2``: torchrun, FSDP2 on gloo)
-driving the real vLLM CPU server, in shared_vllm (broadcast) and lora_only, one after the
-other (the expensive test of trainer/distributed.py; ~the cost of two run_all runs). These are
-the suite's launcher runs of ``lora_only`` (test_launch_run_all.py runs the other modes).
+driving real vLLM CPU servers, in shared_vllm (broadcast to two servers, NUM_INFERENCE_NODES=2)
+and lora_only (one server), one after the other (the expensive test of trainer/distributed.py;
+~the cost of two run_all runs). These are the suite's launcher runs of ``lora_only`` and of
+the multi-server path (test_launch_run_all.py runs the other modes). The shared_vllm run also
+checks the env's rollouts spread over both servers, the SFT-vs-RL evaluation table, the reward
+curve and what the user sees (test_launch_run_all's ``check_what_the_user_sees``).
 
 Each run: two GRPO steps at lr 1e-2 (the weights move far: KL ~10 at step 2), every step
 checkpointed (sharded, ``dcp/``), gathered to rank 0 and synced (the server reports weight
@@ -43,11 +46,15 @@ from tests.integration.test_launch_run_all import (
     STEPS,
     artifacts_env,
     check_run,
+    check_what_the_user_sees,
     launcher,
 )
 
 pytestmark = pytest.mark.integration
-EVAL = 2
+EVAL = {"shared_vllm": 4, "lora_only": 2}
+"""Test rows each run evaluates (shared_vllm: the SFT-vs-RL table's checks need 4)."""
+SERVERS = {"shared_vllm": ["vllm", "vllm1"], "lora_only": ["vllm"]}
+"""The vLLM servers of each run: shared_vllm broadcasts to two (NUM_INFERENCE_NODES=2)."""
 PROMPT_TOKENS, MAX_TOKENS = 928, 96  # the cpu-tiny preset's evaluation budget
 LOGPROB_TOL = 0.005
 """Largest mean |logprob difference| per token between vLLM and transformers on the same
@@ -112,7 +119,9 @@ def mean_abs_diff(a: list[float], b: list[float]) -> float:
 
 
 @torch.no_grad()
-def transformers_greedy(model_dir: Path, ckpt_model: Path, data_dir: Path, lora: bool) -> list:
+def transformers_greedy(
+    model_dir: Path, ckpt_model: Path, data_dir: Path, lora: bool, n: int
+) -> list[str]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from env_server.data.dataset import load_or_build
@@ -127,7 +136,7 @@ def transformers_greedy(model_dir: Path, ckpt_model: Path, data_dir: Path, lora:
         model = PeftModel.from_pretrained(model, ckpt_model)
     model.eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    rows = load_or_build(data_dir)["test"].to_list()[:EVAL]
+    rows = load_or_build(data_dir)["test"].to_list()[:n]
     texts = []
     for row in rows:
         ids = prompt_ids(row, tok, PROMPT_TOKENS, False)
@@ -151,10 +160,11 @@ def test_two_rank_trainer_drives_vllm_in_shared_vllm_and_lora_only(
     data = root / "data" / "shop_r1"
     ids = first_prompt(sft, data)
     for mode in ("shared_vllm", "lora_only"):
-        run_dir = tmp_path / mode
+        run_dir, lora, servers = tmp_path / mode, mode == "lora_only", SERVERS[mode]
+        env = dict(artifacts_env, NUM_INFERENCE_NODES=str(len(servers)))
         run = launcher(
             run_dir,
-            artifacts_env,
+            env,
             "--training-steps",
             str(STEPS),
             "--keep-constant-groups",
@@ -163,13 +173,13 @@ def test_two_rank_trainer_drives_vllm_in_shared_vllm_and_lora_only(
             "--weight-bridge-mode",
             mode,
             "--eval-samples",
-            str(EVAL),
+            str(EVAL[mode]),
             "--trainer-args=--lr 1e-2",
         )
         served_lp = served_prompt_logprobs(run, ids)
         assert run.wait() == 0, run.tails()
         out = run.output()
-        check_run(run_dir, out, ["vllm"])
+        check_run(run_dir, out, servers)
         log = (run_dir / "trainer.log").read_text()
         assert "rank 0 of 2" in log and "rank 1 of 2" in log, log[-3000:]
         rows = [
@@ -178,12 +188,13 @@ def test_two_rank_trainer_drives_vllm_in_shared_vllm_and_lora_only(
         assert all(r["gather_s"] >= 0 and r["sync_s"] > 0 for r in rows)
         ckpt = run_dir / "trainer" / "checkpoints" / f"step_{STEPS:06d}"
         assert (ckpt / "dcp" / ".metadata").is_file()
-        if mode == "lora_only":  # the adapters the trainer handed to vLLM, one per version
+        if lora:  # the adapters the trainer handed to vLLM, one per version
             assert (run_dir / "trainer" / "bridge" / f"v{STEPS}").is_dir()
+        else:
+            check_two_servers(run_dir, out, tmp_path)
         preds = (run_dir / "eval_rl" / "predictions.jsonl").read_text().splitlines()
         served = [json.loads(x)["completion"] for x in preds]
-        lora = mode == "lora_only"
-        want = transformers_greedy(sft, ckpt / "model", data, lora=lora)
+        want = transformers_greedy(sft, ckpt / "model", data, lora, EVAL[mode])
         assert served == want, mode
         to_ckpt = mean_abs_diff(served_lp, transformers_logprobs(sft, ckpt / "model", lora, ids))
         to_start = mean_abs_diff(served_lp, transformers_logprobs(sft, None, lora, ids))
@@ -191,3 +202,32 @@ def test_two_rank_trainer_drives_vllm_in_shared_vllm_and_lora_only(
         assert to_ckpt < LOGPROB_TOL, (mode, to_ckpt, to_start)
         if not lora:  # the adapter cannot move here (see the module docstring)
             assert to_start > MOVED_MIN > LOGPROB_TOL, (mode, to_ckpt, to_start)
+
+
+def check_two_servers(run_dir: Path, out: str, tmp_path: Path) -> None:
+    """The multi-server path on the CPU: rank 0's one broadcast group (a free port under
+    torchrun) feeds both servers, the env spreads its rollouts over both; then the SFT-vs-RL
+    evaluation table, the reward curve and what the user sees."""
+    for name in SERVERS["shared_vllm"]:
+        assert "backend=gloo_bcast" in (run_dir / f"{name}.log").read_text()
+    trainer_log = (run_dir / "trainer.log").read_text()
+    assert re.search(r"weight broadcast group at 127\.0\.0\.1:\d+, 3 ranks", trainer_log)
+    line = next(
+        x for x in (run_dir / "env.log").read_text().splitlines() if "requests per server" in x
+    )
+    per_server = json.loads(line.split("requests per server: ", 1)[1].replace("'", '"'))
+    assert len(per_server) == 2 and all(n > 0 for n in per_server.values()), line
+
+    n, table = EVAL["shared_vllm"], (run_dir / "eval.md").read_text()
+    for label in ("exact match", "type accuracy", "macro-F1", "format rate", "mean reward"):
+        assert f"| {label}" in table
+    assert f"weight version {STEPS}" in table  # RL = the trainer's final weights
+    pages = table.split("Per page kind", 1)[1]  # the same rows, page by page
+    counts = [
+        int(r.split("|")[2]) for r in pages.splitlines() if r.startswith("| ") and "rows" not in r
+    ]
+    assert sum(counts) == n and "Results-page clicks that name an element" in pages, pages
+    for split in ("sft", "rl"):
+        assert json.loads((run_dir / f"eval_{split}" / "metrics.json").read_text())["n"] == n
+    assert (run_dir / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    check_what_the_user_sees(run_dir, out, tmp_path, n)

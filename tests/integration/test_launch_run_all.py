@@ -1,20 +1,26 @@
 """launch/run_all.sh end to end on the CPU preset with a tiny budget, in one isolated
 artifacts folder shared by the session (the fixture builds the tiny model, the dataset and a
-3-step SFT once, through ``--prepare-only``): shared_vllm with one weight copy, shared_vllm's
-broadcast to two inference servers; plus a service that will not start, Ctrl-C, and a
-launcher that is SIGKILLed (nothing it started outlives it). The other bridge modes run under
-the launcher in the modules that share this fixture: ``lora_only`` with two trainer ranks
-(test_launch_fsdp.py, which also runs shared_vllm's broadcast), ``none`` in the OOM-killed run
-and its resumed relaunch (test_launch_oom.py); every one of those runs ends with ``check_run``.
+3-step SFT once, through ``--prepare-only``): shared_vllm with one weight copy; plus a service
+that will not start, Ctrl-C, and a launcher that is SIGKILLed (nothing it started outlives
+it; the first case also checks that a one-process trainer pins shared_vllm's broadcast
+rendezvous to ``MASTER_ADDR``/``MASTER_PORT``). The other bridge modes run under the launcher
+in the modules that share this fixture: shared_vllm's broadcast to two inference servers and
+``lora_only``, both with two trainer ranks (test_launch_fsdp.py), ``none`` in the OOM-killed
+run and its resumed relaunch (test_launch_oom.py); every one of those runs ends with
+``check_run``.
 
 Each run: the services start in order and log, the trainer syncs its weights into every vLLM
 server (the weight version advances with every step), and every process it started is gone
-afterwards (checked by the PIDs it recorded). One run also writes the evaluation table, and
-checks what a user sees: the console's progress of every phase, the rollout samples and the
-run's page (report.html) in a real headless Chromium.
+afterwards (checked by the PIDs it recorded). The two-server run also writes the evaluation
+table, and checks what a user sees (``check_what_the_user_sees``): the console's progress of
+every phase, the rollout samples and the run's page (report.html) in a real headless Chromium.
 
-The launcher is waited on by its progress, not by one wall-clock budget
-(tests/integration/launcher_harness.py), and cleaned up however a test ends.
+The runs are the preset's with 2 GRPO steps of 2 groups of 4 (``artifacts_env``: the
+environment layer of the run's config, ``SHOP_R1_ENV__GROUP_SIZE`` and
+``SHOP_R1_TRAINER__GRPO__BATCH_SIZE``) instead of 4 groups of 8: they check the plumbing, and
+a quarter of the rollouts and training cut ~8 CPU-s a run. The launcher is waited on by its
+progress, not by one wall-clock budget (tests/integration/launcher_harness.py), and cleaned up
+however a test ends.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ def artifacts_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         root = tmp_path_factory.mktemp("run_all")
     root.mkdir(exist_ok=True)
     env = dict(os.environ, SHOP_R1_ARTIFACTS=str(root / "artifacts"), SHOP_R1_PROGRESS_INTERVAL="5")
+    env |= {"SHOP_R1_ENV__GROUP_SIZE": "4", "SHOP_R1_TRAINER__GRPO__BATCH_SIZE": "8"}  # docstring
     for name in ("NUM_INFERENCE_NODES", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # the runs below set what they test
     with (root / ".prepare.lock").open("w") as lock:
@@ -144,48 +151,7 @@ def test_run_all_single_copy(
     assert "backend=shm" in (run_dir / "vllm.log").read_text()
 
 
-def test_run_all_two_inference_servers(
-    artifacts_env: dict[str, str], launcher: Callable[..., LauncherRun], tmp_path: Path
-) -> None:
-    """shared_vllm (gloo broadcast) and the CPU proof of the multi-server path:
-    NUM_INFERENCE_NODES=2 starts two vLLM servers, the env spreads rollouts over both, one
-    trainer broadcast (rendezvous pinned by MASTER_ADDR/MASTER_PORT) feeds both; then the
-    SFT-vs-RL evaluation table and the reward curve."""
-    run_dir = tmp_path / "run"
-    port = free_port()
-    env = dict(
-        artifacts_env, NUM_INFERENCE_NODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    out = run_all(
-        launcher, run_dir, env, "--weight-bridge-mode", "shared_vllm", "--eval-samples", "4"
-    )
-    check_run(run_dir, out, ["vllm", "vllm1"])
-    for name in ("vllm", "vllm1"):
-        assert "backend=gloo_bcast" in (run_dir / f"{name}.log").read_text()
-    trainer_log = (run_dir / "trainer.log").read_text()
-    assert f"weight broadcast group at 127.0.0.1:{port}, 3 ranks" in trainer_log
-    line = next(
-        x for x in (run_dir / "env.log").read_text().splitlines() if "requests per server" in x
-    )
-    per_server = json.loads(line.split("requests per server: ", 1)[1].replace("'", '"'))
-    assert len(per_server) == 2 and all(n > 0 for n in per_server.values()), line
-
-    table = (run_dir / "eval.md").read_text()
-    for label in ("exact match", "type accuracy", "macro-F1", "format rate", "mean reward"):
-        assert f"| {label}" in table
-    assert f"weight version {STEPS}" in table  # RL = the trainer's final weights
-    pages = table.split("Per page kind", 1)[1]  # the same 4 rows, page by page
-    counts = [
-        int(r.split("|")[2]) for r in pages.splitlines() if r.startswith("| ") and "rows" not in r
-    ]
-    assert sum(counts) == 4 and "Results-page clicks that name an element" in pages, pages
-    for split in ("sft", "rl"):
-        assert json.loads((run_dir / f"eval_{split}" / "metrics.json").read_text())["n"] == 4
-    assert (run_dir / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    check_what_the_user_sees(run_dir, out, tmp_path)
-
-
-def check_what_the_user_sees(run_dir: Path, out: str, tmp_path: Path) -> None:
+def check_what_the_user_sees(run_dir: Path, out: str, tmp_path: Path, samples: int) -> None:
     """Plain progress lines of every phase (the output is a pipe), rollout samples in
     rollouts.jsonl and TensorBoard, and the run's page rendered by Chromium."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -195,9 +161,9 @@ def check_what_the_user_sees(run_dir: Path, out: str, tmp_path: Path) -> None:
     assert "\r" not in out
     done = [
         "start API + vLLM done | 3/3 up (100%)",
-        "evaluate SFT done | 4/4 rows",
+        f"evaluate SFT done | {samples}/{samples} rows",
         f"GRPO done | {STEPS}/{STEPS} steps (100%) | reward ",
-        "evaluate RL done | 4/4 rows",
+        f"evaluate RL done | {samples}/{samples} rows",
     ]
     for line in done:
         assert f"[run_all] {line}" in out, out[-4000:]
@@ -293,9 +259,12 @@ def test_run_all_sigkilled_leaves_no_process_behind(
     services run: every process under the launcher (the services, vLLM's engine core and
     worker, the reaper itself) is gone soon after, and the reaper said so in the logs."""
     run_dir = tmp_path / "run"
+    env, port = dict(artifacts_env), free_port()
+    if victim == "launcher":  # and the rendezvous pin a one-process trainer takes from these
+        env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     run = launcher(
         run_dir,
-        artifacts_env,
+        env,
         "--training-steps",
         "1000",
         "--eval-samples",
@@ -303,6 +272,10 @@ def test_run_all_sigkilled_leaves_no_process_behind(
         "--keep-constant-groups",
     )
     run.wait_until(lambda: _all_four_run(run), "all four services to run")
+    if victim == "launcher":  # shared_vllm's broadcast group, pinned by MASTER_ADDR/MASTER_PORT
+        pinned = f"weight broadcast group at 127.0.0.1:{port}, 2 ranks"
+        trainer_log = run_dir / "trainer.log"
+        run.wait_until(lambda: pinned in trainer_log.read_text(), "the first weight broadcast")
     pids = run.pids()
     tree = descendants(run.pid)
     in_tree = {p.pid for p in tree}
