@@ -7,25 +7,26 @@ checks the env's rollouts spread over both servers, the SFT-vs-RL evaluation tab
 curve and what the user sees (test_launch_run_all's ``check_what_the_user_sees``).
 
 Each run: two GRPO steps at lr 1e-2 (the weights move far: KL ~10 at step 2), every step
-checkpointed (sharded, ``dcp/``), gathered to rank 0 and synced (the server reports weight
+checkpointed (sharded, ``dcp/``), gathered to rank 0 and synced (every server reports weight
 version 2), every process gone at the end (``check_run``); then vLLM's greedy completions of
-the RL evaluation (``eval_rl/predictions.jsonl``, asked of the server after the last sync)
+the RL evaluation (``eval_rl/predictions.jsonl``, asked of the servers after the last sync)
 equal transformers' greedy generation from the trainer's last checkpoint (its ``model/``
 export: the whole model, or the adapter on the SFT base).
 
 The 3-step SFT model of the shared fixture answers the same degenerate text before and after
 such an update, so the greedy comparison alone cannot reveal a sync that never happened. The
 sensitive check: once the launcher prints "trainer done" (the env is stopped, nothing syncs
-again) the test freezes the launcher (SIGSTOP, so it cannot stop vLLM), asks vLLM for the
-prompt logprobs of a fixed 928-token evaluation prompt, and lets it go on (SIGCONT). Those
-logprobs must match transformers' from the last checkpoint within ``LOGPROB_TOL`` (mean
-absolute difference per token) and, in shared_vllm, differ from the start model's by more
-than ``MOVED_MIN``: a skipped sync fails. Measured in two runs (shared_vllm): served vs last
-checkpoint < 5e-6 and 3.1e-7 (vLLM runs the tiny model in fp32), served vs start model 0.445
-and 0.799 -- what the first comparison would give had vLLM kept the start weights. Under LoRA the fixture's
-rollouts all score 0 with no rationale span, so every advantage is 0, the adapter's B stays
-0 and the run checks the plumbing (2 ranks, gather, adapter per version, versions, served ==
-checkpoint), not a moved policy.
+again) the test freezes the launcher (SIGSTOP, so it cannot stop vLLM), asks every vLLM server
+for the prompt logprobs of a fixed 928-token evaluation prompt, and lets it go on (SIGCONT).
+The first server's logprobs must match transformers' from the last checkpoint within
+``LOGPROB_TOL`` (mean absolute difference per token; the second server's the first's, too) and,
+in shared_vllm, differ from the start model's by more than ``MOVED_MIN``: a skipped sync fails.
+Measured in two runs (shared_vllm): served vs last checkpoint < 5e-6 and 3.1e-7 (vLLM runs the
+tiny model in fp32), served vs start model 0.445 and 0.799 -- what the first comparison would
+give had vLLM kept the start weights. Under LoRA the fixture's rollouts all score 0 with no
+rationale span, so every advantage is 0, the adapter's B stays 0 and the run checks the
+plumbing (2 ranks, gather, adapter per version, versions, served == checkpoint), not a moved
+policy.
 """
 
 from __future__ import annotations
@@ -76,24 +77,24 @@ def first_prompt(model_dir: Path, data_dir: Path) -> list[int]:
     return prompt_ids(load_or_build(data_dir)["test"].to_list()[0], tok, PROMPT_TOKENS, False)
 
 
-def served_prompt_logprobs(run: LauncherRun, ids: list[int]) -> list[float]:
-    """vLLM's logprobs of ``ids[1:]`` once the trainer is done, asked while the launcher is
-    frozen (it would otherwise stop vLLM after the evaluation)."""
+def served_prompt_logprobs(run: LauncherRun, ids: list[int]) -> dict[str, list[float]]:
+    """Each vLLM server's logprobs of ``ids[1:]`` once the trainer is done (by server name,
+    the first server first), asked while the launcher is frozen (it would otherwise stop vLLM
+    after the evaluation)."""
     run.wait_until(lambda: "[run_all] trainer done" in run.output(), "the trainer's end")
     os.kill(run.pid, signal.SIGSTOP)
     try:
-        url = re.search(r"\[run_all\] vllm up at (\S+)", run.output()).group(1)
-        name = httpx.get(f"{url}/bridge/info", timeout=30).json()["served_model"]
-        body = {
-            "model": name,
-            "prompt": ids,
-            "max_tokens": 1,
-            "temperature": 0.0,
-            "prompt_logprobs": 0,
-        }
-        got = httpx.post(f"{url}/v1/completions", json=body, timeout=300).json()
+        urls = dict(re.findall(r"\[run_all\] (vllm\d*) up at (\S+)", run.output()))
+        got = {name: _prompt_logprobs(url, ids) for name, url in urls.items()}
     finally:
         os.kill(run.pid, signal.SIGCONT)
+    return got
+
+
+def _prompt_logprobs(url: str, ids: list[int]) -> list[float]:
+    name = httpx.get(f"{url}/bridge/info", timeout=30).json()["served_model"]
+    body = {"model": name, "prompt": ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+    got = httpx.post(f"{url}/v1/completions", json=body, timeout=300).json()
     rows = got["choices"][0]["prompt_logprobs"][1:]
     return [row[str(t)]["logprob"] for row, t in zip(rows, ids[1:], strict=True)]
 
@@ -176,7 +177,7 @@ def test_two_rank_trainer_drives_vllm_in_shared_vllm_and_lora_only(
             str(EVAL[mode]),
             "--trainer-args=--lr 1e-2",
         )
-        served_lp = served_prompt_logprobs(run, ids)
+        served_lps = served_prompt_logprobs(run, ids)
         assert run.wait() == 0, run.tails()
         out = run.output()
         check_run(run_dir, out, servers)
@@ -196,6 +197,12 @@ def test_two_rank_trainer_drives_vllm_in_shared_vllm_and_lora_only(
         served = [json.loads(x)["completion"] for x in preds]
         want = transformers_greedy(sft, ckpt / "model", data, lora, EVAL[mode])
         assert served == want, mode
+        assert list(served_lps) == servers, served_lps.keys()
+        served_lp = served_lps["vllm"]
+        for name in servers[1:]:  # the broadcast fed every server the same weights
+            between = mean_abs_diff(served_lps[name], served_lp)
+            print(f"{mode}: {name} vs vllm {between:.2e}")
+            assert between < LOGPROB_TOL, (name, between)
         to_ckpt = mean_abs_diff(served_lp, transformers_logprobs(sft, ckpt / "model", lora, ids))
         to_start = mean_abs_diff(served_lp, transformers_logprobs(sft, None, lora, ids))
         print(f"{mode}: served vs last checkpoint {to_ckpt:.2e}, vs start model {to_start:.2e}")
