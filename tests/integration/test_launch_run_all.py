@@ -58,7 +58,8 @@ def artifacts_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         root = tmp_path_factory.mktemp("run_all")
     root.mkdir(exist_ok=True)
     env = dict(os.environ, SHOP_R1_ARTIFACTS=str(root / "artifacts"), SHOP_R1_PROGRESS_INTERVAL="5")
-    env |= {"SHOP_R1_ENV__GROUP_SIZE": "4", "SHOP_R1_TRAINER__GRPO__BATCH_SIZE": "8"}  # docstring
+    # 2 groups of 4 a step (the module docstring), through the run config's environment layer
+    env |= {"SHOP_R1_ENV__GROUP_SIZE": "4", "SHOP_R1_TRAINER__GRPO__BATCH_SIZE": "8"}
     for name in ("NUM_INFERENCE_NODES", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)  # the runs below set what they test
     with (root / ".prepare.lock").open("w") as lock:
@@ -259,9 +260,11 @@ def test_run_all_sigkilled_leaves_no_process_behind(
     services run: every process under the launcher (the services, vLLM's engine core and
     worker, the reaper itself) is gone soon after, and the reaper said so in the logs."""
     run_dir = tmp_path / "run"
-    env, port = dict(artifacts_env), free_port()
+    env, pinned = dict(artifacts_env), None
     if victim == "launcher":  # and the rendezvous pin a one-process trainer takes from these
+        port = free_port()
         env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        pinned = f"weight broadcast group at 127.0.0.1:{port}, 2 ranks"
     run = launcher(
         run_dir,
         env,
@@ -272,8 +275,7 @@ def test_run_all_sigkilled_leaves_no_process_behind(
         "--keep-constant-groups",
     )
     run.wait_until(lambda: _all_four_run(run), "all four services to run")
-    if victim == "launcher":  # shared_vllm's broadcast group, pinned by MASTER_ADDR/MASTER_PORT
-        pinned = f"weight broadcast group at 127.0.0.1:{port}, 2 ranks"
+    if pinned is not None:  # shared_vllm's broadcast group, at MASTER_ADDR/MASTER_PORT
         trainer_log = run_dir / "trainer.log"
         run.wait_until(lambda: pinned in trainer_log.read_text(), "the first weight broadcast")
     pids = run.pids()
