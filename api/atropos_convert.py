@@ -74,6 +74,8 @@ def from_native(payload: str) -> str:
     out["scores"] = [s["score"] for s in seqs]
     missing = extras.get("inference_logprobs_missing", False)
     out["inference_logprobs"] = None if missing else [s["logprobs"] for s in seqs]
+    if all(s.get("advantages") is not None for s in seqs):  # a native env's own advantages
+        out["advantages"] = [s["advantages"] for s in seqs]
     return json.dumps(out, separators=(",", ":"))
 
 

@@ -10,7 +10,14 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 GROUP_ID_MAX = 200
 """Longest accepted ``group_id`` (an idempotency key, usually a UUID)."""
@@ -29,10 +36,23 @@ class ScoredSequence(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    tokens: list[int] = Field(min_length=1, description="Prompt + completion token ids.")
-    mask: list[Literal[0, 1]] = Field(description="1 = a completion token to train on.")
+    tokens: list[int] = Field(
+        min_length=1,
+        description="The episode's token ids exactly as sampled: prompt + completion, or for a "
+        "multi-turn episode prompt, then each turn's sampled tokens and the environment's reply.",
+    )
+    mask: list[Literal[0, 1]] = Field(
+        description="1 = a token the model sampled (trained on); 0 = prompt, environment or "
+        "tool reply. A multi-turn episode interleaves runs of 1 and 0."
+    )
     logprobs: list[float] = Field(description="Inference logprobs aligned to `tokens`.")
     score: float = Field(description="The reward of this completion (finite).")
+    advantages: list[float] | None = Field(
+        None,
+        description="The environment's own per-token advantages, aligned to `tokens` (e.g. "
+        "per-turn credit); they replace the group-normalised `score` on this sequence's "
+        "tokens. Omitted: the episode's score, normalised in its group, on every sampled token.",
+    )
     spans: dict[str, list[Literal[0, 1]]] = Field(
         default_factory=dict,
         description="Named 0/1 token masks aligned to `tokens`, e.g. `rationale`.",
@@ -45,12 +65,12 @@ class ScoredSequence(BaseModel):
             raise ValueError("score must be finite")
         return v
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "advantages")
     @classmethod
-    def _finite_logprobs(cls, v: list[float]) -> list[float]:
-        for i, x in enumerate(v):
+    def _finite_values(cls, v: list[float] | None, info: ValidationInfo) -> list[float] | None:
+        for i, x in enumerate(v or []):
             if not math.isfinite(x):
-                raise ValueError(f"logprobs[{i}] is not finite")
+                raise ValueError(f"{info.field_name}[{i}] is not finite")
         return v
 
     @model_validator(mode="after")
@@ -64,6 +84,8 @@ class ScoredSequence(BaseModel):
         for name, span in self.spans.items():
             if len(span) != n:
                 raise ValueError(f"spans.{name} has length {len(span)}, tokens has {n}")
+        if self.advantages is not None and len(self.advantages) != n:
+            raise ValueError(f"advantages has length {len(self.advantages)}, tokens has {n}")
         return self
 
 

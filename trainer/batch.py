@@ -38,8 +38,9 @@ class SeqItem:
     statistics (its score is real) but is left out of the loss rather than truncated, since a
     truncated context would no longer match the logprobs it was sampled with."""
     advantages: list[float] | None = None
-    """An environment's own per-token advantages, aligned to ``tokens`` (Atropos
-    ``advantages``): they replace the group-normalised score on this sequence's tokens."""
+    """An environment's own per-token advantages, aligned to ``tokens`` (the sequence's
+    ``advantages``, or Atropos ``advantages``): they replace the group-normalised score on
+    this sequence's tokens."""
     ref_logprobs: list[float] | None = None
     """An environment's reference logprobs, aligned to ``tokens`` (Atropos ``ref_logprobs``):
     the KL's reference for this sequence, instead of the reference model's."""
@@ -55,14 +56,32 @@ def flatten_groups(groups: Sequence[ScoredGroup], max_seq_len: int) -> tuple[lis
     """Validate and flatten leased groups, with the Atropos fields of
     trainer/atropos_fields.py. Returns the items and the number of sequences dropped as
     malformed (named in the log with their group id): shorter than 2 tokens, nothing to train
-    (mask all 0), or per-token fields not aligned to the tokens."""
+    (mask all 0), or per-token fields not aligned to the tokens.
+
+    A sequence over ``max_seq_len`` (a long multi-turn episode, say) is kept whole but not
+    trained (``trainable`` False, logged with its group and length; the step's metrics count
+    them as ``over_max_seq_len``): cutting it would train a context the model never sampled
+    its later turns in, or leave tokens without the logprobs they were sampled with."""
     items: list[SeqItem] = []
     dropped = 0
     for g_idx, group in enumerate(groups):
+        too_long = [len(s.tokens) for s in group.sequences if len(s.tokens) > max_seq_len]
+        if too_long:
+            log.warning(
+                "group %s (env %s): %d of %d sequences are longer than max_seq_len %d "
+                "(lengths %s): not trained, still counted in the group's statistics",
+                group.group_id,
+                group.env,
+                len(too_long),
+                len(group.sequences),
+                max_seq_len,
+                too_long,
+            )
         for seq, extra in zip(group.sequences, sequence_fields(group), strict=True):
             tokens, mask = list(seq.tokens), list(seq.mask)
             rationale = list(seq.spans.get("rationale") or [0] * len(tokens))
-            per_token = [x for x in (extra.advantages, extra.ref_logprobs) if x is not None]
+            advantages = seq.advantages if seq.advantages is not None else extra.advantages
+            per_token = [x for x in (advantages, extra.ref_logprobs) if x is not None]
             lengths = {len(tokens), len(mask), len(seq.logprobs), len(rationale)}
             lengths |= {len(x) for x in per_token}
             if len(lengths) != 1 or len(tokens) < 2 or not any(mask):
@@ -85,13 +104,19 @@ def flatten_groups(groups: Sequence[ScoredGroup], max_seq_len: int) -> tuple[lis
                     len(items),
                     group.policy_version,
                     trainable=len(tokens) <= max_seq_len,
-                    advantages=_floats(extra.advantages),
+                    advantages=_floats(advantages),
                     ref_logprobs=_floats(extra.ref_logprobs),
                     logprobs_missing=extra.logprobs_missing,
                     zero_advantage=extra.zero_advantage,
                 )
             )
     return items, dropped
+
+
+def turns(mask: Sequence[int]) -> int:
+    """How many runs of sampled tokens (mask 1) a sequence has: 1 for a single completion, the
+    number of model turns in a multi-turn episode."""
+    return sum(1 for j, m in enumerate(mask) if m and (j == 0 or not mask[j - 1]))
 
 
 def _floats(values: Sequence[float] | None) -> list[float] | None:

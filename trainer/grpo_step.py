@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer.batch import SeqItem, micro_batches, tree_micro_batches
+from trainer.batch import SeqItem, micro_batches, tree_micro_batches, turns
 from trainer.config import GrpoConfig
 from trainer.distributed import Work
 from trainer.forward import MicroBatch, prepare, stats_of
@@ -269,6 +269,8 @@ def accumulate(
         "tokens": int(sums["tokens"]),
         "sequences": len(items),
         "sequences_trained": len(trainable),
+        "over_max_seq_len": sum(not i.trainable for i in items),
+        "turns_mean": sum(turns(i.mask) for i in items) / len(items),
         "micro_batches": len(mbs),
         "forward_tokens": sum(mb.forward_tokens for mb in mbs),
         "sequence_tokens": sum(len(i.tokens) for i in trainable),

@@ -7,11 +7,13 @@ One row per sampled completion::
      "prompt_tail": "...last characters of the prompt...", "completion": "{...}",
      "action": {"type": "click", "name": "..."} | null, "error": null | "not JSON ...",
      "gold_action": {"type": "click", "name": "..."}, "reward": {"format": 0.5, ...},
-     "valid": true, "exact": false}
+     "valid": true, "exact": false, "turns": 1}
 
 ``step`` is the trainer step that trained on it, ``policy_version`` the weights that sampled
-it. The texts are decoded from the sequence's tokens (prompt = mask 0, completion = mask 1), so
-any environment's groups can be sampled; ``action``, ``error``, ``exact`` and ``reward`` come
+it. The texts are decoded from the sequence's tokens (prompt = before the first sampled token,
+completion = from there to the end: in a multi-turn episode the model's turns and the
+environment's replies between them, with the chat template's markers, and ``turns`` the number
+of model turns), so any environment's groups can be sampled; ``action``, ``error``, ``exact`` and ``reward`` come
 from the group's ``extras.rollouts`` (what the env's reward saw, env_server/rollout.py) and
 ``gold_action`` from ``extras.gold``: null when an environment does not send them.
 """
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from api.protocol import ScoredGroup
+from trainer.batch import turns
 from trainer.metrics import MetricsLogger
 
 if TYPE_CHECKING:
@@ -63,6 +66,8 @@ class RolloutRow(TypedDict):
     reward: dict[str, float] | None
     valid: bool | None
     exact: bool | None
+    turns: int
+    """Model turns in the episode (runs of sampled tokens): 1 for a single completion."""
 
 
 def _json_field(value: Any) -> Any:
@@ -94,8 +99,9 @@ def rollout_row(
 ) -> RolloutRow:
     """The row of completion ``s`` of ``group`` (the module docstring's format)."""
     seq = group.sequences[s]
-    prompt = [t for t, m in zip(seq.tokens, seq.mask, strict=True) if not m]
-    completion = [t for t, m in zip(seq.tokens, seq.mask, strict=True) if m]
+    first = seq.mask.index(1) if 1 in seq.mask else len(seq.mask)
+    prompt, episode = seq.tokens[:first], seq.tokens[first:]
+    n_turns = turns(seq.mask)
     extras = group.extras
     seen = extras.get("rollouts") or []
     seen = seen[s] if s < len(seen) and isinstance(seen[s], Mapping) else {}
@@ -107,7 +113,9 @@ def rollout_row(
         "group_id": group.group_id,
         "score": seq.score,
         "prompt_tail": prompt_text[-PROMPT_TAIL_CHARS:],
-        "completion": tokenizer.decode(completion, skip_special_tokens=True),
+        # a multi-turn episode keeps its chat markers, so the turns stay apart
+        "completion": tokenizer.decode(episode, skip_special_tokens=n_turns <= 1),
+        "turns": n_turns,
         "action": seen.get("action"),
         "error": seen.get("error"),
         "gold_action": _json_field((extras.get("gold") or {}).get("action")),

@@ -4,8 +4,11 @@ same per-token logprobs, loss and gradients as padded rows (trainer/forward.py).
 Structure: every sequence is rebuilt from the packed row (tokens and positions), a shared run
 of at least ``min_shared`` tokens is computed once, nothing is assumed about where a prompt
 ends. Equality, on a 2-layer Qwen2 (fp32, CPU): groups that share their prompt, groups that
-share nothing, sequences over ``max_seq_len``, a mix of both; full weights and LoRA, with the
-KL reference and the self-certainty pass; and the SFT target loss.
+share nothing, sequences over ``max_seq_len``, a mix of both; multi-turn episodes
+(interleaved masks) whose members share a sampled first turn -- each shared trained token then
+weighs every episode through it with that episode's own advantage and ratio -- or only the
+prompt, with the environment's own per-token advantages, and over ``max_seq_len``; full
+weights and LoRA, with the KL reference and the self-certainty pass; and the SFT target loss.
 """
 
 from __future__ import annotations
@@ -174,11 +177,77 @@ def make_groups(shared: bool, seed: int, n_groups: int = 3, size: int = 4) -> li
     return groups
 
 
+def make_episodes(
+    share_first_turn: bool, seed: int, env_advantages: bool = False, n_groups: int = 2
+) -> list[ScoredGroup]:
+    """Multi-turn episodes: prompt, then model turn / environment reply / model turn ...
+    (mask 1 / 0 / 1 ...), with the logprobs vLLM would return for the sampled tokens and 0.0
+    under the replies. ``share_first_turn``: every member of a group samples the same first
+    turn and gets the same reply (a shared run of *trained* tokens, with its logprobs), then
+    they diverge; two of them also share the second turn and diverge in the third. Otherwise
+    the members share only the prompt. ``env_advantages``: the environment sends per-token
+    advantages (per-turn credit) for half of the members."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(0, VOCAB - 2, (n,), generator=g).tolist()
+
+    def lps(n: int) -> list[float]:
+        return (-torch.rand(n, generator=g) * 4).tolist()
+
+    groups = []
+    for gi in range(n_groups):
+        prompt = rand(6 + gi)
+        first, reply = (rand(5), rand(4)) if share_first_turn else (None, None)
+        first_lp = lps(5)
+        second_shared, second_lp = rand(4), lps(4)
+        seqs = []
+        for si in range(4):
+            turns = [(first or rand(3 + si), first_lp if first else None)]
+            if share_first_turn and si in (2, 3):
+                turns.append((second_shared, second_lp))  # members 2 and 3 share turn two
+            else:
+                turns.append((rand(2 + si), None))
+            if si >= 2:
+                turns.append((rand(1 + si), None))
+            tokens, mask, logprobs = list(prompt), [0] * len(prompt), [0.0] * len(prompt)
+            for t, (sampled, lp) in enumerate(turns):
+                if t:  # the environment's reply before every turn but the first
+                    env = reply if (share_first_turn and t == 1) else rand(3)
+                    tokens, mask = tokens + env, mask + [0] * len(env)
+                    logprobs += [0.0] * len(env)
+                tokens += sampled
+                mask += [1] * len(sampled)
+                logprobs += list(lp or lps(len(sampled)))
+            seq = {
+                "tokens": tokens,
+                "mask": mask,
+                "logprobs": logprobs,
+                "score": float((si * 5 + gi) % 3),
+            }
+            if env_advantages and si % 2:
+                seq["advantages"] = [m * (0.5 - 0.25 * ((j // 4) % 3)) for j, m in enumerate(mask)]
+            seqs.append(seq)
+        group = {"group_id": f"e{seed}-{gi}", "env": "game", "policy_version": 0, "sequences": seqs}
+        groups.append(ScoredGroup.model_validate(group))
+    return groups
+
+
 CASES = {
     "shared": lambda: make_groups(True, 1),
     "no_shared_prefix": lambda: make_groups(False, 2),
     "over_max_seq_len": lambda: make_groups(True, 3, size=6),  # the longest are left out
     "mixed": lambda: make_groups(True, 4) + make_groups(False, 5, n_groups=2),
+    "multi_turn_shared_first_turn": lambda: make_episodes(True, 6),
+    "multi_turn_shared_prompt": lambda: make_episodes(False, 7),
+    "multi_turn_env_advantages": lambda: make_episodes(True, 8, env_advantages=True),
+    "multi_turn_over_max_seq_len": lambda: make_episodes(True, 9),
+}
+CASE_CONFIG = {  # what a case changes in _cfg
+    "multi_turn_shared_first_turn": {"max_seq_len": 64},
+    "multi_turn_shared_prompt": {"max_seq_len": 64},
+    "multi_turn_env_advantages": {"max_seq_len": 64},
+    "multi_turn_over_max_seq_len": {"max_seq_len": 24},  # the three-turn episodes are left out
 }
 
 
@@ -231,14 +300,26 @@ def check_packed_step_equals_padded(
 ) -> None:
     """The contract on ``device`` (tests/gpu runs it on CUDA)."""
     groups = CASES[case]()
-    kw = {"lora_r": lora_r, "lora_alpha": 8, "device": device}
+    kw = {"lora_r": lora_r, "lora_alpha": 8, "device": device, **CASE_CONFIG.get(case, {})}
     torch.manual_seed(0)
     lm_p, items, tok_p, st_p, g_p = _run(_cfg(model_dir, tmp_path, "padded", **kw), groups)
     torch.manual_seed(0)
     lm_t, _, tok_t, st_t, g_t = _run(_cfg(model_dir, tmp_path, "prefix_tree", **kw), groups)
     assert not lm_p.tree_attention and lm_t.tree_attention
-    if case == "over_max_seq_len":
+    if case.endswith("over_max_seq_len"):
         assert not all(i.trainable for i in items)
+        assert st_t["over_max_seq_len"] == st_p["over_max_seq_len"] > 0
+    if case.startswith("multi_turn"):
+        assert st_t["turns_mean"] > 2  # interleaved masks: several model turns per episode
+    if case in ("multi_turn_shared_first_turn", "multi_turn_env_advantages"):
+        # the shared first turn is sampled (mask 1) and computed once for every member
+        trained = [i for i in items if i.trainable]
+        tree = pack([i.tokens for i in trained], 4)
+        assert any(
+            len(n.members) > 1 and any(trained[n.seq].mask[n.start : n.end]) for n in tree.nodes
+        )
+    if case == "multi_turn_env_advantages":
+        assert st_t["env_advantage_sequences"] == st_p["env_advantage_sequences"] > 0
     assert st_t["forward_tokens"] <= st_p["forward_tokens"]
     if case in ("shared", "mixed"):
         assert st_t["forward_tokens"] < st_t["sequence_tokens"]  # the prompts counted once
@@ -323,4 +404,24 @@ def check_packed_sft_loss_equals_padded(model_dir: Path, lora_r: int, device: st
     (nll_p, g_p), (nll_t, g_t) = out
     assert nll_t == pytest.approx(nll_p, rel=1e-6)
     for name in g_p:
+        assert (g_p[name] - g_t[name]).abs().max() < TOL, name
+
+
+@pytest.mark.parametrize("loss", ["gspo", "cispo"])
+def test_multi_turn_packed_step_equals_padded_for_each_loss(
+    micro_model_dir: Path, tmp_path: Path, loss: str
+) -> None:
+    """The sequence-level (GSPO) and clipped-weight (CISPO) losses on episodes that share a
+    sampled first turn: the packed step's loss and every gradient are the padded step's."""
+    groups = make_episodes(True, 10)
+    out = []
+    for packing in ("padded", "prefix_tree"):
+        torch.manual_seed(0)
+        cfg = _cfg(micro_model_dir, tmp_path, packing, max_seq_len=64, policy_loss=loss)
+        out.append(_run(cfg, groups))
+    (_, _, _, st_p, g_p), (_, _, _, st_t, g_t) = out
+    assert st_t["loss"] == pytest.approx(st_p["loss"], rel=1e-5, abs=TOL)
+    assert st_t["forward_tokens"] < st_p["sequence_tokens"]
+    for name in g_p:
+        assert g_p[name].abs().max() > 0, name
         assert (g_p[name] - g_t[name]).abs().max() < TOL, name
