@@ -12,7 +12,6 @@ from __future__ import annotations
 import fcntl
 import importlib.metadata
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -294,12 +293,3 @@ def ensure_trl() -> Path:
             "Install them into the venv, or point --trl-path at a folder with a TRL that fits."
         )
     return target
-
-
-def trl_version_at(path: Path) -> str | None:
-    """The TRL version installed in folder ``path`` (from its dist-info), or None."""
-    for info in sorted(path.glob("trl-*.dist-info")):
-        m = re.match(r"trl-(.+)\.dist-info$", info.name)
-        if m:
-            return m.group(1)
-    return None

@@ -185,10 +185,6 @@ class Reference:
             yield peft_model
 
 
-def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
 def vocab_size(model: torch.nn.Module) -> int:
     """Size of the logits' last dimension (the padded embedding size, not len(tokenizer))."""
     return int(model.get_output_embeddings().weight.shape[0])

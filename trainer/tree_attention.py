@@ -205,11 +205,6 @@ def enable(model: torch.nn.Module) -> bool:
     return True
 
 
-def plain_kernel(name: str) -> str:
-    """The kernel behind an attention implementation name (``prefix_tree:sdpa`` -> ``sdpa``)."""
-    return name.removeprefix(PREFIX)
-
-
 @dataclass
 class Targets:
     """Which predictions of which sequences to compute, and their next tokens."""

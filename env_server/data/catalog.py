@@ -214,13 +214,6 @@ def slugify(text: str, max_words: int = 6) -> str:
     return "_".join(words[:max_words])
 
 
-def category_by_key(key: str) -> Category:
-    for c in CATEGORIES:
-        if c.key == key:
-            return c
-    raise KeyError(key)
-
-
 def build_catalog(rng: random.Random, per_category: int = 24) -> Catalog:
     """Make ``per_category`` products for every category (deterministic for a seeded rng)."""
     products: list[Product] = []
