@@ -1,0 +1,1 @@
+"""verifiers (v1) environments served to the batching API (docs/VERIFIERS.md)."""
