@@ -25,6 +25,7 @@ from settings.paths import ARTIFACTS
 
 VERIFIERS_VERSION = "0.4.0"
 UV_VERSION = "0.13.9"
+PYDANTIC_SETTINGS = "pydantic-settings==2.16.3"  # as requirements.txt
 VENV = Path(os.environ.get("SHOP_R1_VERIFIERS_VENV", ARTIFACTS / "venvs" / "verifiers"))
 """Where the venv lives (``$SHOP_R1_VERIFIERS_VENV`` overrides)."""
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +38,7 @@ def venv_python(venv: Path = VENV) -> Path:
 
 def _ready(py: Path) -> bool:
     check = (
-        "import importlib.metadata as m, verifiers.v1, renderers; "
+        "import importlib.metadata as m, verifiers.v1, renderers, pydantic_settings; "
         f"assert m.version('verifiers') == '{VERIFIERS_VERSION}'"
     )
     return (
@@ -67,9 +68,9 @@ def ensure_venv(venv: Path = VENV, extra: list[str] | None = None) -> Path:
                 "--no-compile",
                 "--disable-pip-version-check",
             ]
-            subprocess.run(
-                [*pip, f"verifiers=={VERIFIERS_VERSION}", f"uv=={UV_VERSION}"], check=True
-            )
+            # pydantic-settings: our flags (settings/cli.py) in the service
+            reqs = [f"verifiers=={VERIFIERS_VERSION}", f"uv=={UV_VERSION}", PYDANTIC_SETTINGS]
+            subprocess.run([*pip, *reqs], check=True)
             log.warning("built %s in %.0f s", venv, time.monotonic() - t0)
         if extra:
             pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]

@@ -1,0 +1,181 @@
+"""Evaluate the served model on a verifiers environment's held-out tasks.
+
+    python -m env_server.verifiers.evaluate ENV_ID --env-args '{"split": "test"}' \\
+        --inference-url http://127.0.0.1:9001 --samples 1 --temperature 0 --out eval.jsonl
+
+Every task of the (bounded) taskset the env args select runs ``--samples`` episodes with the
+train client -- the same renderer and token path the training rollouts take -- against the
+server as it is now; the env's own rewards score them. One JSON line per episode
+(``task``, ``sample``, ``reward``, ``turns``, ``components``, ``error``), then a
+``summary`` line (mean reward, its standard error over tasks, solved share). Run it before
+and after training on the same tasks and pair the two files by task
+(:func:`paired_difference`, ``python -m env_server.verifiers.evaluate --compare A B``).
+Runs in the verifiers venv (re-executed there like ``python -m env_server.verifiers``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+
+from env_server.verifiers.config import VerifiersConfig
+from settings import cli
+
+PROG = "python -m env_server.verifiers.evaluate"
+
+
+class EvalConfig(VerifiersConfig):
+    """The service's environment and sampling fields, plus what an evaluation needs (the
+    API fields are unused here)."""
+
+    samples: int = Field(1, ge=1)
+    """Episodes per task."""
+    out: Path = Path("verifiers_eval.jsonl")
+    """Where the episodes and the summary go (JSONL, overwritten)."""
+    max_tasks: int | None = Field(None, ge=1)
+    """Evaluate only the first N tasks of the taskset (its own order)."""
+
+
+def parse(argv: list[str]) -> EvalConfig:
+    args = list(argv)
+    if args and not args[0].startswith("-"):
+        args = ["--env-id", args[0], *args[1:]]
+    return cli.parse(EvalConfig, args, prog=PROG, section="verifiers_eval")
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Mean reward over episodes, its standard error over the per-task means, solved share
+    (reward > 0), and how many episodes failed (scored 0, counted)."""
+    by_task: dict[str, list[float]] = {}
+    for r in rows:
+        by_task.setdefault(str(r["task"]), []).append(float(r["reward"]))
+    means = [sum(v) / len(v) for v in by_task.values()]
+    n = len(means)
+    mean = sum(means) / n if n else 0.0
+    var = sum((m - mean) ** 2 for m in means) / (n - 1) if n > 1 else 0.0
+    return {
+        "tasks": n,
+        "episodes": len(rows),
+        "reward_mean": mean,
+        "reward_se": math.sqrt(var / n) if n else 0.0,
+        "solved": sum(r["reward"] > 0 for r in rows) / len(rows) if rows else 0.0,
+        "turns_mean": sum(r["turns"] for r in rows) / len(rows) if rows else 0.0,
+        "failed": sum(r["error"] is not None for r in rows),
+    }
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [r for r in lines if r.get("kind") == "episode"]
+
+
+def paired_difference(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict:
+    """After - before, paired by task (the tasks both evaluated): the mean difference of the
+    per-task mean rewards, its standard error, and the t statistic (mean / SE)."""
+
+    def per_task(rows: list[dict[str, Any]]) -> dict[str, float]:
+        out: dict[str, list[float]] = {}
+        for r in rows:
+            out.setdefault(str(r["task"]), []).append(float(r["reward"]))
+        return {k: sum(v) / len(v) for k, v in out.items()}
+
+    a, b = per_task(before), per_task(after)
+    common = sorted(set(a) & set(b))
+    if len(common) < 2:
+        raise ValueError(f"need at least 2 tasks evaluated in both, got {len(common)}")
+    d = [b[k] - a[k] for k in common]
+    n = len(d)
+    mean = sum(d) / n
+    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n)
+    return {
+        "tasks": n,
+        "before": sum(a[k] for k in common) / n,
+        "after": sum(b[k] for k in common) / n,
+        "difference": mean,
+        "se": se,
+        "t": mean / se if se > 0 else math.inf if mean else 0.0,
+    }
+
+
+async def evaluate(cfg: EvalConfig) -> dict[str, Any]:
+    import verifiers.v1 as vf
+
+    from env_server.verifiers.run import discover, load_env
+
+    env = load_env(cfg)
+    if not env.taskset.bounded:
+        raise SystemExit(f"error: {cfg.env_id}'s taskset is unbounded; give --max-tasks")
+    tasks = list(env.taskset)[: cfg.max_tasks]
+    model, root = await discover(cfg.inference_url)
+    client = vf.TrainClientConfig(
+        base_url=cfg.inference_url.rstrip("/") + "/v1",
+        api_key_var="SHOP_R1_VERIFIERS_INFERENCE_KEY",
+        renderer=json.loads(cfg.renderer) if cfg.renderer else None,
+        renderer_model_name=cfg.tokenizer or root or model,
+    )
+    sampling = vf.SamplingConfig(
+        temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens
+    )
+    ctx = vf.ModelContext(model=cfg.model or model, client=client, sampling=sampling)
+    gate = asyncio.Semaphore(cfg.concurrency)
+
+    async def one(i: int, task: Any, sample: int) -> dict[str, Any]:
+        async with gate:
+            ep = await env.run_episode(task, ctx)
+        traces = [t for t in ep.traces if t.agent.trainable] or list(ep.traces)
+        reward = sum(t.reward for t in traces) / len(traces) if traces and ep.ok else 0.0
+        err = None if ep.ok and all(t.ok for t in traces) else str(ep.last_error or "failed")
+        components: dict[str, float] = {}
+        for t in traces:
+            for k, r in t.rewards.items():
+                if r is not None:
+                    components[k] = components.get(k, 0.0) + r.value / len(traces)
+        turns = sum(len(t.calls) for t in traces) / len(traces) if traces else 0.0
+        return {
+            "kind": "episode",
+            "task": task.data.idx if task.data.idx is not None else i,
+            "sample": sample,
+            "reward": reward,
+            "turns": turns,
+            "components": components,
+            "error": err,
+        }
+
+    async with env.serving():
+        rows = await asyncio.gather(
+            *(one(i, t, s) for i, t in enumerate(tasks) for s in range(cfg.samples))
+        )
+    summary = {"kind": "summary", "env_id": cfg.env_id, **summarize(list(rows))}
+    cfg.out.parent.mkdir(parents=True, exist_ok=True)
+    with cfg.out.open("w") as f:
+        for r in [*rows, summary]:
+            f.write(json.dumps(r) + "\n")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["--compare"]:
+        if len(args) != 3:
+            raise SystemExit(f"usage: {PROG} --compare BEFORE.jsonl AFTER.jsonl")
+        print(json.dumps(paired_difference(read(Path(args[1])), read(Path(args[2])))))
+        return
+    cfg = parse(args)
+    from env_server.verifiers.venv import ensure_venv, venv_environ
+
+    py = ensure_venv()
+    if os.path.realpath(sys.prefix) != os.path.realpath(py.parent.parent):
+        module = "env_server.verifiers.evaluate"
+        os.execve(str(py), [str(py), "-m", module, *args], venv_environ())
+    print(json.dumps(asyncio.run(evaluate(cfg))))
+
+
+if __name__ == "__main__":
+    main()
