@@ -75,6 +75,9 @@ class VerifiersConfig(BaseModel):
     """Seconds between progress lines."""
     metrics_path: Path | None = None
     """JSONL file of group statistics and the final summary."""
+    record_path: Path | None = None
+    """JSONL file of every generate exchange the proxy saw (prompt ids, completion ids,
+    logprobs, weight version): what the inference server returned, for audits and tests."""
     summary_path: Path | None = None
     """JSON file the final counters are written to (pushed, refused_<reason>, ...)."""
 

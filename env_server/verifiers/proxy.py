@@ -21,9 +21,11 @@ errors reach verifiers as the server sent them. Bound to 127.0.0.1 on a free por
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -86,8 +88,11 @@ def add_token_placeholders(response: dict[str, Any]) -> bool:
 class RecordingProxy:
     """Forward everything to ``upstream``; record each generate exchange by session."""
 
-    def __init__(self, upstream: str, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, upstream: str, timeout_s: float = 600.0, record_path: Path | None = None
+    ) -> None:
         self.upstream = upstream.rstrip("/")
+        self.record_path = record_path
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.turns: dict[Turn, float] = {}
@@ -157,5 +162,8 @@ class RecordingProxy:
             if turn is not None:
                 self.exchanges += 1
                 self.turns[turn] = time.monotonic()
+                if self.record_path is not None:
+                    with self.record_path.open("a") as f:
+                        f.write(json.dumps(dataclasses.asdict(turn)) + "\n")
         out = {k: v for k, v in r.headers.items() if k.lower() not in _HOP}
         return Response(content, status_code=r.status_code, headers=out)

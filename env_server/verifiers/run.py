@@ -166,7 +166,10 @@ class Service:
                     turns_per_trace.append(len(conv.runs))
                     for k, r in trace.rewards.items():
                         if r is not None:
-                            components.setdefault(k, []).append(r.score)
+                            components.setdefault(f"reward/{k}", []).append(r.score)
+                    for k, m in trace.metrics.items():
+                        if m is not None:
+                            components.setdefault(f"metric/{k}", []).append(float(m))
         self.proxy.forget(matched)
         if len(sequences) < 2:
             self.counts["groups_too_small"] += 1
@@ -178,7 +181,7 @@ class Service:
         metrics: dict[str, Any] = {
             "reward": sum(rewards) / len(rewards),
             "turns": sum(turns_per_trace) / len(turns_per_trace),
-            **{f"reward/{k}": sum(v) / len(v) for k, v in components.items()},
+            **{k: sum(v) / len(v) for k, v in components.items()},
         }
         known = [v for v in versions if v is not None]
         if known and min(known) != max(known):
@@ -250,7 +253,7 @@ class Service:
 
 async def serve(cfg: VerifiersConfig) -> dict[str, Any]:
     env = load_env(cfg)
-    proxy = RecordingProxy(cfg.inference_url, cfg.request_timeout_s)
+    proxy = RecordingProxy(cfg.inference_url, cfg.request_timeout_s, cfg.record_path)
     await proxy.start()
     try:
         async with env.serving():
