@@ -58,14 +58,16 @@ def resolve_for_run(
     run_dir: Path,
     device: str = "cpu",
     environ: Mapping[str, str] | None = None,
+    warn: bool = True,
 ) -> RunConfig:
     """The run's config: the launcher's defaults < the run's layers < the fields it owns; a
-    flag or variable that the launcher overrides gets a WARNING."""
+    flag or variable that the launcher overrides gets a WARNING (``warn``: the run's own
+    resolution, not the one its resume hint makes)."""
     layers = run_layers(argv, environ)
     first = resolve(RunConfig, layers)  # what the launcher's decisions depend on
     defaults, owned = launcher_values(first, api_url, vllm_urls, run_dir, device)
     cfg = resolve(RunConfig, [("launcher", defaults), *layers, ("launcher", owned)])
-    for path in _paths(owned):
+    for path in _paths(owned) if warn else []:
         given = [n for n, layer in layers[-2:] if has_path(layer, path)]
         asked, value = (reduce(getattr, path, c) for c in (first, cfg))
         if given and asked != value:

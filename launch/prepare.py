@@ -1,7 +1,8 @@
 """What ``launch/run_all.sh`` prepares before it starts the services, each only if missing:
 the preset's base model (the tiny model, or SmolLM2 for cpu-smol), the dataset and the SFT
-cold start (``python -m trainer sft``); and the check that the rollouts stay within the
-sequence length the SFT model was trained on. docs/TRAINER.md describes SFT.
+cold start (``python -m trainer sft``); the check that the rollouts stay within the
+sequence length the SFT model was trained on; and what a ``--resume`` of a stopped run will
+do (``resume_plan``, from the same decisions). docs/TRAINER.md describes SFT.
 """
 
 from __future__ import annotations
@@ -9,10 +10,38 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from launch.configs import write_service_config
+from launch.configs import preset_model, write_service_config
 from launch.follow import sft_source
 from launch.run_config import RunConfig
 from launch.supervisor import PY, run_step
+from trainer.checkpoint_files import checkpoint_step, missing_parts
+from trainer.config import CommonConfig
+from trainer.resume import resume_checkpoint
+
+
+def prepares_embedded(cfg: RunConfig) -> bool:
+    """Whether the run builds the preset's model itself (base model, dataset, SFT): a preset
+    that does, serving the model the preset names (not another ``--model``)."""
+    return cfg.launch.build_embedded and str(cfg.model) == preset_model(cfg)
+
+
+def has_base_model(cfg: RunConfig) -> bool:
+    return (Path(cfg.launch.base_model) / "config.json").exists()
+
+
+def has_dataset(cfg: RunConfig) -> bool:
+    return (Path(cfg.env.data_dir) / "test.jsonl").exists()
+
+
+def sft_done(cfg: RunConfig) -> bool:
+    """The SFT cold start wrote its final model (the preset's model): it is not run again."""
+    return (Path(cfg.trainer.sft.save_path) / "model.safetensors").exists()
+
+
+def reused_sft_eval(cfg: RunConfig, run_dir: Path) -> Path | None:
+    """The SFT evaluation a ``--resume`` reads back instead of running it again, if any."""
+    done = run_dir / "eval_sft" / "metrics.json"
+    return done if cfg.launch.eval_samples and cfg.launch.resume and done.exists() else None
 
 
 def prepare_embedded(cfg: RunConfig, run_dir: Path) -> None:
@@ -21,16 +50,16 @@ def prepare_embedded(cfg: RunConfig, run_dir: Path) -> None:
     the launcher set to the preset's model), each only if missing."""
     launch_cfg, sft = cfg.launch, cfg.trainer.sft
     base, sft_dir = Path(launch_cfg.base_model), Path(sft.save_path)
-    if not (base / "config.json").exists():
+    if not has_base_model(cfg):
         name = launch_cfg.build_module.rsplit(".", 1)[-1]
         argv = [PY, "-m", launch_cfg.build_module, "--out", str(base)]
         run_step(name, argv, run_dir / f"{name}.log", title=f"build {name.replace('_', ' ')}")
-    if not (Path(cfg.env.data_dir) / "test.jsonl").exists():
+    if not has_dataset(cfg):
         argv = [PY, "-m", "env_server.data", "build", "--out", str(cfg.env.data_dir)]
         if cfg.env.num_sessions:
             argv += ["--num-sessions", str(cfg.env.num_sessions)]
         run_step("dataset", argv, run_dir / "dataset.log", title="build dataset")
-    if not (sft_dir / "model.safetensors").exists():
+    if not sft_done(cfg):
         path = write_service_config(run_dir, "trainer_sft", cfg, "trainer.sft")
         argv = [PY, "-m", "trainer", "sft", "--config", str(path)]
         source = sft_source(sft_dir, sft.training_steps)
@@ -59,3 +88,61 @@ def context_warning(model: str, max_prompt_tokens: int, max_tokens: int) -> str 
         f"position {need}: the model has never seen those positions. Lower the env's "
         f"max_prompt_tokens or fine-tune with a larger --max-seq-len."
     )
+
+
+def _steps(n: int) -> str:
+    return f"{n} step{'' if n == 1 else 's'}"
+
+
+def _trainer_plan(name: str, cfg: CommonConfig) -> tuple[str, bool]:
+    """What the trainer ``name`` (SFT, GRPO) does when started with ``cfg`` (its resolved
+    ``resume``): the checkpoint trainer/resume.py picks and the check trainer/run.py makes
+    of it, and whether it then has steps left to train."""
+    total = cfg.training_steps
+    ckpt = resume_checkpoint(cfg) if cfg.resume in (True, "latest") else None
+    if ckpt is None:
+        return f"{name} starts from step 0 ({_steps(total)}; no checkpoint yet)", True
+    if missing := missing_parts(ckpt):
+        return (
+            f"{name} stops at once: its newest checkpoint, {ckpt.name}, is incomplete "
+            f"(missing {', '.join(missing)}; move it aside to resume from the one before)",
+            True,
+        )
+    step = checkpoint_step(ckpt)
+    if step >= total:
+        return f"{name} has done its {_steps(total)} ({ckpt.name})", False
+    return f"{name} resumes from its step-{step} checkpoint ({_steps(total - step)} left)", True
+
+
+def resume_plan(cfg: RunConfig, run_dir: Path) -> str:
+    """What ``launch/run_all.sh`` with ``cfg`` (the command line of a ``--resume``, resolved
+    against the files as they are now) will do, e.g. "the base model and the dataset are
+    reused; SFT resumes from its step-10 checkpoint (20 steps left); GRPO has not started".
+
+    Decided by what the run itself decides with: what :func:`prepare_embedded` builds, the
+    SFT's own ``resume`` (launch/configs.py: its checkpoints, if any, are continued), the
+    checkpoint trainer/resume.py picks for SFT and for GRPO (and trainer/run.py's check that
+    it is complete), and the reuse of the SFT evaluation."""
+    parts, sft_pending = [], False
+    if prepares_embedded(cfg):
+        have = {"the base model": has_base_model(cfg), "the dataset": has_dataset(cfg)}
+        for done, verb in ((True, "reused"), (False, "built")):
+            names = [n for n, h in have.items() if h is done]
+            if names:
+                parts.append(f"{' and '.join(names)} {'is' if len(names) == 1 else 'are'} {verb}")
+        if sft_done(cfg):
+            parts.append("SFT is done (its model is reused)")
+        else:
+            text, sft_pending = _trainer_plan("SFT", cfg.trainer.sft)
+            parts.append(text)
+    grpo, left = _trainer_plan("GRPO", cfg.trainer.grpo)
+    if sft_pending and grpo.startswith("GRPO starts from step 0"):
+        grpo = "GRPO has not started"
+    elif not left:
+        grpo += ": only its final weights are synced to vLLM again"
+    parts.append(grpo)
+    if cfg.launch.eval_samples and reused_sft_eval(cfg, run_dir):
+        parts.append("the SFT evaluation is read back, the RL evaluation runs")
+    elif cfg.launch.eval_samples:
+        parts.append("the SFT and RL evaluations run")
+    return "; ".join(parts)

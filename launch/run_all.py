@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 from launch import progress
-from launch.configs import preset_model, resolve_for_run, write_service_configs
+from launch.configs import resolve_for_run, write_service_configs
 from launch.eval_table import eval_table
 from launch.evaluation import evaluate, finish_evaluation, pages_table, start_evaluation
 from launch.follow import LogSource, grpo_source
@@ -38,7 +38,13 @@ from launch.placement import (
     plan_placement,
     visible_gpus,
 )
-from launch.prepare import context_warning, prepare_embedded
+from launch.prepare import (
+    context_warning,
+    prepare_embedded,
+    prepares_embedded,
+    resume_plan,
+    reused_sft_eval,
+)
 from launch.report import build_report
 from launch.reward_curve import reward_curve
 from launch.run_config import RunConfig, parse_args
@@ -198,7 +204,7 @@ def launch(argv: list[str], cfg: RunConfig, stack: Stack, run_dir: Path) -> int:
     cfg = resolve_for_run(argv, api_url, urls, run_dir, place.trainer_device)
     model, save = str(cfg.model), Path(cfg.trainer.grpo.save_path)
     env_cfg, steps = cfg.env, cfg.trainer.grpo.training_steps
-    if lc.build_embedded and model == preset_model(cfg):
+    if prepares_embedded(cfg):
         prepare_embedded(cfg, run_dir)
     budget = (env_cfg.max_prompt_tokens, env_cfg.max_tokens)
     if (warning := context_warning(model, *budget)) is not None:
@@ -232,10 +238,9 @@ def launch(argv: list[str], cfg: RunConfig, stack: Stack, run_dir: Path) -> int:
         flush=True,
     )
     samples = lc.eval_samples
-    done = run_dir / "eval_sft" / "metrics.json"
-    reuse = bool(samples and lc.resume and done.exists())
+    done = reused_sft_eval(cfg, run_dir)
     sft_eval = None
-    if samples and not reuse:  # it loads while vLLM starts, then waits for its /health
+    if samples and done is None:  # it loads while vLLM starts, then waits for its /health
         sft_eval = start_evaluation(  # the evaluations ask the first server
             "sft", urls[0], samples, run_dir, files["env"], lc.health_timeout
         )
@@ -251,7 +256,7 @@ def launch(argv: list[str], cfg: RunConfig, stack: Stack, run_dir: Path) -> int:
     services.finish()
     server = servers[0]  # the evaluations ask the first one
 
-    if reuse:
+    if done is not None:
         print(f"[run_all] SFT evaluation: reusing {done} (--resume)", flush=True)
         sft_metrics = json.loads(done.read_text())
     else:
@@ -298,24 +303,23 @@ def launch(argv: list[str], cfg: RunConfig, stack: Stack, run_dir: Path) -> int:
 
 
 def resume_hint(run_dir: Path, argv: list[str]) -> str:
-    """How to continue this run: the same flags with ``--resume``, and what it will reuse."""
+    """How to continue this run: the same flags with ``--resume``, and what that will do from
+    the state the run is in now (``launch.prepare.resume_plan``: the command resolved as its
+    launch will resolve it, against the files the stopped run left)."""
     drop, rest, skip = ("--run-dir", "--resume"), [], False
     for a in argv:
         if skip or a in drop or a.startswith("--run-dir="):
             skip = a == "--run-dir"
             continue
         rest.append(a)
-    ckpts = sorted((run_dir / "trainer" / "checkpoints").glob("step_*"))
-    where = (
-        f"the trainer continues from its last checkpoint ({ckpts[-1].name})"
-        if ckpts
-        else "GRPO starts over (it had no checkpoint yet)"
-    )
-    cmd = shlex.join(["launch/run_all.sh", "--resume", "--run-dir", str(run_dir), *rest])
-    return (
-        f"[run_all] to continue this run: {cmd}\n[run_all]   (the model, the dataset and the "
-        f"SFT checkpoint are reused, SFT is not redone; {where})"
-    )
+    args = ["--resume", "--run-dir", str(run_dir), *rest]
+    cmd = shlex.join(["launch/run_all.sh", *args])
+    try:
+        url = "http://127.0.0.1:0"  # the run's ports and URLs decide nothing of it
+        what = resume_plan(resolve_for_run(args, url, [url], run_dir, warn=False), run_dir)
+    except Exception as e:  # noqa: BLE001 -- the hint must never hide why the run stopped
+        what = f"what it will redo could not be worked out: {type(e).__name__}: {e}"
+    return f"[run_all] to continue this run: {cmd}\n[run_all]   --resume: {what}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = lc.run_dir or RUNS_DIR / datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    hint_argv = argv
+    hint_argv, hint = argv, False
     stack = Stack(run_dir)
     # Ctrl-C and SIGTERM stop exactly what was started. SIGINT explicitly too: Python only
     # raises KeyboardInterrupt when SIGINT was not ignored at its start, and a parent that
@@ -345,18 +349,19 @@ def main(argv: list[str] | None = None) -> int:
             return launch(argv, cfg, stack, run_dir)
     except ServiceFailed as e:
         print(f"[run_all] FAILED: {e}", file=sys.stderr, flush=True)
-        if not lc.prepare_only:
-            print(resume_hint(run_dir, hint_argv), file=sys.stderr, flush=True)
+        hint = not lc.prepare_only
         return 1
     except KeyboardInterrupt:
         print("[run_all] interrupted; stopping the services", file=sys.stderr, flush=True)
-        print(resume_hint(run_dir, hint_argv), file=sys.stderr, flush=True)
+        hint = True
         return 130
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the shutdown finish
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         stack.stop_all()
         print(f"[run_all] stopped {[p.pid for p in stack.procs]}", flush=True)
+        if hint:  # once everything stopped: no trainer writes a checkpoint after it is read
+            print(resume_hint(run_dir, hint_argv), file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-PREFIX = "step_"
+from trainer.checkpoint_files import PREFIX as PREFIX
+from trainer.checkpoint_files import checkpoints_dir as checkpoints_dir
+from trainer.checkpoint_files import latest_checkpoint as latest_checkpoint
+from trainer.checkpoint_files import list_checkpoints as list_checkpoints
+from trainer.checkpoint_files import missing_parts as missing_parts
+
 PARTIAL = (".tmp-", ".trash-", ".old-")
 """Name prefixes of what a write or prune in progress holds (never a checkpoint to resume)."""
 log = logging.getLogger(__name__)
@@ -62,23 +67,6 @@ class TrainerState:
     batch re-leased after a crash (trained and checkpointed, ack lost) is acked, not retrained."""
     skipped_updates: int = 0
     """GRPO: leased batches whose update was skipped (non-finite gradient), never trained."""
-
-
-def checkpoints_dir(save_path: str | Path) -> Path:
-    return Path(save_path) / "checkpoints"
-
-
-def list_checkpoints(save_path: str | Path) -> list[Path]:
-    root = checkpoints_dir(save_path)
-    if not root.is_dir():
-        return []
-    done = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
-    return sorted(done, key=lambda p: int(p.name[len(PREFIX) :]))
-
-
-def latest_checkpoint(save_path: str | Path) -> Path | None:
-    found = list_checkpoints(save_path)
-    return found[-1] if found else None
 
 
 def _rng_state() -> dict[str, Any]:
@@ -180,22 +168,6 @@ def clean_partial(save_path: str | Path) -> list[str]:
         shutil.rmtree(p, ignore_errors=True)
         done.append(f"removed {p.name} (left by an interrupted checkpoint write or prune)")
     return done
-
-
-def missing_parts(path: Path) -> list[str]:
-    """What checkpoint ``path`` lacks to be resumed ([]: complete): the trainer state, the
-    weights, the optimizer (``optimizer.pt`` or DCP's ``dcp/.metadata``), scheduler, RNG."""
-    missing = []
-    try:
-        json.loads((path / "trainer_state.json").read_text())
-    except (OSError, ValueError):
-        missing.append("trainer_state.json")
-    if not any((path / "model").glob("*.safetensors")):
-        missing.append("model/*.safetensors")
-    if not ((path / "optimizer.pt").is_file() or (path / "dcp" / ".metadata").is_file()):
-        missing.append("optimizer.pt (or dcp/.metadata)")
-    missing += [f for f in ("scheduler.pt", "rng.pt") if not (path / f).is_file()]
-    return missing
 
 
 def save_checkpoint(

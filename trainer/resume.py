@@ -14,21 +14,14 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from trainer.checkpoint_files import STATE_FILE, list_checkpoints
 from trainer.config import CommonConfig
-
-STATE_FILE = "trainer_state.json"
-
-
-def _checkpoints(save_path: Path) -> list[Path]:
-    from trainer.checkpoint import list_checkpoints
-
-    return list_checkpoints(save_path)
 
 
 def _as_checkpoint(path: Path) -> Path:
     if (path / STATE_FILE).is_file() and (path / "model").is_dir():
         return path
-    found = _checkpoints(path)
+    found = list_checkpoints(path)
     if found:  # a run directory: its newest checkpoint
         return found[-1]
     raise SystemExit(
@@ -40,7 +33,7 @@ def _as_checkpoint(path: Path) -> Path:
 def resume_checkpoint(cfg: CommonConfig) -> Path | None:
     """The checkpoint to load (checked as described above), or None to start fresh."""
     save_path = Path(cfg.save_path)
-    own = _checkpoints(save_path)
+    own = list_checkpoints(save_path)
     # True means latest (a config built with model_copy is not validated)
     spec = "latest" if cfg.resume is True else cfg.resume or None
     if spec is None:

@@ -71,7 +71,9 @@ def test_an_oom_killed_trainer_is_named_and_a_relaunch_resumes_without_sft(
         assert "trainer was killed by SIGKILL" in out and "OOM killer (out" not in out
     step = max(int(p.name[5:]) for p in ckpt.parent.glob("step_*"))
     hint = f"to continue this run: launch/run_all.sh --resume --run-dir {run_dir}"
-    assert hint in out and f"continues from its last checkpoint (step_{step:06d})" in out
+    left = STEPS - step  # what the hint says --resume will do (launch.prepare.resume_plan)
+    plan = f"GRPO resumes from its step-{step} checkpoint ({left} step{'s' * (left != 1)} left)"
+    assert hint in out and "SFT is done (its model is reused)" in out and plan in out, out[-3000:]
 
     again = launcher(run_dir, artifacts_env, "--resume", *flags)
     assert again.wait() == 0, again.tails()
