@@ -7,7 +7,7 @@ import re
 import verifiers.v1 as vf
 from verifiers.v1.harnesses.null import NullHarness
 
-NUMBER = re.compile(r"-?\d+")
+NUMBER = re.compile(r"\d+")  # digits only: a negative secret cannot be guessed
 
 
 class GuessData(vf.TaskData):
