@@ -13,9 +13,11 @@ branches are logged with their reason and counted (``refused_<code>`` in the sum
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import logging
+import os
 import random
 import time
 import uuid
@@ -251,7 +253,26 @@ class Service:
         return summary
 
 
+def children_die_with_us() -> None:
+    """verifiers' subprocess runtime starts each harness program (and its ``uv`` set-up) with
+    ``asyncio.create_subprocess_exec(..., start_new_session=True)``: a session of its own, out
+    of reach of a signal to ours. Each such child asks the kernel to SIGKILL it when this
+    service exits (``procutil.parent_death``, between fork and exec, as the lifeline does)."""
+    from procutil import parent_death
+
+    if not parent_death.SUPPORTED:
+        return
+    spawn, me = asyncio.create_subprocess_exec, os.getpid()
+
+    async def spawn_dying_with_us(*args: Any, **kwargs: Any) -> asyncio.subprocess.Process:
+        kwargs.setdefault("preexec_fn", functools.partial(parent_death.die_with, me))
+        return await spawn(*args, **kwargs)
+
+    asyncio.create_subprocess_exec = spawn_dying_with_us  # type: ignore[assignment]
+
+
 async def serve(cfg: VerifiersConfig) -> dict[str, Any]:
+    children_die_with_us()
     env = load_env(cfg)
     proxy = RecordingProxy(cfg.inference_url, cfg.request_timeout_s, cfg.record_path)
     await proxy.start()
