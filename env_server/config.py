@@ -85,6 +85,11 @@ class EnvConfig(BaseModel):
     """Prompts in flight at once (each asks for ``group_size`` completions)."""
     drop_constant_groups: bool = True
     """Drop groups whose completions all score the same (no GRPO signal)."""
+    score_ramp: float = Field(0.0, ge=0.0)
+    """Testing only: add ``i x score_ramp`` to the score of each group's i-th completion
+    (recorded as its ``score_ramp`` reward term), so no group's scores are all equal whatever
+    the model samples: a GRPO signal by construction, for tests whose weights must move on a
+    model whose rollouts all score 0 (tests/integration/test_launch_fsdp.py). 0: the reward."""
     poll_interval_s: float = Field(1.0, gt=0.0)
     """Wait between backpressure checks while the API wants nothing."""
     request_timeout_s: float = Field(300.0, gt=0.0)

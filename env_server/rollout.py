@@ -121,14 +121,23 @@ def build_group(
     tokenizer: Any,
     reward: RewardConfig,
     policy_version: int,
+    score_ramp: float = 0.0,
 ) -> dict[str, Any]:
-    """The scored group of one prompt's completions."""
+    """The scored group of one prompt's completions (``score_ramp``: a test's spread of the
+    scores, ``EnvConfig.score_ramp``)."""
     gold = json.loads(row["action"])
     pairs = [
         build_sequence(batch.prompt_ids, c, gold, tokenizer, reward) for c in batch.completions
     ]
     breakdowns = [b for _, b in pairs]
     metrics = group_metrics(breakdowns, batch.completions)
+    records = [
+        rollout_record(c.text, b) for c, b in zip(batch.completions, breakdowns, strict=True)
+    ]
+    if score_ramp:
+        for i, (seq, record) in enumerate(zip([s for s, _ in pairs], records, strict=True)):
+            seq["score"] += i * score_ramp
+            record["reward"]["score_ramp"] = i * score_ramp  # the terms still sum to the score
     return {
         "group_id": str(uuid.uuid4()),
         "env": ENV_NAME,
@@ -142,9 +151,6 @@ def build_group(
             # Which dataset row this is (analyses join it back, e.g. to its page kind).
             "row": {"session_id": row.get("session_id"), "step": row.get("step")},
             # What the reward saw in each completion, for the trainer's rollout samples.
-            "rollouts": [
-                rollout_record(c.text, b)
-                for c, b in zip(batch.completions, breakdowns, strict=True)
-            ],
+            "rollouts": records,
         },
     }

@@ -131,7 +131,7 @@ class EnvService:
         )
         # In the loop's thread, not a worker: HF fast tokenizers may raise "Already borrowed"
         # when two threads use one at once, and scoring a group takes milliseconds.
-        group = build_group(row, batch, self.tokenizer, self.reward, version)
+        group = build_group(row, batch, self.tokenizer, self.reward, version, c.score_ramp)
         scores = [s["score"] for s in group["sequences"]]
         self.stats.scores = (self.stats.scores + scores)[-200:]
         self.stats.valid = (self.stats.valid + [group["metrics"]["valid"]])[-50:]

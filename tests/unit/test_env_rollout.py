@@ -80,6 +80,23 @@ def test_build_group_follows_the_data_contract(tokenizer, rows) -> None:
     json.dumps(g)  # wire-ready
 
 
+def test_score_ramp_spreads_a_group_that_scores_all_alike(tokenizer, rows) -> None:
+    """``EnvConfig.score_ramp`` (a test's GRPO signal by construction): completions that all
+    score 0 get 0, r, 2r, ...; the rollout records' terms still sum to each score."""
+    row = rows[5]
+    bad = tokenizer.encode("I think I'd click something", add_special_tokens=False)
+    comp = Completion(tokenizer.decode(bad), bad, [-2.0] * len(bad), "length")
+    batch = CompletionBatch(prompt_ids=[1, 2, 3], completions=[comp] * 4, weight_version=0)
+    plain = build_group(row, batch, tokenizer, RewardConfig(), policy_version=0)
+    assert [s["score"] for s in plain["sequences"]] == [0.0] * 4
+    assert all("score_ramp" not in r["reward"] for r in plain["extras"]["rollouts"])
+    g = build_group(row, batch, tokenizer, RewardConfig(), policy_version=0, score_ramp=0.5)
+    assert [s["score"] for s in g["sequences"]] == [0.0, 0.5, 1.0, 1.5]
+    for s, r in zip(g["sequences"], g["extras"]["rollouts"], strict=True):
+        assert sum(r["reward"].values()) == pytest.approx(s["score"])
+    assert g["metrics"] == plain["metrics"]  # the reward's own statistics, unchanged
+
+
 def test_parse_completion_response_aligns_and_checks() -> None:
     body = {
         "choices": [
