@@ -55,6 +55,10 @@ class VerifiersConfig(BaseModel):
     """Sampling temperature."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling."""
+    sampling: str | None = None
+    """JSON object of more sampling parameters, passed to vLLM's generate route with the
+    others (verifiers' ``SamplingConfig`` extras), e.g. ``{"stop": ["\\n"]}`` or
+    ``{"allowed_token_ids": [...]}``."""
     seed: int = 0
     """Seed of the order tasks are drawn in."""
     concurrency: int = Field(2, ge=1)

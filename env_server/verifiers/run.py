@@ -115,7 +115,10 @@ class Service:
             renderer_model_name=self.cfg.tokenizer or root or model,
         )
         sampling = vf.SamplingConfig(
-            temperature=self.cfg.temperature, top_p=self.cfg.top_p, max_tokens=self.cfg.max_tokens
+            temperature=self.cfg.temperature,
+            top_p=self.cfg.top_p,
+            max_tokens=self.cfg.max_tokens,
+            **json.loads(self.cfg.sampling or "{}"),
         )
         return vf.ModelContext(model=model, client=client, sampling=sampling)
 
