@@ -27,6 +27,9 @@ class VerifiersConfig(BaseModel):
     """JSON object of the taskset's config fields (its ``vf.TasksetConfig`` subclass)."""
     env_config: str | None = None
     """JSON object merged into the verifiers env config (roles, harness, runtime...)."""
+    env_path: list[Path] = Field(default_factory=list)
+    """Folders to import the environment from, before the installed packages (an env that is
+    not pip-installed into the verifiers virtualenv, e.g. examples/verifiers_envs/NAME)."""
     runtime: str = "subprocess"
     """Runtime of every role whose runtime neither the env nor ``--env-config`` pins."""
     api_url: str = API_URL

@@ -107,6 +107,7 @@ def paired_difference(before: list[dict[str, Any]], after: list[dict[str, Any]])
 async def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     import verifiers.v1 as vf
 
+    from env_server.verifiers.proxy import RecordingProxy
     from env_server.verifiers.run import discover, load_env
 
     env = load_env(cfg)
@@ -114,8 +115,12 @@ async def evaluate(cfg: EvalConfig) -> dict[str, Any]:
         raise SystemExit(f"error: {cfg.env_id}'s taskset is unbounded; give --max-tasks")
     tasks = list(env.taskset)[: cfg.max_tasks]
     model, root = await discover(cfg.inference_url)
+    # the service's own path to the server (its proxy adapts vLLM's generate answer for
+    # verifiers' renderer); what it records is dropped after each episode
+    proxy = RecordingProxy(cfg.inference_url, cfg.request_timeout_s)
+    await proxy.start()
     client = vf.TrainClientConfig(
-        base_url=cfg.inference_url.rstrip("/") + "/v1",
+        base_url=proxy.url + "/v1",
         api_key_var="SHOP_R1_VERIFIERS_INFERENCE_KEY",
         renderer=json.loads(cfg.renderer) if cfg.renderer else None,
         renderer_model_name=cfg.tokenizer or root or model,
@@ -129,9 +134,13 @@ async def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     async def one(i: int, task: Any, sample: int) -> dict[str, Any]:
         async with gate:
             ep = await env.run_episode(task, ctx)
+        proxy.forget([], older_than_s=0.0)
         traces = [t for t in ep.traces if t.agent.trainable] or list(ep.traces)
         reward = sum(t.reward for t in traces) / len(traces) if traces and ep.ok else 0.0
-        err = None if ep.ok and all(t.ok for t in traces) else str(ep.last_error or "failed")
+        err = None
+        if not (ep.ok and all(t.ok for t in traces)):
+            last = ep.last_error or next((t.last_error for t in traces if t.last_error), None)
+            err = f"{last.type}: {last.message[-300:]}" if last is not None else "failed"
         components: dict[str, float] = {}
         for t in traces:
             for k, r in t.rewards.items():
@@ -148,10 +157,13 @@ async def evaluate(cfg: EvalConfig) -> dict[str, Any]:
             "error": err,
         }
 
-    async with env.serving():
-        rows = await asyncio.gather(
-            *(one(i, t, s) for i, t in enumerate(tasks) for s in range(cfg.samples))
-        )
+    try:
+        async with env.serving():
+            rows = await asyncio.gather(
+                *(one(i, t, s) for i, t in enumerate(tasks) for s in range(cfg.samples))
+            )
+    finally:
+        await proxy.stop()
     summary = {"kind": "summary", "env_id": cfg.env_id, **summarize(list(rows))}
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
     with cfg.out.open("w") as f:

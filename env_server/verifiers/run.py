@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import random
+import sys
 import time
 import uuid
 from collections import Counter
@@ -49,6 +50,10 @@ def load_env(cfg: VerifiersConfig) -> Any:
     import verifiers.v1 as vf
     from verifiers.v1.configs.agent import agent_config_fields
 
+    paths = [str(Path(p).resolve()) for p in cfg.env_path]
+    sys.path[:0] = [p for p in paths if p not in sys.path]
+    if paths:  # the harness programs verifiers starts import as we do
+        os.environ["PYTHONPATH"] = os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])
     raw: dict[str, Any] = json.loads(cfg.env_config or "{}")
     raw["taskset"] = {**raw.get("taskset", {}), **json.loads(cfg.env_args or "{}")}
     raw["taskset"]["id"] = cfg.env_id
