@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from settings import cli
+from settings.bind import check_bind
 from settings.layers import env_default
 from settings.paths import RUNS_DIR
 from settings.ports import API_PORT
@@ -22,7 +23,8 @@ class ApiConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     host: str = "127.0.0.1"
-    """Interface to bind. Loopback by default: exposing the API is an explicit choice."""
+    """Interface to bind. Loopback by default; any other address needs a token (or
+    `insecure_no_token`): the API refuses to start otherwise."""
     port: int = Field(API_PORT, ge=0, le=65535)
     """TCP port (settings/ports.py: the default every client expects)."""
     db_path: Path = RUNS_DIR / "api" / "api.sqlite"
@@ -32,8 +34,13 @@ class ApiConfig(BaseModel):
     group survives power loss too; NORMAL survives a process crash (`kill -9`) but may lose
     the last commits on an OS crash, in exchange for less fsync latency per request."""
     token: str | None = Field(default_factory=env_default(TOKEN_ENV))
-    """Shared token required on every route when set (header `Authorization: Bearer <token>`
-    or `X-API-Token`); default: $SHOP_R1_API_TOKEN."""
+    """Shared token required on every route when set: header `Authorization: Bearer <token>` or
+    `X-API-Token`, or the capability URL `http://HOST:PORT/t/<token>/...` for clients that send
+    no header (atroposlib: its `rollout_server_url`); default: $SHOP_R1_API_TOKEN. Use a
+    URL-safe one: `python -c 'import secrets; print(secrets.token_urlsafe(32))'`."""
+    insecure_no_token: bool = False
+    """Serve on a non-loopback `host` without a token (a trusted private network only; logged
+    as INSECURE at start). Without it such a bind refuses to start."""
     min_free_mb: float = Field(64.0, ge=0)
     """Free space (MB) to keep on the database's filesystem: below it pushes are refused with
     HTTP 507 (retryable, nothing stored) and /backpressure asks for 0 groups, while leases and
@@ -64,6 +71,13 @@ class ApiConfig(BaseModel):
     logprobs and `extras.atropos.inference_logprobs_missing`)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level of the service and of uvicorn."""
+
+
+def check_exposure(cfg: ApiConfig) -> str | None:
+    """Raises ``settings.bind.UnsafeBind`` (exit 1, the fix in the message) for a non-loopback
+    ``host`` without a token or the opt-out; the INSECURE warning to log under the opt-out."""
+    how = f"--token T or ${TOKEN_ENV}"
+    return check_bind("the batching API", cfg.host, bool(cfg.token), cfg.insecure_no_token, how)
 
 
 def build_parser() -> argparse.ArgumentParser:

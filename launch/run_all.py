@@ -27,6 +27,8 @@ from pathlib import Path
 
 import httpx
 
+from api.config import TOKEN_ENV as API_TOKEN_ENV
+from api.config import ApiConfig, check_exposure
 from launch import progress
 from launch.configs import resolve_for_run, write_service_configs
 from launch.eval_table import eval_table
@@ -45,13 +47,15 @@ from launch.prepare import (
     resume_plan,
     reused_sft_eval,
 )
+from launch.procs import ManagedProcess, tail
 from launch.report import build_report
 from launch.reward_curve import reward_curve
 from launch.run_config import RunConfig, parse_args
-from launch.supervisor import PY, ServiceFailed, Stack, wait_http
+from launch.supervisor import PY, ServiceFailed, Stack
 from launch.threads import ThreadPlan, available_cores, plan_threads
 from launch.trainer_node import launcher_argv, publish_trainer_argv
 from launch.vllm_server import BridgeServer
+from settings.bind import UnsafeBind, is_loopback
 from settings.paths import RUNS_DIR
 from settings.ports import free_port
 
@@ -103,6 +107,42 @@ def trainer_env(place: Placement) -> dict[str, str]:
     if place.trainer_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(place.trainer_gpus)
     return env
+
+
+def api_connect_host(host: str) -> str:
+    """Where the run's own services reach the API bound to ``host``: loopback for a loopback
+    or wildcard bind (``0.0.0.0``, ``::``), that address otherwise (IPv6 in brackets)."""
+    if host in ("", "0.0.0.0", "::", "[::]") or is_loopback(host):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def api_token_env(api: ApiConfig) -> dict[str, str]:
+    """The API's token for the processes that talk to it (the API itself, the env, the
+    trainer), in their environment: run files never hold it (``launch.configs``), so a token
+    given as ``--api.token`` reaches them only this way; none without one."""
+    return {API_TOKEN_ENV: api.token} if api.token else {}
+
+
+def wait_api(proc: ManagedProcess, url: str, token: str | None, timeout: float) -> None:
+    """Wait until the API answers ``GET url/health`` 200, the token (if any) in a header: never
+    in a URL, which error messages print."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    deadline = time.monotonic() + timeout
+    while True:
+        if not proc.alive():
+            raise ServiceFailed(
+                f"api exited before {url}/health answered; read {proc.log_path}:\n"
+                f"{tail(proc.log_path)}"
+            )
+        try:
+            if httpx.get(f"{url}/health", headers=headers, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise ServiceFailed(f"api did not answer {url}/health within {timeout:.0f}s")
+        time.sleep(0.2)
 
 
 def trainer_launcher(cfg: RunConfig, environ: dict[str, str] | None = None) -> list[str]:
@@ -196,7 +236,7 @@ def launch(argv: list[str], cfg: RunConfig, stack: Stack, run_dir: Path) -> int:
     device = "cuda" if place.trainer_device.startswith("cuda") else "cpu"
     threads = plan_threads(available_cores(), lc.num_inference_servers, device)
     light = {**os.environ, **threads.light_env}
-    api_url = f"http://127.0.0.1:{lc.api_port or free_port()}"
+    api_url = f"http://{api_connect_host(cfg.api.host)}:{lc.api_port or free_port()}"
     ports = [lc.vllm_port or free_port()]
     ports += [free_port() for _ in range(lc.num_inference_servers - 1)]
     urls = [f"http://127.0.0.1:{port}" for port in ports]
@@ -227,9 +267,11 @@ def launch(argv: list[str], cfg: RunConfig, stack: Stack, run_dir: Path) -> int:
     vllm_log = LogSource(run_dir / "vllm.log")  # what the first server is doing
     services = progress.phase("start API + vLLM", 1 + lc.num_inference_servers, "up", vllm_log)
     services.start()
+    light |= api_token_env(cfg.api)  # the API, the env and the trainer: one token
     api = stack.start("api", [PY, "-m", "api", "--config", str(files["api"])], light)
-    wait_http(api, f"{api_url}/health", 60)
-    print(f"[run_all] api up at {api_url} (pid {api.pid})", flush=True)
+    wait_api(api, api_url, cfg.api.token, 60)
+    where = "" if not cfg.api.token else " (token required; clients without a header: /t/<token>/)"
+    print(f"[run_all] api up at {api_url}{where} (pid {api.pid})", flush=True)
     services.advance()
 
     print(
@@ -266,7 +308,8 @@ def launch(argv: list[str], cfg: RunConfig, stack: Stack, run_dir: Path) -> int:
     argv = trainer_argv(cfg, files["trainer_grpo"], token)
     if int(os.environ.get("NNODES") or 1) > 1:  # the other nodes' ranks (launch/trainer_node.py)
         publish_trainer_argv(run_dir, argv)
-    trainer = stack.start("trainer", argv, env={**trainer_env(place), **threads.trainer_env})
+    trainer_vars = {**trainer_env(place), **threads.trainer_env, **api_token_env(cfg.api)}
+    trainer = stack.start("trainer", argv, env=trainer_vars)
     where = f" on GPU {','.join(place.trainer_gpus)}" if place.trainer_gpus else ""
     print(f"[run_all] env + trainer{where} started; training {steps} steps", flush=True)
     with progress.phase("GRPO", steps, "steps", grpo_source(save, steps)):
@@ -334,6 +377,13 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         return 2
+    try:  # fail closed before anything starts: an exposed API needs a token (settings/bind.py)
+        insecure = check_exposure(cfg.api)
+    except UnsafeBind as e:
+        print(f"[run_all] FAILED: {e.code} (--api.token or ${API_TOKEN_ENV})", file=sys.stderr)
+        return 2
+    if insecure:
+        print(f"[run_all] WARNING: {insecure}", file=sys.stderr, flush=True)
     run_dir = lc.run_dir or RUNS_DIR / datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

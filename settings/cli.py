@@ -18,6 +18,8 @@ from settings.layers import env_layer, file_layers, nest, resolve
 M = TypeVar("M", bound=BaseModel)
 
 SECRET_WORDS = ("password", "secret", "api_key")
+NOT_SECRET = frozenset({"insecure_no_token"})
+"""Names that look like a secret's and are not (settings/bind.py's opt-out switch)."""
 OPTIONAL_VALUE = {"resume": "latest"}
 """Flags whose value may be left out: ``--resume`` alone is ``--resume latest``."""
 CLI = {"cli_kebab_case": True, "cli_implicit_flags": True, "cli_avoid_json": True}
@@ -86,8 +88,11 @@ def parse(cls: type[M], argv: Sequence[str] | None, *, prog: str, section: str) 
 
 
 def is_secret(key: str) -> bool:
-    """``token``/``*_token`` and names with a secret word (not ``tokenizer``, ``max_tokens``)."""
+    """``token``/``*_token`` and names with a secret word (not ``tokenizer``, ``max_tokens``,
+    nor the ``insecure_no_token`` switch: a run file carries it, a report shows it)."""
     key = key.lower()
+    if key in NOT_SECRET:
+        return False
     return key == "token" or key.endswith("_token") or any(w in key for w in SECRET_WORDS)
 
 

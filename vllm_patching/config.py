@@ -35,6 +35,10 @@ class VllmConfig(BaseModel):
     bridge_config: str | None = None
     """Where the server writes vllm_bridge_config.json (default:
     $TMPDIR/shop_r1_bridge/<run_id>/vllm_bridge_config.json)."""
+    insecure_no_token: bool | None = None
+    """Serve on a non-loopback ``host`` without $SHOP_R1_BRIDGE_TOKEN (a trusted private
+    network only; logged as INSECURE). Without it such a bind refuses to start. Never allows
+    ``single_copy`` on CUDA (pickled IPC handles) without the token."""
     bridge_device: Literal["auto", "cpu", "cuda"] | None = None
     """Device of the vLLM workers (picks the weight-transfer backend)."""
     bridge_initial_version: int | None = Field(None, ge=0)
@@ -60,6 +64,7 @@ class VllmConfig(BaseModel):
     """GPUs per server (a run sets ``launch.tensor_parallel_size``, ``--tensor-parallel-size``,
     which also places the GPUs and reaches vLLM as a flag over this)."""
     host: str | None = None
-    """Interface to listen on (serve's default: 127.0.0.1; the launcher's own)."""
+    """Interface to listen on (serve's default: 127.0.0.1; the launcher's own). Any
+    non-loopback one needs $SHOP_R1_BRIDGE_TOKEN (or ``insecure_no_token``)."""
     port: int | None = Field(None, ge=1, le=65535)
     """Port to listen on (serve's default: settings.ports.VLLM_PORT; the launcher's own)."""

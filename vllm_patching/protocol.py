@@ -37,6 +37,9 @@ class BridgeSettings(BaseModel):
     run_id: str = Field(description="Random id of this server run (a restart gets a new one).")
     config_path: str = Field(description="Where the per-run bridge config JSON is written.")
     served_model_name: str = Field(description="Name the base model is served under.")
+    insecure_no_token: bool = Field(
+        False, description="Served without a token on a non-loopback address, by the opt-out."
+    )
 
 
 class BridgeConfigFile(BaseModel):

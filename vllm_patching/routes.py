@@ -10,7 +10,6 @@ plugin contract prescribes.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import os
 import time
 from argparse import Namespace
@@ -18,8 +17,10 @@ from http import HTTPStatus
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
+from starlette.routing import compile_path
 from vllm.logger import init_logger
 
+from settings.bind import OPT_OUT_FLAG, same_secret
 from vllm_patching.generate import api_keys
 from vllm_patching.generate import router as generate_router
 from vllm_patching.protocol import (
@@ -40,26 +41,58 @@ from vllm_patching.protocol import (
 
 logger = init_logger("vllm.shop_r1_bridge.routes")
 
-# Inference routes stay open (vLLM's own --api-key guards them if set); every other
-# non-GET route -- the dev/RL weight routes, pause/resume, collective_rpc, LoRA load,
-# /bridge/* -- needs the token. Default-deny: a route added by a future vLLM is guarded.
-OPEN_POST_PATHS = frozenset(
+OPEN_ROUTES: frozenset[tuple[str, str]] = frozenset(
     {
-        "/v1/completions",
-        "/v1/chat/completions",
-        "/v1/responses",
-        "/v1/embeddings",
-        "/v1/messages",
-        "/tokenize",
-        "/detokenize",
-        "/inference/v1/generate",
-        "/generate",  # Atropos's route (vllm_patching/generate.py)
+        # inference: vLLM's own --api-key guards them as vLLM does (its /v1, /v2, /inference
+        # and /cohere paths), our /generate checks it itself; the bridge token does not
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/chat/completions/batch"),
+        ("POST", "/v1/responses"),
+        ("GET", "/v1/responses/{response_id}"),
+        ("POST", "/v1/responses/{response_id}/cancel"),
+        ("POST", "/v1/messages"),
+        ("POST", "/v1/messages/count_tokens"),
+        ("POST", "/v1/systemone"),
+        ("POST", "/v1/chat/completions/render"),
+        ("POST", "/v1/completions/render"),
+        ("POST", "/v1/messages/render"),
+        ("POST", "/v1/responses/render"),
+        ("POST", "/v1/chat/completions/derender"),
+        ("POST", "/v1/completions/derender"),
+        ("GET", "/v1/models"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+        ("POST", "/inference/v1/generate"),
+        ("POST", "/generate"),  # Atropos's route (vllm_patching/generate.py)
+        # read-only: health, load, metrics, version, docs, the bridge's health and info (the
+        # env asks /bridge/info which model name serves the current weights)
+        ("GET", "/health"),
+        ("GET", "/ping"),
+        ("POST", "/ping"),
+        ("GET", "/load"),
+        ("GET", "/version"),
+        ("GET", "/metrics"),
+        ("GET", "/metrics/{path:path}"),
+        ("GET", "/openapi.json"),
+        ("GET", "/docs"),
+        ("GET", "/docs/oauth2-redirect"),
+        ("GET", "/redoc"),
+        ("GET", "/bridge/health"),
+        ("GET", "/bridge/info"),
     }
 )
+"""What answers without the bridge token when one is set: (method, path template). Default
+deny: every other route -- vLLM's dev-mode routes (collective_rpc, pause/resume, sleep, the
+weight-transfer routes, cache resets, server_info...), its LoRA loading, /bridge/stage, apply,
+reload, lora/load, and any route a future vLLM adds, whatever its method, websockets
+included -- needs the token. The table in docs/BRIDGE.md lists every route of a server;
+tests/integration/test_vllm_routes_auth.py checks it against this set and the app."""
 VERSIONED_PATHS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/generate"}
 )
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+_OPEN = [(m, compile_path(p)[0]) for m, p in sorted(OPEN_ROUTES)]
 
 
 class BridgeState:
@@ -83,7 +116,14 @@ class BridgeState:
 
 
 def requires_token(method: str, path: str) -> bool:
-    return method not in SAFE_METHODS and path not in OPEN_POST_PATHS
+    """Whether ``method path`` needs the bridge token (when one is set): everything but
+    ``OPEN_ROUTES``; HEAD as its GET, OPTIONS where the path has an open route (a CORS
+    preflight is answered before this, by vLLM's CORS middleware); ``WEBSOCKET`` for a
+    websocket."""
+    methods = {"GET"} if method == "HEAD" else {method}
+    if method == "OPTIONS":
+        methods = {m for m, _ in _OPEN}
+    return not any(m in methods and regex.match(path) for m, regex in _OPEN)
 
 
 def token_ok(headers: dict[str, str], token: str) -> bool:
@@ -91,7 +131,13 @@ def token_ok(headers: dict[str, str], token: str) -> bool:
     auth = headers.get("authorization", "")
     if not given and auth.lower().startswith("bearer "):
         given = auth[7:]
-    return hmac.compare_digest(given.encode(), token.encode())
+    return same_secret(given, token)
+
+
+def route_path(scope) -> str:
+    """The path the router matches (``scope["path"]`` less ``root_path``, as starlette)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 class BridgeMiddleware:
@@ -103,11 +149,21 @@ class BridgeMiddleware:
         self.token = token
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "websocket":
+            if self.token and requires_token("WEBSOCKET", route_path(scope)):
+                headers = {
+                    k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
+                }
+                if not token_ok(headers, self.token):
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
+            await self.app(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         method, path = scope["method"], scope["path"]
-        if self.token and requires_token(method, path):
+        if self.token and requires_token(method, route_path(scope)):
             headers = {
                 k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
             }
@@ -375,8 +431,20 @@ class BridgeEndpointPlugin:
 
     def attach_router(self, app: FastAPI) -> None:
         token = os.environ.get(TOKEN_ENV) or None
-        if token is None:
-            logger.warning("%s is not set: mutating routes are NOT protected", TOKEN_ENV)
+        if token is None and self.settings.insecure_no_token:
+            logger.warning(
+                "INSECURE (%s): %s is not set: every route of this server, weight updates and "
+                "collective_rpc included, is open to anyone who can reach it",
+                OPT_OUT_FLAG,
+                TOKEN_ENV,
+            )
+        elif token is None:
+            logger.warning(
+                "%s is not set: the weight and dev-mode routes are NOT protected (served on "
+                "loopback only: python -m vllm_patching.serve refuses any other address "
+                "without it)",
+                TOKEN_ENV,
+            )
         app.state.bridge = self.state
         app.include_router(router)
         app.include_router(generate_router)

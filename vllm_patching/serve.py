@@ -25,9 +25,16 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from settings.bind import check_bind
 from settings.ports import VLLM_PORT
 from vllm_patching.config import VllmConfig
-from vllm_patching.protocol import PLUGIN_NAME, SETTINGS_ENV, BridgeConfigFile, BridgeSettings
+from vllm_patching.protocol import (
+    PLUGIN_NAME,
+    SETTINGS_ENV,
+    TOKEN_ENV,
+    BridgeConfigFile,
+    BridgeSettings,
+)
 
 BACKENDS = {  # (device, single_copy) -> vLLM weight-transfer backend of shared_vllm
     ("cpu", False): "gloo_bcast",
@@ -44,6 +51,7 @@ BRIDGE_DEFAULTS: dict[str, Any] = {
     "bridge_initial_version": 0,
     "bridge_lora_keep": 2,
     "bridge_device": "auto",
+    "insecure_no_token": False,
 }
 """This wrapper's own options (``vllm:`` keys typed and documented by ``VllmConfig``) and
 their defaults; every other key goes to vLLM."""
@@ -175,8 +183,44 @@ def _detect_device() -> str:
     return "cuda" if current_platform.is_cuda_alike() else "cpu"
 
 
-def build(argv: list[str]) -> tuple[BridgeSettings, list[str], dict[str, str]]:
-    """Bridge settings, the vLLM argv and the environment to add (no side effects)."""
+def check_access(
+    vllm_args: list[str], insecure_no_token: bool, environ: Mapping[str, str] | None = None
+) -> str | None:
+    """Fail closed (settings/bind.py): exits (status 1, the fix in the message) when the server
+    would listen on a non-loopback ``--host`` without the token and without
+    ``--insecure-no-token``; returns the INSECURE warning to print under the opt-out. A Unix
+    socket (``--uds``) is not checked: its file's permissions guard it."""
+    environ = os.environ if environ is None else environ
+    if _flag(vllm_args, "--uds") is not None:
+        return None
+    host = _flag(vllm_args, "--host")  # "" is every interface to vLLM, as 0.0.0.0
+    host = "127.0.0.1" if host is None else host
+    how = f"{TOKEN_ENV}=<secret> in the server's environment, the trainer's --bridge-token"
+    return check_bind("the vLLM server", host, bool(environ.get(TOKEN_ENV)), insecure_no_token, how)
+
+
+def check_pickles(backend: str | None, environ: Mapping[str, str] | None = None) -> None:
+    """``--single-copy`` on CUDA (vLLM's ``ipc`` engine) sets
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: the server then unpickles what a weight route is
+    sent, and a pickle is code. Such a server refuses to start without the token, whatever the
+    address (loopback is open to every local user) and whatever ``--insecure-no-token`` says:
+    with it, only a token holder reaches those routes."""
+    environ = os.environ if environ is None else environ
+    if backend == "ipc" and not environ.get(TOKEN_ENV):
+        raise SystemExit(
+            f"{PROG}: --single-copy on CUDA (vLLM's ipc engine) accepts pickled IPC handles "
+            f"(VLLM_ALLOW_INSECURE_SERIALIZATION=1), so it needs a token on any address: set "
+            f"{TOKEN_ENV}=<secret> in the server's environment and give the trainer the same "
+            f"one (--bridge-token). --insecure-no-token does not lift this."
+        )
+
+
+def build(
+    argv: list[str], environ: Mapping[str, str] | None = None
+) -> tuple[BridgeSettings, list[str], dict[str, str]]:
+    """Bridge settings, the vLLM argv and the environment to add (no side effects; exits on a
+    bind or a transport that needs the token when ``environ`` (default ``os.environ``) has
+    none: ``check_access``, ``check_pickles``)."""
     args, vllm_args = parse_args(expand_files(argv))
     model = _flag(vllm_args, "--model")
     if model is None:
@@ -186,6 +230,7 @@ def build(argv: list[str]) -> tuple[BridgeSettings, list[str], dict[str, str]]:
         vllm_args += ["--host", "127.0.0.1"]  # never listen on all interfaces by default
     if _flag(vllm_args, "--port") is None:  # the project's port, not vLLM's 8000 (the API's)
         vllm_args += ["--port", str(VLLM_PORT)]
+    check_access(vllm_args, args.insecure_no_token, environ)  # before vLLM is imported
     env = {"VLLM_SERVER_DEV_MODE": "1"}  # the native RL weight routes (guarded by our token)
     plugins = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
     env["VLLM_PLUGINS"] = ",".join(dict.fromkeys([*plugins, PLUGIN_NAME]))
@@ -196,6 +241,7 @@ def build(argv: list[str]) -> tuple[BridgeSettings, list[str], dict[str, str]]:
         vllm_args += ["--weight-transfer-config", json.dumps({"backend": backend})]
         if backend == "ipc":
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # IPC handles travel pickled
+    check_pickles(backend, environ)
     if args.weight_bridge_mode == "lora_only":
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         if "--enable-lora" not in vllm_args:
@@ -222,6 +268,7 @@ def build(argv: list[str]) -> tuple[BridgeSettings, list[str], dict[str, str]]:
         run_id=run_id,
         config_path=config_path,
         served_model_name=(_flag(vllm_args, "--served-model-name") or model),
+        insecure_no_token=args.insecure_no_token,
     )
     env[SETTINGS_ENV] = settings.model_dump_json()
     return settings, vllm_args, env
@@ -266,6 +313,8 @@ def main(argv: list[str] | None = None) -> None:
     if missing := missing_local_model(argv):  # said at once, not after vLLM's imports (~15 s)
         raise SystemExit(f"{PROG}: --model {missing}: no such file or directory")
     settings, vllm_args, env = build(argv)
+    if insecure := check_access(vllm_args, settings.insecure_no_token):
+        print(f"[bridge] WARNING: {insecure}", file=sys.stderr, flush=True)
     os.environ.update(env)
     path = write_config_file(settings, vllm_args)
     print(

@@ -93,7 +93,9 @@ def test_mutating_routes_need_the_token(gloo_server: BridgeServer) -> None:
         assert r.status_code == 401, path
         r = httpx.post(url + path, json={}, headers={TOKEN_HEADER: "wrong"})
         assert r.status_code == 401, path
-    assert httpx.get(f"{url}/is_paused").json()["is_paused"] is False
+    assert httpx.get(f"{url}/is_paused").status_code == 401  # a dev-mode GET: token too
+    paused = httpx.get(f"{url}/is_paused", headers={TOKEN_HEADER: TOKEN})
+    assert paused.json()["is_paused"] is False
     info = httpx.get(f"{url}/bridge/info").json()
     assert info["mode"] == "shared_vllm" and info["backend"] == "gloo_bcast"
     assert info["tied_embeddings"] is True and info["world_size"] == 1

@@ -9,15 +9,16 @@ import torch
 
 from trainer.bridge import make_bridge
 from trainer.bridge.params import check_against_server, hf_tensors
-from vllm_patching.protocol import SETTINGS_ENV, TOKEN_HEADER, BridgeSettings
+from vllm_patching.protocol import SETTINGS_ENV, TOKEN_ENV, TOKEN_HEADER, BridgeSettings
 from vllm_patching.routes import requires_token, token_ok
-from vllm_patching.serve import build, write_config_file
+from vllm_patching.serve import build, check_access, write_config_file
 
 pytestmark = pytest.mark.unit
 
 
-def _build(*extra: str):
-    return build(["--model", "/m", "--port", "8123", "--bridge-device", "cpu", *extra])
+def _build(*extra: str, environ: dict[str, str] | None = None):
+    argv = ["--model", "/m", "--port", "8123", "--bridge-device", "cpu", *extra]
+    return build(argv, environ={} if environ is None else environ)
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -40,18 +41,59 @@ def test_backend_choice_on_cpu(extra: tuple[str, ...], backend: str | None) -> N
 
 
 def test_cuda_backends_and_ipc_serialization() -> None:
-    settings, argv, env = build(["--model", "/m", "--bridge-device", "cuda", "--single-copy"])
+    """Pickled IPC handles (``--single-copy`` on CUDA) only with the token: without it the
+    server refuses to start, on loopback too and whatever ``--insecure-no-token`` says."""
+    cuda_copy = ["--model", "/m", "--bridge-device", "cuda", "--single-copy"]
+    settings, argv, env = build(cuda_copy, environ={TOKEN_ENV: "s3cret"})
     assert settings.backend == "ipc" and env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
-    settings, _, _ = build(["--model", "/m", "--bridge-device", "cuda"])
-    assert settings.backend == "nccl"
+    for extra in ([], ["--insecure-no-token"]):
+        with pytest.raises(SystemExit, match=f"needs a token on any address: set {TOKEN_ENV}"):
+            build([*cuda_copy, *extra], environ={})
+    settings, _, env = build(["--model", "/m", "--bridge-device", "cuda"], environ={})
+    assert settings.backend == "nccl" and "VLLM_ALLOW_INSECURE_SERIALIZATION" not in env
+    settings, _, env = _build("--single-copy")  # shm on the CPU: JSON only, no pickles
+    assert settings.backend == "shm" and "VLLM_ALLOW_INSECURE_SERIALIZATION" not in env
 
 
 def test_defaults_bind_localhost_and_add_worker_extension() -> None:
     _, argv, _ = _build()
     assert _flag(argv, "--host") == "127.0.0.1"
     assert _flag(argv, "--worker-extension-cls").endswith("BridgeWorkerExtension")
-    _, argv, _ = _build("--host", "0.0.0.0")
+    _, argv, _ = _build("--host", "0.0.0.0", environ={TOKEN_ENV: "s3cret"})
     assert argv.count("--host") == 1
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "node7", ""])
+def test_a_non_loopback_bind_needs_the_token_or_the_opt_out(host: str) -> None:
+    """Fail closed: any address but loopback without the token exits with how to set it; the
+    one opt-out starts it with an INSECURE warning (printed by main, logged by the plugin)."""
+    with pytest.raises(SystemExit, match=f"refusing to serve on .* Set a token \\({TOKEN_ENV}="):
+        _build("--host", host)
+    settings, argv, _ = _build("--host", host, "--insecure-no-token")
+    assert settings.insecure_no_token and "--insecure-no-token" not in argv  # ours, not vLLM's
+    assert "INSECURE" in (check_access(argv, True, {}) or "")
+    settings, argv, _ = _build("--host", host, environ={TOKEN_ENV: "s3cret"})
+    assert check_access(argv, False, {TOKEN_ENV: "s3cret"}) is None
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.3.4.5", "localhost", "::1", "[::1]"])
+def test_loopback_needs_no_token(host: str) -> None:
+    settings, argv, _ = _build("--host", host)
+    assert _flag(argv, "--host") == host and check_access(argv, False, {}) is None
+    _, argv, _ = _build("--host", "0.0.0.0", "--uds", "/tmp/v.sock")  # a socket file
+    assert check_access(argv, False, {}) is None
+
+
+def test_the_opt_out_comes_from_a_run_file(tmp_path) -> None:
+    """``vllm: {insecure_no_token: true}`` in a run file (what the launcher writes) is the
+    flag; the file's ``host`` reaches vLLM too."""
+    run = tmp_path / "run.yaml"
+    run.write_text("vllm:\n  host: 0.0.0.0\n  insecure_no_token: true\n")
+    settings, argv, _ = _build("--config", str(run))
+    assert settings.insecure_no_token and _flag(argv, "--host") == "0.0.0.0"
+    run.write_text("vllm:\n  host: 0.0.0.0\n")
+    with pytest.raises(SystemExit, match="refusing"):
+        _build("--config", str(run))
 
 
 def test_rollout_logprobs_are_those_of_the_sampling_distribution() -> None:
@@ -84,12 +126,12 @@ def test_bad_flags_are_refused(argv: list[str]) -> None:
 def test_config_file_is_rewritten_per_run(tmp_path) -> None:
     path = tmp_path / "vllm_bridge_config.json"
     path.write_text('{"run_id": "old-run", "handles": "stale"}')
-    settings, argv, _ = _build("--bridge-config", str(path))
+    settings, argv, _ = _build("--bridge-config", str(path), environ={TOKEN_ENV: "s3cret-v"})
     write_config_file(settings, argv)
     doc = json.loads(path.read_text())
     assert doc["run_id"] == settings.run_id != "old-run"
     assert doc["port"] == 8123 and "handles" not in doc
-    assert "token" not in path.read_text().lower()
+    assert "s3cret-v" not in path.read_text()
 
 
 @pytest.mark.parametrize(
@@ -98,6 +140,19 @@ def test_config_file_is_rewritten_per_run(tmp_path) -> None:
         ("POST", "/v1/completions", False),
         ("POST", "/v1/chat/completions", False),
         ("GET", "/bridge/info", False),
+        ("HEAD", "/health", False),
+        ("GET", "/v1/responses/resp-1", False),
+        ("POST", "/v1/responses/resp-1/cancel", False),
+        ("GET", "/metrics/", False),
+        ("GET", "/is_paused", True),
+        ("GET", "/server_info", True),
+        ("GET", "/v1/responses/a/b", True),
+        ("POST", "/v1/completions/", True),
+        ("POST", "/inference/v1/abort_requests", True),
+        ("OPTIONS", "/collective_rpc", True),
+        ("OPTIONS", "/v1/completions", False),
+        ("WEBSOCKET", "/some/future/socket", True),
+        ("GET", "/some/future/route", True),
         ("POST", "/pause", True),
         ("POST", "/init_weight_transfer_engine", True),
         ("POST", "/update_weights", True),
