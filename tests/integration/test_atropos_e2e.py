@@ -72,6 +72,11 @@ def _atropos_config(tmp: Path, api_url: str, vllm_url: str, model: Path) -> Path
             "max_batches_offpolicy": OFFPOLICY,
             "max_token_length": 8,
             "max_num_workers": WORKERS,
+            # atroposlib posts no group whose scores are all equal (its default for `serve`,
+            # set here so the test never depends on it): every copy-word group carries a GRPO
+            # signal, so the trained weights move whatever the model samples (Shop-R1's groups
+            # from the random tiny model almost always all score 0)
+            "ensure_scores_are_not_same": True,
             "use_wandb": False,
             "wandb_name": "copy_word",
         },
@@ -243,11 +248,16 @@ def test_atroposlib_env_and_shop_r1_train_one_trainer(tiny_model_dir: Path, tmp_
     # filled the queue before the first sync; after that the env throttles, so the last batch
     # holds groups at most LAG steps old and its last post is no older. Without syncs
     # reaching the API every version would be 0 (seen in CI: last post 9, last batch 5+).
+    copy_ids = {r[0] for r in rows if r[1] in copy_names}
     posted = [r[4] for r in rows if r[1] in copy_names]  # in arrival order
     assert posted == sorted(posted) and posted[-1] >= STEPS - 1 - LAG, (LAG, posted)
     last = [by_id[g] for g in state["recent_batches"][-1]["group_ids"]]
     fresh = [r[4] for r in last if r[1] in copy_names]
     assert fresh and min(fresh) >= STEPS - 1 - LAG, (LAG, [(r[1], r[4]) for r in last])
+    # every step with a copy-word group trained on a signal (what makes `moved` below certain)
+    adv = {m["batch_id"]: m["advantage_abs_mean"] for m in metrics if "advantage_abs_mean" in m}
+    with_copy = [b["batch_id"] for b in state["recent_batches"] if {*b["group_ids"]} & copy_ids]
+    assert with_copy and all(adv[b] > 0 for b in with_copy), (with_copy, adv)
     assert probe.status_code == 200 and probe.headers[VERSION_HEADER] == str(STEPS)
     entries = probe.json()["prompt_logprobs"][1:]
     served = [float(next(iter(e.values()))) for e in entries]  # the prompt's own token first
