@@ -48,7 +48,11 @@ def launcher_values(
     grpo["resume" if cfg.launch.resume else "overwrite"] = True
     sft_resume = (sft_dir / "checkpoints").is_dir()  # an interrupted SFT continues
     own_sft = {"save_path": str(sft_dir), "resume" if sft_resume else "overwrite": True}
-    return defaults, {"api": api, "env": env, "trainer": {"grpo": grpo, "sft": own_sft}}
+    owned = {"api": api, "env": env, "trainer": {"grpo": grpo, "sft": own_sft}}
+    if cfg.verifiers is not None:  # verifiers' renderer samples from the first server
+        owned["verifiers"] = dict(api_url=api_url, inference_url=vllm_urls[0])
+        owned["verifiers"]["metrics_path"] = str(run_dir / "verifiers_metrics.jsonl")
+    return defaults, owned
 
 
 def resolve_for_run(
@@ -107,6 +111,9 @@ def vllm_values(cfg: RunConfig) -> dict[str, Any]:
 
 
 def write_service_configs(run_dir: Path, cfg: RunConfig) -> dict[str, Path]:
-    """Every service's file: ``api``, ``env``, ``trainer_grpo`` and ``vllm``."""
+    """Every service's file: ``api``, ``env``, ``trainer_grpo`` and ``vllm`` (and
+    ``verifiers`` when the run has that env)."""
     files = {n: write_service_config(run_dir, n, cfg, s) for n, s in SERVICE_FILES.items()}
+    if cfg.verifiers is not None:
+        files["verifiers"] = write_service_config(run_dir, "verifiers", cfg, "verifiers")
     return files | {"vllm": write_config(run_dir, "vllm", {"vllm": vllm_values(cfg)})}

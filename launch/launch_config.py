@@ -57,3 +57,13 @@ class LaunchConfig(BaseModel):
     """Build the tiny model, dataset and SFT checkpoint if missing, then exit."""
     health_timeout: float = 600.0
     """Seconds to wait for each health check."""
+    shop_r1_env: bool = True
+    """Start the Shop-R1 environment service. False: only the run's ``verifiers:``
+    environment trains (docs/VERIFIERS.md); Shop-R1's dataset, SFT and evaluation are
+    skipped (the preset's base model is still built if missing)."""
+    verifiers_eval_env_args: str | None = None
+    """JSON taskset fields of the ``verifiers:`` env's held-out evaluation (e.g.
+    '{"split": "test"}'), run before and after training on the served weights; none: no
+    evaluation."""
+    verifiers_eval_samples: int = Field(8, ge=1)
+    """Episodes per held-out task in that evaluation."""

@@ -21,8 +21,11 @@ from trainer.resume import resume_checkpoint
 
 def prepares_embedded(cfg: RunConfig) -> bool:
     """Whether the run builds the preset's model itself (base model, dataset, SFT): a preset
-    that does, serving the model the preset names (not another ``--model``)."""
-    return cfg.launch.build_embedded and str(cfg.model) == preset_model(cfg)
+    that does, serving the model the preset names (not another ``--model``); without Shop-R1's
+    env (``launch.shop_r1_env`` false), serving the preset's base model, which it builds."""
+    lc = cfg.launch
+    serves = preset_model(cfg) if lc.shop_r1_env else lc.base_model
+    return lc.build_embedded and str(cfg.model) == str(serves)
 
 
 def has_base_model(cfg: RunConfig) -> bool:
@@ -54,6 +57,8 @@ def prepare_embedded(cfg: RunConfig, run_dir: Path) -> None:
         name = launch_cfg.build_module.rsplit(".", 1)[-1]
         argv = [PY, "-m", launch_cfg.build_module, "--out", str(base)]
         run_step(name, argv, run_dir / f"{name}.log", title=f"build {name.replace('_', ' ')}")
+    if not launch_cfg.shop_r1_env:  # no Shop-R1 env: no dataset, no SFT cold start
+        return
     if not has_dataset(cfg):
         argv = [PY, "-m", "env_server.data", "build", "--out", str(cfg.env.data_dir)]
         if cfg.env.num_sessions:

@@ -29,7 +29,7 @@ import httpx
 
 from api.config import TOKEN_ENV as API_TOKEN_ENV
 from api.config import ApiConfig, check_exposure
-from launch import progress
+from launch import progress, verifiers_env
 from launch.configs import resolve_for_run, write_service_configs
 from launch.eval_table import eval_table
 from launch.evaluation import evaluate, finish_evaluation, pages_table, start_evaluation
@@ -93,6 +93,8 @@ def placement(cfg: RunConfig) -> Placement:
 def vllm_extra(cfg: RunConfig) -> list[str]:
     """Flags every vLLM server gets after its config file (they win over it)."""
     extra: list[str] = []
+    if cfg.verifiers is not None:  # verifiers' renderer samples from /inference/v1/generate
+        extra.append("--enable-scale-out")
     if cfg.launch.tensor_parallel_size > 1:
         extra += ["--tensor-parallel-size", str(cfg.launch.tensor_parallel_size)]
     return extra + shlex.split(
@@ -247,7 +249,11 @@ def launch(argv: list[str], cfg: RunConfig, stack: Stack, run_dir: Path) -> int:
     if prepares_embedded(cfg):
         prepare_embedded(cfg, run_dir)
     budget = (env_cfg.max_prompt_tokens, env_cfg.max_tokens)
-    if (warning := context_warning(model, *budget)) is not None:
+    envs = (["env"] if lc.shop_r1_env else []) + (["verifiers"] if cfg.verifiers else [])
+    if not envs:
+        why = "launch.shop_r1_env is false and the run has no verifiers: section"
+        raise ServiceFailed(f"no environment to train on: {why}")
+    if lc.shop_r1_env and (warning := context_warning(model, *budget)) is not None:
         print(f"[run_all] WARNING: {warning}", flush=True)
     if lc.prepare_only:
         print(f"[run_all] prepared {model}", flush=True)
@@ -259,7 +265,7 @@ def launch(argv: list[str], cfg: RunConfig, stack: Stack, run_dir: Path) -> int:
         flush=True,
     )
     token = secrets.token_hex(16)
-    names = ["api", *vllm_names(lc.num_inference_servers), "env", "trainer"]
+    names = ["api", *vllm_names(lc.num_inference_servers), *envs, "trainer"]
     logs = " ".join(str(run_dir / f"{n}.log") for n in names)
     print(f"[run_all] run dir {run_dir}\n[run_all] follow it: tail -f {logs}", flush=True)
     print(f"[run_all] {threads.describe()} (launch/threads.py)", flush=True)
@@ -279,7 +285,7 @@ def launch(argv: list[str], cfg: RunConfig, stack: Stack, run_dir: Path) -> int:
         f"({cfg.weight_bridge_mode}{', single copy' if cfg.single_copy else ''}) on {model}...",
         flush=True,
     )
-    samples = lc.eval_samples
+    samples = lc.eval_samples if lc.shop_r1_env else 0  # Shop-R1's test rows
     done = reused_sft_eval(cfg, run_dir)
     sft_eval = None
     if samples and done is None:  # it loads while vLLM starts, then waits for its /health
@@ -304,21 +310,28 @@ def launch(argv: list[str], cfg: RunConfig, stack: Stack, run_dir: Path) -> int:
     else:
         sft_metrics = finish_evaluation(sft_eval) if sft_eval is not None else None
 
-    stack.start("env", [PY, "-m", "env_server", "--config", str(files["env"])], light)
+    held_out = verifiers_env.evaluate_before(cfg, urls[0], run_dir, light)
+    if lc.shop_r1_env:
+        stack.start("env", [PY, "-m", "env_server", "--config", str(files["env"])], light)
+    if cfg.verifiers is not None:
+        stack.start("verifiers", verifiers_env.service_argv(files["verifiers"]), light)
     argv = trainer_argv(cfg, files["trainer_grpo"], token)
     if int(os.environ.get("NNODES") or 1) > 1:  # the other nodes' ranks (launch/trainer_node.py)
         publish_trainer_argv(run_dir, argv)
     trainer_vars = {**trainer_env(place), **threads.trainer_env, **api_token_env(cfg.api)}
     trainer = stack.start("trainer", argv, env=trainer_vars)
     where = f" on GPU {','.join(place.trainer_gpus)}" if place.trainer_gpus else ""
-    print(f"[run_all] env + trainer{where} started; training {steps} steps", flush=True)
+    print(
+        f"[run_all] {' + '.join(envs)} + trainer{where} started; training {steps} steps", flush=True
+    )
     with progress.phase("GRPO", steps, "steps", grpo_source(save, steps)):
         while trainer.alive():
-            stack.check_alive("api", *vllm_names(lc.num_inference_servers), "env")
+            stack.check_alive("api", *vllm_names(lc.num_inference_servers), *envs)
             time.sleep(1.0)
     if trainer.popen.returncode != 0:  # why (an OOM kill, a full disk) and the figures
         raise ServiceFailed(stack.died(trainer))
-    stack.stop("env")  # no more rollouts: vLLM now serves the trainer's final weights
+    for name in envs:  # no more rollouts: vLLM now serves the trainer's final weights
+        stack.stop(name)
     versions = weight_versions(servers)
     (run_dir / "weight_versions.json").write_text(json.dumps(versions, indent=2) + "\n")
     print(
@@ -340,6 +353,8 @@ def launch(argv: list[str], cfg: RunConfig, stack: Stack, run_dir: Path) -> int:
         table += pages_table(run_dir, samples, env_cfg) + "\n"
         (run_dir / "eval.md").write_text(table)
         print(table, flush=True)
+    if held_out is not None:
+        verifiers_env.report_after(cfg, server.base_url, run_dir, light, held_out)
     print(f"[run_all] reward curve: {run_dir / 'reward_curve.png'}", flush=True)
     print(f"[run_all] the run's page: {build_report(run_dir)} (open it in a browser)", flush=True)
     return 0

@@ -1,5 +1,5 @@
 """``RunConfig``: every setting of a run in one nested model, sections ``launch``, ``api``,
-``env``, ``trainer.sft``, ``trainer.grpo`` and ``vllm`` (docs/RECIPES.md): one YAML file per
+``env``, ``trainer.sft``, ``trainer.grpo``, ``vllm`` and optionally ``verifiers`` (docs/RECIPES.md): one YAML file per
 run over its preset, ``SHOP_R1_<SECTION>__<FIELD>`` variables, dotted flags, in that order."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pydantic_settings import SettingsConfigDict
 
 from api.config import ApiConfig
 from env_server.config import EnvConfig
+from env_server.verifiers.config import VerifiersConfig
 from launch.launch_config import LaunchConfig
 from settings.cli import add_config_flags, flag_values
 from settings.layers import Layer, RecipeError, env_layer, expand, file_layers, read_recipe, resolve
@@ -85,6 +86,9 @@ class RunConfig(_Keys):
     """``python -m trainer sft|grpo``."""
     vllm: VllmConfig = Field(default_factory=VllmConfig)
     """``python -m vllm_patching.serve``."""
+    verifiers: VerifiersConfig | None = None
+    """``python -m env_server.verifiers``: a verifiers environment trained beside Shop-R1's
+    (or instead of it: ``launch.shop_r1_env`` false); none by default."""
 
 
 def _dotted(args: str | None, section: str) -> list[str]:

@@ -32,7 +32,7 @@ SHORTCUTS: dict[str, tuple[str, ...]] = {
 }
 """Top-level keys of a run and the fields they fill."""
 RUN_KEYS = {"name", "description", "preset", "recipe", "env_args", "trainer_args", *SHORTCUTS}
-RUN_KEYS |= {"base", "launch", "api", "env", "trainer", "vllm"}
+RUN_KEYS |= {"base", "launch", "api", "env", "trainer", "vllm", "verifiers"}
 """A run file's top-level keys (``RunConfig``'s fields and ``base``)."""
 REWARD_KEYS = {"rewards", "reward", "reward_variant"}
 """``env``'s three ways to give the reward: a layer giving one drops the lower layers' others."""
