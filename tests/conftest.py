@@ -65,6 +65,7 @@ SLOW_FIRST = (
     "test_launch_fsdp",
     "test_fault_tolerance",
     "test_atropos_e2e",
+    "test_atropos_multiturn",
     "test_checkpoint_faults",
     "test_launch_oom",
     "test_trainer_fsdp",

@@ -11,6 +11,10 @@ with each field (docs/ATROPOS.md has the table). A group leased natively carries
   be the trainer's ``--temperature``: the trainer computes every logprob at one temperature;
 - no effect on training: ``messages``, ``env_id``, ``generation_params`` (but its
   temperature), ``group_overrides.group_size`` (atroposlib's and the API's group check);
+- refused at lease time, naming the position: a sequence whose trained positions are not
+  what was sampled there -- a label (``masks``) that is not its token, or an inference logprob
+  that is no logprob (``> 0``: atroposlib's ManagedServer pads a completion the server
+  answered too few logprobs for with ``1.0``), see ``misalignment``;
 - refused at lease time, with a reason naming the key: ``images`` (a text-only trainer),
   ``distill_token_ids`` / ``distill_logprobs`` (no distillation loss here), ``sft``, and any
   other ``overrides`` / ``group_overrides`` key, unless ``--atropos-metadata-keys`` names it.
@@ -22,6 +26,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import compress
 from typing import TYPE_CHECKING, Any
 
 from api.protocol import ScoredGroup, ScoredSequence
@@ -43,6 +48,9 @@ UNSUPPORTED_FIELDS = {
     "distill_logprobs": "on-policy distillation targets; this trainer has no distillation loss",
 }
 TEMPERATURE_TOLERANCE = 1e-6
+LOGPROB_MAX = 1e-3
+"""The largest inference logprob of a trained token still taken for a logprob (``<= 0``, with
+room for rounding); ManagedServer's placeholder is ``1.0``."""
 
 
 def atropos_extras(group: ScoredGroup) -> dict[str, Any]:
@@ -66,6 +74,9 @@ def refusal(group: ScoredGroup, cfg: GrpoConfig) -> str | None:
             "ref_logprobs: kl_reference is 'env' (no reference model) and kl_beta > 0, but the "
             "group sent no ref_logprobs"
         )
+    reason = misalignment(group, extras)
+    if reason:
+        return reason
     for name, why in UNSUPPORTED_FIELDS.items():
         if extras.get(name) is not None and name not in meta:
             return f"{name}: {why} (list it in --atropos-metadata-keys to train without it)"
@@ -94,6 +105,41 @@ def refusal(group: ScoredGroup, cfg: GrpoConfig) -> str | None:
     params = extras.get("generation_params") or {}
     if isinstance(params, Mapping) and "temperature" in params:
         return _temperature("generation_params.temperature", params["temperature"], cfg)
+    return None
+
+
+def misalignment(group: ScoredGroup, extras: Mapping[str, Any]) -> str | None:
+    """Why an Atropos group's trained positions are not what was sampled there, or ``None``.
+    Atropos's masks are labels: ``-100`` or the token id itself. The API converts them to the
+    0/1 mask by ``!= -100`` and keeps them verbatim in ``extras.atropos.masks`` only when a
+    label is another token (api/atropos_convert.py): Atropos's trainer would learn the label,
+    this one the token, and neither was sampled there (an env that re-tokenized the chat for
+    ``tokens`` but kept ManagedServer's masks). A trained token's inference logprob must be
+    a logprob: ManagedServer writes ``1.0`` on prompt positions, and on a completion's last
+    tokens when the server answered fewer logprobs than tokens; the importance ratio would
+    take it for the sampler's. A native group (no ``extras.atropos``) is not checked."""
+    if "atropos" not in group.extras:
+        return None
+    labels = extras.get("masks")
+    missing = extras.get("inference_logprobs_missing", False)
+    for i, seq in enumerate(group.sequences):
+        if labels is not None:
+            for j, (m, t) in enumerate(zip(labels[i], seq.tokens, strict=False)):
+                if m != -100 and m != t:
+                    return (
+                        f"masks[{i}][{j}] = {m} but tokens[{i}][{j}] = {t}: a trained "
+                        f"position's label must be its token (-100 or the token id), or the "
+                        f"sequence trains a token that was not sampled there"
+                    )
+        if missing or max(compress(seq.logprobs, seq.mask), default=-math.inf) <= LOGPROB_MAX:
+            continue  # (the common case in C; the position is searched only to name it)
+        for j, (m, lp) in enumerate(zip(seq.mask, seq.logprobs, strict=False)):
+            if m and lp > LOGPROB_MAX:
+                return (
+                    f"inference_logprobs[{i}][{j}] = {lp:g} at a trained position "
+                    f"(masks[{i}][{j}] = {seq.tokens[j]}): not a logprob (<= 0); atroposlib's "
+                    f"ManagedServer writes 1.0 where the server returned no logprob for a token"
+                )
     return None
 
 

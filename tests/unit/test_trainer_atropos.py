@@ -111,6 +111,30 @@ def test_applied_or_metadata_keys_pass(fields: dict) -> None:
     assert refusal(leased(item(**fields)), cfg) is None
 
 
+def test_a_misaligned_sequence_is_refused_naming_the_position() -> None:
+    """A trained position must hold what was sampled there: its label the token itself, its
+    inference logprob a logprob. ManagedServer's multi-turn shape passes: several trained
+    runs, its 1.0 placeholder on the prompt and the env's reply between them."""
+    cfg = GrpoConfig(temperature=1.0)
+    base = item()
+    turns = [m[:5] + [-100] + m[6:] for m in base["masks"]]  # answer / env / answer
+    placeholders = [
+        [1.0 if m == -100 else lp for m, lp in zip(mask, lps, strict=True)]
+        for mask, lps in zip(turns, base["inference_logprobs"], strict=True)
+    ]
+    assert refusal(leased(item(masks=turns, inference_logprobs=placeholders)), cfg) is None
+    relabelled = [list(m) for m in base["masks"]]
+    relabelled[1][6] = 99  # a label that is another token
+    reason = refusal(leased(item(masks=relabelled)), cfg)
+    assert reason.startswith("masks[1][6] = 99 but tokens[1][6] = 32: a trained"), reason
+    padded = [list(lps) for lps in placeholders]
+    padded[2][-1] = 1.0  # ManagedServer pads a completion short of logprobs with 1.0
+    reason = refusal(leased(item(masks=turns, inference_logprobs=padded)), cfg)
+    assert reason.startswith("inference_logprobs[2][8] = 1 at a trained position"), reason
+    missing = leased(item(masks=turns, inference_logprobs=None))  # recomputed: not checked
+    assert refusal(missing, cfg) is None
+
+
 def test_env_reference_mode_needs_ref_logprobs() -> None:
     cfg = GrpoConfig(kl_reference="env", kl_beta=0.1)
     assert "ref_logprobs: kl_reference is 'env'" in refusal(leased(item()), cfg)
