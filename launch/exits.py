@@ -15,8 +15,9 @@ that cgroup's OOM-kill count. When it has died, ``explain`` looks for the eviden
   up since the process was first seen, with the cgroup's limit and peak;
 - the machine's memory (``/proc/meminfo``).
 
-A trainer that stopped because a checkpoint could not be written (exit 74, a full disk) is
-named as such, with its own ``STOPPED:`` line.
+A trainer that stopped because a checkpoint could not be written (exit 74, a full disk), or
+because a weight sync's phase missed its deadline (exit 75, an inference server that hangs),
+is named as such, with its own ``STOPPED:`` line.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from launch.lifeline import descendants, proc_info
 
 EXIT_CHECKPOINT_WRITE = 74
 """The trainer's exit status when a checkpoint could not be written (trainer/__main__.py)."""
+EXIT_SYNC_TIMEOUT = 75
+"""The trainer's exit status when a weight sync's phase missed its deadline (an inference
+server that hangs; trainer/__main__.py, docs/FAULT_TOLERANCE.md)."""
 KILLED = re.compile(r"(?:Out of memory|Memory cgroup out of memory): Killed process (\d+)")
 OOM_LINE = re.compile(r"oom-kill:.*\bpid=(\d+)")
 MEMCG = re.compile(r"\boom_memcg=([^,\s]+)")
@@ -234,6 +238,15 @@ def explain(name: str, returncode: int | None, log: Path, watch: MemoryWatch | N
         if stop:
             return (
                 f"{name} stopped because a checkpoint could not be written:\n  {stop[-1].strip()}"
+            )
+    if returncode == EXIT_SYNC_TIMEOUT or "STOPPED: weight sync" in text:
+        stop = [line for line in text.splitlines() if "STOPPED: weight sync" in line]
+        if stop:
+            return (
+                f"{name} stopped because an inference server did not answer a weight sync "
+                f"in time:\n  {stop[-1].strip()}\n  the launcher stops the run (the server "
+                "may be frozen or overloaded: read its log); every acked batch is in a "
+                "checkpoint, so --resume continues without losing or retraining one."
             )
     sigkill = returncode == -9 or bool(re.search(r"exitcode\s*:\s*-9|Signal 9 \(SIGKILL\)", text))
     if watch is None or not (sigkill or returncode):

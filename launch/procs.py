@@ -91,11 +91,15 @@ class ManagedProcess:
         return self.popen is not None and self.popen.poll() is None
 
     def stop(self, timeout: float = 20.0) -> int | None:
-        """SIGTERM the process group, wait, then SIGKILL. Returns the exit code."""
+        """SIGTERM (and SIGCONT) the process group, wait, then SIGKILL. Returns the exit
+        code."""
         if self.popen is None:
             return None
         if self.popen.poll() is None:
             signal_group(self.popen.pid, signal.SIGTERM)
+            # A stopped process (SIGSTOP: a frozen server) holds its SIGTERM until woken:
+            # wake it, so it shuts down on the SIGTERM rather than on the SIGKILL below.
+            signal_group(self.popen.pid, signal.SIGCONT)
             try:
                 self.popen.wait(timeout=timeout)
             except subprocess.TimeoutExpired:

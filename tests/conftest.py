@@ -64,6 +64,7 @@ SLOW_FIRST = (
     "test_bridge_modes_smol",
     "test_launch_fsdp",
     "test_fault_tolerance",
+    "test_sync_deadlines",
     "test_atropos_e2e",
     "test_atropos_multiturn",
     "test_checkpoint_faults",

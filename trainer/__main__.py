@@ -17,6 +17,9 @@ from trainer.config import SECTIONS, GrpoConfig, SftConfig, build_parser
 
 EXIT_CHECKPOINT_WRITE = 74
 """Exit status when a checkpoint could not be written (sysexits' EX_IOERR): a full disk."""
+EXIT_SYNC_TIMEOUT = 75
+"""Exit status when a weight sync's phase missed its deadline (sysexits' EX_TEMPFAIL): an
+inference server that hangs (docs/FAULT_TOLERANCE.md, "A weight sync that hangs")."""
 COMMANDS = {
     "sft": (SftConfig, "Supervised cold start on the Shop-R1 dataset."),
     "grpo": (GrpoConfig, "GRPO on scored groups leased from the batching API."),
@@ -44,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging()
     logging.getLogger("trainer").info("%s config:\n%s", ns.command, report(cfg))
+    from trainer.bridge.deadline import SyncTimeout
     from trainer.checkpoint import CheckpointWriteError
     from trainer.distributed import shutdown
 
@@ -59,6 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointWriteError as e:  # a full disk: say so plainly, no traceback to read
         logging.getLogger("trainer").error("STOPPED: %s", e)
         return EXIT_CHECKPOINT_WRITE
+    except SyncTimeout as e:  # a server that hangs: every acked batch is in a checkpoint
+        logging.getLogger("trainer").error(
+            "STOPPED: %s. Every batch acked so far is in a checkpoint; the resumed trainer "
+            "re-syncs the checkpoint's weights first.",
+            e,
+        )
+        return EXIT_SYNC_TIMEOUT
     shutdown(run.dist)  # under torchrun: leave the process group cleanly
     return 0
 

@@ -203,6 +203,35 @@ class SftConfig(CommonConfig):
         return self
 
 
+class SyncDeadlines(BaseModel):
+    """Seconds each phase of a weight sync may wait on an inference server before the sync
+    fails with an error naming the phase, the server and the deadline (docs/BRIDGE.md,
+    docs/FAULT_TOLERANCE.md). Flags: ``--sync-deadline.apply 60``."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    check: float = Field(30.0, gt=0)
+    """A server's /bridge/health or /bridge/info (its run_id and version)."""
+    connect: float = Field(120.0, gt=0)
+    """Setting the data plane up: /init_weight_transfer_engine and the gloo rendezvous."""
+    stage: float = Field(60.0, gt=0)
+    """/bridge/stage: the receivers on other hosts start listening (broadcast)."""
+    transfer: float = Field(300.0, gt=0)
+    """The gloo broadcast of the packed weights to receivers on other hosts."""
+    apply: float = Field(300.0, gt=0)
+    """Pause, load, set the version, resume: /bridge/apply, /bridge/reload, /bridge/lora/load."""
+    close: float = Field(30.0, gt=0)
+    """/shutdown_weight_transfer_engine when the trainer drops its data plane."""
+
+    def of(self, phase: str) -> float:
+        return float(getattr(self, phase))
+
+    def group_s(self) -> float:
+        """The gloo group's own timeout (trainer and workers): the longest of its waits, so
+        a call abandoned by the trainer, or left in a woken worker, ends by itself."""
+        return max(self.connect, self.transfer)
+
+
 class GrpoConfig(CommonConfig):
     """GRPO on scored groups leased from the batching API, weights synced into vLLM."""
 
@@ -259,6 +288,10 @@ class GrpoConfig(CommonConfig):
     )
     """Mode ``none``: reload weights from the saved checkpoint every N steps (Atropos:
     ``--vllm-restart-interval``)."""
+    sync_deadline: SyncDeadlines = Field(default_factory=SyncDeadlines)
+    """Seconds each phase of a weight sync may wait on an inference server
+    (``--sync-deadline.apply 60``); one that misses it stops the trainer (exit 75) with the
+    phase, the server and the deadline (docs/FAULT_TOLERANCE.md)."""
     temperature: float = 1.0
     """Sampling temperature the completions were drawn with; divides the trainer's logits."""
     clip_low: float = Field(0.2, gt=0)

@@ -254,11 +254,16 @@ class WeightSync:
         """Is ``error`` explained by a server being unreachable or restarted since ``before``?
         (Anything else -- a wrong token, a shape mismatch, a server's 500 -- is raised at
         once.) Unreachable: a transport failure that the one transient rule accepts
-        (``api.retry.is_transient``; a whole sync is safe to repeat)."""
+        (``api.retry.is_transient``; a whole sync is safe to repeat). A phase that missed its
+        deadline (``SyncTimeout``: a server that hangs, not one that is down) is never
+        retried: the trainer stops and says which phase of which server."""
         import httpx
 
         from api.retry import is_transient
+        from trainer.bridge.deadline import SyncTimeout
 
+        if isinstance(error, SyncTimeout):
+            return False
         if isinstance(error, httpx.TransportError) and is_transient(error):
             return True
         try:
@@ -403,6 +408,7 @@ def _bridge_kwargs(cfg: GrpoConfig, trainer_device: str, sharded: bool = False) 
         "token": cfg.bridge_token,
         "reload_every": cfg.reload_every,
         "save_dir": f"{cfg.save_path}/bridge",
+        "deadlines": cfg.sync_deadline,
     }
     if sharded and cfg.weight_bridge_mode == "shared_vllm" and not cfg.single_copy:
         # Under torchrun MASTER_ADDR/MASTER_PORT are the trainer's own rendezvous: the

@@ -404,6 +404,7 @@ def test_grpo_hands_the_trainers_gpu_to_the_cuda_bridge_only() -> None:
         bridge_token="t",
         reload_every=1,
         save_path="s",
+        sync_deadline=None,
     )
     kw = _bridge_kwargs(cfg, "cuda:1")
     assert kw["device"] == "cuda" and kw["trainer_device"] == "cuda:1"

@@ -6,7 +6,9 @@
   machine's memory). Where this process may not create a cgroup, it is skipped with the reason
   and only the cases below run;
 - a SIGKILL that was not the OOM killer's is not called one;
-- a trainer that stopped on a failed checkpoint write (exit 74) is named by its own line.
+- a trainer that stopped on a failed checkpoint write (exit 74) is named by its own line;
+- so is one that stopped on a weight sync's missed deadline (exit 75), and the launcher's
+  stop of a frozen (SIGSTOPped) process ends it by its SIGTERM, not the SIGKILL.
 """
 
 from __future__ import annotations
@@ -99,3 +101,31 @@ def test_a_failed_checkpoint_write_is_named(tmp_path: Path) -> None:
     assert text.startswith("trainer stopped because a checkpoint could not be written")
     assert "step_000007" in text
     assert explain("trainer", 0, tmp_path / "missing.log", None) == ""
+
+
+def test_a_weight_sync_timeout_is_named(tmp_path: Path) -> None:
+    log = tmp_path / "trainer.log"
+    line = (
+        "2026-11-28 ERROR trainer: STOPPED: weight sync to http://127.0.0.1:9001 timed out in "
+        "phase 'apply' after 30 s (--sync-deadline.apply; is the server stopped or overloaded?)"
+    )
+    log.write_text(f"step 6 loss 0.1\n{line}\n")
+    text = explain("trainer", 75, log, MemoryWatch(1))
+    assert text.startswith("trainer stopped because an inference server did not answer")
+    assert "timed out in phase 'apply' after 30 s" in text and "--resume" in text
+
+
+def test_stop_wakes_a_frozen_process_so_its_sigterm_ends_it(tmp_path: Path) -> None:
+    """A SIGSTOPped process keeps a SIGTERM pending until it is continued: ``stop`` sends
+    SIGCONT with it, so the process exits on the SIGTERM at once (-15), not on the SIGKILL
+    after the grace period."""
+    argv = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(600)"]
+    proc = ManagedProcess("frozen", argv, tmp_path / "frozen.log").start()
+    deadline = time.monotonic() + 60
+    while "up" not in proc.log_path.read_text():
+        assert time.monotonic() < deadline and proc.alive()
+        time.sleep(0.05)
+    import os
+
+    os.kill(proc.pid, signal.SIGSTOP)
+    assert proc.stop(timeout=120) == -signal.SIGTERM

@@ -115,13 +115,14 @@ def test_rendezvous_fails_fast_when_a_server_refuses_its_init() -> None:
         refused = pool.submit(lambda: (_ for _ in ()).throw(RuntimeError("init refused")))
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match="init refused"):
-            _join_unless_refused(lambda: never.wait(30), [ok, refused])
+            _join_unless_refused(lambda: never.wait(30), [ok, refused], ["a", "b"], 60)
         assert time.monotonic() - t0 < 5
         never.set()  # release the abandoned join thread
 
-        assert _join_unless_refused(lambda: ("local", "group"), [ok]) == ("local", "group")
+        one = (["a"], 60)
+        assert _join_unless_refused(lambda: ("local", "group"), [ok], *one) == ("local", "group")
         with pytest.raises(TimeoutError, match="gloo"):  # the join's own error is raised
-            _join_unless_refused(lambda: (_ for _ in ()).throw(TimeoutError("gloo")), [ok])
+            _join_unless_refused(lambda: (_ for _ in ()).throw(TimeoutError("gloo")), [ok], *one)
 
 
 class _HangUp(http.server.BaseHTTPRequestHandler):

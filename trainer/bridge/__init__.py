@@ -59,7 +59,8 @@ def make_bridge(
     weights every N-th sync. ``trainer_device`` (CUDA only) is the trainer's own GPU, made
     current before the native engine is built (NCCL joins from it, IPC keys its handles by
     it). ``kwargs`` go to the mode's class (e.g. ``bucket_bytes`` for the
-    broadcast). The
+    broadcast; ``deadlines``, a ``trainer.config.SyncDeadlines``, for every mode: how long
+    each phase of a sync may wait on a server, trainer/bridge/deadline.py). The
     broadcast's rendezvous comes from ``MASTER_ADDR``/``MASTER_PORT`` when they are set
     (``rendezvous_from_env``) unless ``kwargs`` name it.
     """

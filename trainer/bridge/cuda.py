@@ -50,6 +50,7 @@ import trainer.bridge.vllm_compat as vllm_compat
 from api.retry import is_transient
 from settings.ports import free_port
 from trainer.bridge.base import SyncStats, WeightBridge
+from trainer.bridge.deadline import SyncDeadlines, spawn
 from trainer.bridge.http import ServerClient
 from trainer.bridge.params import check_against_server, hf_shapes, iter_hf_tensors
 from vllm_patching.transport import torch_dtype
@@ -168,9 +169,10 @@ class NativeCudaBridge(WeightBridge):
         send_timeout: float = 600.0,
         resume_timeout: float = 30.0,
         trainer_device: str | torch.device | None = None,
+        deadlines: SyncDeadlines | None = None,
     ) -> None:
         self.vllm = vllm_compat.load()  # every vLLM name, now (fails fast on another vLLM)
-        super().__init__(server_urls, token=token, timeout=timeout)
+        super().__init__(server_urls, token=token, timeout=timeout, deadlines=deadlines)
         self.single_copy = single_copy
         self.master_address, self.master_port = master_address, master_port
         self.send_timeout, self.resume_timeout = send_timeout, resume_timeout
@@ -335,7 +337,7 @@ class NativeCudaBridge(WeightBridge):
                 **({} if timeout is None else {"timeout": timeout}),
             )
 
-        futures = [self._pool.submit(resume, s) for s in self.servers]
+        futures = [spawn(lambda s=s: resume(s), "bridge-resume") for s in self.servers]
         for s, f in zip(self.servers, futures, strict=True):
             try:
                 f.result()

@@ -6,7 +6,7 @@ all of them). The staged flow it shares: ``trainer/bridge/staged.py``; docs/BRID
 from __future__ import annotations
 
 import logging
-import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from typing import Any, TypeVar
@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import torch
 
 from settings.ports import free_port
+from trainer.bridge.deadline import SyncDeadlines, SyncTimeout, bounded, fault_point, spawn
 from trainer.bridge.http import ServerClient
 from trainer.bridge.staged import StagedBridge, sweep_segments
 from vllm_patching.gloo_group import (
@@ -30,11 +31,6 @@ from vllm_patching.transport import DEFAULT_BUCKET_BYTES, PackPlan, bucket_views
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
-
-RENDEZVOUS_S = 120.0
-"""How long rank 0 waits for the workers to join the transfer group. They join within a
-second of their init call on a healthy server; a server whose init failed is noticed at
-once by ``_join_unless_refused``, so this only bounds a worker that hangs."""
 
 
 class GlooBroadcastBridge(StagedBridge):
@@ -56,8 +52,9 @@ class GlooBroadcastBridge(StagedBridge):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout: float = 600.0,
         shm_fast_path: bool = True,
+        deadlines: SyncDeadlines | None = None,
     ) -> None:
-        super().__init__(server_urls, token=token, timeout=timeout)
+        super().__init__(server_urls, token=token, timeout=timeout, deadlines=deadlines)
         self.bucket_bytes = bucket_bytes
         self.master_address = master_address
         self.master_port = master_port
@@ -91,6 +88,10 @@ class GlooBroadcastBridge(StagedBridge):
                 "shm_nonce": write_nonce(self.segment),
             }
 
+        # The gloo group's own timeout, on both sides: a worker woken after the trainer gave
+        # up (a SIGCONT) leaves its rendezvous or receive by itself within it.
+        group_s, connect_s = self.deadlines.group_s(), self.deadlines.connect
+
         def init(s: ServerClient, offset: int) -> None:
             s.post(
                 "/init_weight_transfer_engine",
@@ -100,27 +101,32 @@ class GlooBroadcastBridge(StagedBridge):
                         "master_port": port,
                         "rank_offset": offset,
                         "world_size": world,
+                        "timeout_s": group_s,
                         **shm,
                     }
                 },
+                timeout=connect_s,
             )
 
         # The workers block in the rendezvous until the trainer joins: issue the HTTP calls
         # concurrently, join as rank 0 (group, handshake all-gather, remote sub-group), then
-        # surface any server-side error.
+        # surface any server-side error; all of it within the connect deadline.
+        fault_point("connect")
         futures = [
-            self._pool.submit(init, s, o) for s, o in zip(self.servers, offsets, strict=True)
+            spawn(lambda s=s, o=o: init(s, o), "bridge-connect")
+            for s, o in zip(self.servers, offsets, strict=True)
         ]
-        self._store = gloo_store(self.master_address, port, 0, world, RENDEZVOUS_S)
+        self._store = gloo_store(self.master_address, port, 0, world, group_s)
 
         store, shared = self._store, self.segment is not None
 
         def join() -> tuple[list[bool], Any]:
-            full = gloo_group_on(store, "shop_r1_bridge", 0, world, RENDEZVOUS_S)
+            full = gloo_group_on(store, "shop_r1_bridge", 0, world, group_s)
             local = allgather_flags(full, shared)
-            return local, remote_group(store, 0, local, RENDEZVOUS_S)
+            return local, remote_group(store, 0, local, group_s)
 
-        self.local, self.group = _join_unless_refused(join, futures)
+        urls = [s.base_url for s in self.servers]
+        self.local, self.group = _join_unless_refused(join, futures, urls, connect_s)
         self.remote = bool(remote_ranks(self.local))
         if self.segment is not None and not any(self.local[1:]):
             self.segment.close()  # nobody shares this host's memory: pack into private buffers
@@ -136,15 +142,34 @@ class GlooBroadcastBridge(StagedBridge):
     def _send(self) -> None:
         if self.group is None:
             return  # every receiver is local: the pack was the transfer
-        for buf in self._bufs:
-            broadcast(self.group, buf, root=0)
+        group, bufs = self.group, self._bufs
+
+        def send() -> None:
+            for buf in bufs:
+                broadcast(group, buf, root=0)
+
+        receivers = [
+            s.base_url
+            for s, local in zip(self.servers, self._server_local(), strict=True)
+            if not local
+        ]
+        bounded("transfer", [(", ".join(receivers), send)], self.deadlines.transfer)
+
+    def _server_local(self) -> list[bool]:
+        """Per server: every worker of it reads shared memory (takes no part in the send)."""
+        sizes = [int(i["world_size"]) for i in self.infos]
+        out, rank = [], 1
+        for n in sizes:
+            out.append(all(self.local[rank : rank + n]))
+            rank += n
+        return out
 
     def _close_data_plane(self) -> None:
         if self._store is not None:
             # Workers drop their group and unmap the segment (best effort: a restarted or
             # stopped server has nothing to release).
             try:
-                self.each(lambda s: s.post("/shutdown_weight_transfer_engine"))
+                self.each(lambda s: s.post("/shutdown_weight_transfer_engine"), "close")
             except Exception:  # noqa: BLE001
                 pass
         self.group, self._store, self._bufs, self.remote = None, None, [], False
@@ -153,28 +178,38 @@ class GlooBroadcastBridge(StagedBridge):
             self.segment = None
 
 
-def _join_unless_refused(join: Callable[[], T], inits: list[Future[Any]]) -> T:
+def _join_unless_refused(
+    join: Callable[[], T], inits: list[Future[Any]], urls: list[str], deadline_s: float
+) -> T:
     """Run the rank-0 side of the rendezvous (``join``) while the servers' init calls run.
 
     The workers block in the rendezvous until rank 0 joins, so the calls must overlap. A
     server that answers its init call with an error will never join: raise its error at once
-    instead of sitting in gloo's connect loop until the timeout. (The blocked join thread is
-    abandoned; it ends with gloo's timeout and its store is dropped.)
+    instead of sitting in gloo's connect loop until the timeout. A rendezvous (or an init
+    call, ``urls[k]`` for ``inits[k]``) not done within ``deadline_s`` raises
+    ``SyncTimeout`` naming a server that did not answer. (A blocked thread is abandoned; it
+    ends with gloo's or the request's timeout and its store is dropped.)
     """
-    joined: Future[T] = Future()
+    import httpx
 
-    def run() -> None:
-        try:
-            joined.set_result(join())
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-            joined.set_exception(e)
+    joined = spawn(join, "bridge-rendezvous")
+    end = time.monotonic() + deadline_s
 
-    threading.Thread(target=run, name="bridge-rendezvous", daemon=True).start()
+    def failed() -> None:
+        for url, f in zip(urls, inits, strict=True):
+            if f.done() and (e := f.exception()) is not None:
+                if isinstance(e, httpx.TimeoutException):
+                    raise SyncTimeout("connect", url, deadline_s) from e
+                raise e
+
     while not wait([joined], timeout=0.05).done:
-        for f in inits:
-            if f.done() and f.exception() is not None:
-                raise f.exception()  # type: ignore[misc]
+        failed()
+        if time.monotonic() > end:
+            late = [u for u, f in zip(urls, inits, strict=True) if not f.done()] or urls
+            raise SyncTimeout("connect", ", ".join(late), deadline_s)
     result = joined.result()  # the join's own error, if it failed
-    for f in inits:  # the servers' side of the rendezvous, and any error they raised after
-        f.result()
+    for url, f in zip(urls, inits, strict=True):  # the servers' side, and any error after
+        if not wait([f], timeout=max(0.0, end - time.monotonic())).done:
+            raise SyncTimeout("connect", url, deadline_s)
+        failed()
     return result

@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 
 from api.retry import RetryPolicy, is_transient, retry_call
+from trainer.bridge.deadline import current_deadline
 from vllm_patching.protocol import TOKEN_HEADER
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,10 @@ class ServerClient:
         retryable: Callable[[BaseException], bool] = never_sent,
         **kw: Any,
     ) -> httpx.Response:
+        deadline = current_deadline()  # in a sync's phase: its deadline bounds the request
+        if deadline is not None:
+            kw.setdefault("timeout", deadline)
+
         def once() -> httpx.Response:
             r = self.http.request(method, path, **kw)
             if r.status_code >= 400:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from trainer.bridge.base import SyncStats, WeightBridge
+from trainer.bridge.deadline import SyncDeadlines
 
 
 class LoraBridge(WeightBridge):
@@ -26,8 +27,9 @@ class LoraBridge(WeightBridge):
         token: str | None = None,
         keep: int = 2,
         timeout: float = 600.0,
+        deadlines: SyncDeadlines | None = None,
     ) -> None:
-        super().__init__(server_urls, token=token, timeout=timeout)
+        super().__init__(server_urls, token=token, timeout=timeout, deadlines=deadlines)
         infos = self.each(lambda s: s.info())
         for url, info in zip(server_urls, infos, strict=True):
             if info["mode"] != "lora_only":
@@ -56,7 +58,8 @@ class LoraBridge(WeightBridge):
         answers = self.each(
             lambda s: s.post(
                 "/bridge/lora/load", json={"path": str(path.resolve()), "version": version}
-            ).json()
+            ).json(),
+            "apply",
         )
         self.served_model = answers[0]["served_model"]
         self.runs.record(runs)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from trainer.bridge.base import SyncStats, WeightBridge
+from trainer.bridge.deadline import SyncDeadlines
 from trainer.bridge.params import hf_tensors
 
 
@@ -45,8 +46,9 @@ class CheckpointReloadBridge(WeightBridge):
         keep: int = 2,
         reload_every: int = 1,
         timeout: float = 600.0,
+        deadlines: SyncDeadlines | None = None,
     ) -> None:
-        super().__init__(server_urls, token=token, timeout=timeout)
+        super().__init__(server_urls, token=token, timeout=timeout, deadlines=deadlines)
         if reload_every < 1:
             raise ValueError("reload_every must be >= 1")
         self.save_dir = Path(save_dir)
@@ -93,7 +95,8 @@ class CheckpointReloadBridge(WeightBridge):
         answers = self.each(
             lambda s: s.post(
                 "/bridge/reload", json={"path": str(path.resolve()), "version": version}
-            ).json()
+            ).json(),
+            "apply",
         )
         self.runs.record(runs)
         return answers

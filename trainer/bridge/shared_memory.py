@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
+from trainer.bridge.deadline import SyncDeadlines
 from trainer.bridge.staged import StagedBridge, sweep_segments
 from vllm_patching.shm_segment import ShmSegment, new_segment_name
 from vllm_patching.transport import PackPlan
@@ -24,8 +25,9 @@ class SharedMemoryBridge(StagedBridge):
         server_urls: Sequence[str],
         token: str | None = None,
         timeout: float = 600.0,
+        deadlines: SyncDeadlines | None = None,
     ):
-        super().__init__(server_urls, token=token, timeout=timeout)
+        super().__init__(server_urls, token=token, timeout=timeout, deadlines=deadlines)
         self.segment: ShmSegment | None = None
 
     def _open(self, plan: PackPlan) -> None:
@@ -33,7 +35,9 @@ class SharedMemoryBridge(StagedBridge):
         name = new_segment_name()
         self.segment = ShmSegment(name, max(plan.total_bytes, 1), create=True)
         info = {"segment": name, "size": self.segment.size}
-        self.each(lambda s: s.post("/init_weight_transfer_engine", json={"init_info": info}))
+        self.each(
+            lambda s: s.post("/init_weight_transfer_engine", json={"init_info": info}), "connect"
+        )
 
     def _buckets(self) -> list[torch.Tensor]:
         assert self.segment is not None and self.plan is not None
@@ -45,7 +49,7 @@ class SharedMemoryBridge(StagedBridge):
     def _close_data_plane(self) -> None:
         if self.segment is not None:
             try:
-                self.each(lambda s: s.post("/shutdown_weight_transfer_engine"))
+                self.each(lambda s: s.post("/shutdown_weight_transfer_engine"), "close")
             except Exception:  # noqa: BLE001 - the server may be gone; still unlink
                 pass
             self.segment.close()

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from trainer.bridge.base import SyncStats, WeightBridge
+from trainer.bridge.deadline import SyncDeadlines, SyncTimeout, bounded
 from trainer.bridge.http import BridgeHTTPError, ServerClient
 from trainer.bridge.params import check_against_server, hf_parameters, wire_metas
 from trainer.bridge.resident import ResidentWeights
@@ -39,8 +40,9 @@ class StagedBridge(WeightBridge):
         server_urls: Sequence[str],
         token: str | None = None,
         timeout: float = 600.0,
+        deadlines: SyncDeadlines | None = None,
     ):
-        super().__init__(server_urls, token=token, timeout=timeout)
+        super().__init__(server_urls, token=token, timeout=timeout, deadlines=deadlines)
         self._resident: ResidentWeights | None = None
         self.infos = self.each(ServerClient.info)
         for url, info in zip(server_urls, self.infos, strict=True):
@@ -119,12 +121,16 @@ class StagedBridge(WeightBridge):
         if self.runs.restarted():
             self._reset()
 
-    def _each_run(self, fn: Callable[[ServerClient, str], T]) -> list[T]:
-        """``fn(server, its run_id)`` on every server concurrently."""
+    def _each_run(self, fn: Callable[[ServerClient, str], T], phase: str) -> list[T]:
+        """``fn(server, its run_id)`` on every server concurrently, within ``phase``'s
+        deadline."""
         ids = self.runs.ids
         assert ids is not None  # recorded when the bridge was built
-        futures = [self._pool.submit(fn, s, rid) for s, rid in zip(self.servers, ids, strict=True)]
-        return [f.result() for f in futures]
+        calls = [
+            (s.base_url, lambda s=s, rid=rid: fn(s, rid))
+            for s, rid in zip(self.servers, ids, strict=True)
+        ]
+        return bounded(phase, calls, self.deadlines.of(phase))
 
     @torch.no_grad()
     def sync(self, model: torch.nn.Module, version: int) -> SyncStats:
@@ -133,6 +139,19 @@ class StagedBridge(WeightBridge):
         if self.remote:
             self._check_restarts()
             phases["check_s"] = time.perf_counter() - t0
+        try:
+            return self._sync(model, version, t0, phases)
+        except SyncTimeout:
+            # A server froze mid-sync and may wake up and go on reading this data plane:
+            # take the parameters out of its buffers and drop it (the workers' side within
+            # the close deadline), so nothing the trainer does next can reach a half-read
+            # buffer and a later sync sets everything up afresh (docs/FAULT_TOLERANCE.md).
+            self._drop_data_plane()
+            raise
+
+    def _sync(
+        self, model: torch.nn.Module, version: int, t0: float, phases: dict[str, float]
+    ) -> SyncStats:
         params = hf_parameters(model)
         self._prepare(params)
         for attempt in range(2):
@@ -167,7 +186,8 @@ class StagedBridge(WeightBridge):
             self._each_run(
                 lambda s, rid: s.post(
                     "/bridge/stage", json={"update_info": update_info, "run_id": rid}
-                )
+                ),
+                "stage",
             )
             t3 = time.perf_counter()
             self._send()
@@ -177,7 +197,8 @@ class StagedBridge(WeightBridge):
             body = {"version": version, "update_info": update_info}
         t4 = time.perf_counter()
         answers = self._each_run(
-            lambda s, rid: s.post("/bridge/apply", json={**body, "run_id": rid}).json()
+            lambda s, rid: s.post("/bridge/apply", json={**body, "run_id": rid}).json(),
+            "apply",
         )
         t5 = time.perf_counter()
         phases.update(pack_s=t2 - t1, stage_call_s=t3 - t2, send_s=t4 - t3, apply_call_s=t5 - t4)
