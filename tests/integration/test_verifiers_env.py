@@ -56,14 +56,18 @@ def _env_argv(
     ]
 
 
-def _run_env(argv: list[str], tmp: Path, name: str) -> dict:
+def _start_env(argv: list[str], tmp: Path, name: str) -> ManagedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ENVS), str(HERE.parents[1])])}
-    proc = ManagedProcess(name, argv, tmp / f"{name}.log", env=env).start()
+    return ManagedProcess(name, argv, tmp / f"{name}.log", env=env).start()
+
+
+def _finish_env(proc: ManagedProcess, tmp: Path) -> dict:
+    """Wait for an env service started with ``--max-groups``; its summary."""
     try:
         assert proc.wait_exit(stall=900, limit=1800) == 0, tail(proc.log_path)
     finally:
         proc.stop()
-    return json.loads((tmp / f"{name}.summary.json").read_text())
+    return json.loads((tmp / f"{proc.name}.summary.json").read_text())
 
 
 def _queued(db: Path, env: str) -> list[tuple[int, dict]]:
@@ -128,18 +132,21 @@ def test_verifiers_envs_train_through_the_stack(tiny_model_dir: Path, tmp_path: 
             forked=True,
             extra=["--enable-scale-out"],
         )
-        # before any training step: a single-turn env (2 tasks) and the game (1 task)
-        echo = _env_argv("vf_echo", api_url, vllm.base_url, tmp_path, "echo", 2, 6)
-        assert _run_env(echo, tmp_path, "echo")["pushed"] == 2
-        # every guess is the one token "7": its text re-encodes to the same token, so each
-        # turn's re-rendered prompt extends the sampled one and a game stays one branch
+        # before any training step, side by side: a single-turn env (2 tasks) and the game
+        # (1 task); every guess is the one token "7": its text re-encodes to the same token,
+        # so each turn's re-rendered prompt extends the sampled one and a game stays one branch
         tok = AutoTokenizer.from_pretrained(tiny_model_dir)
         (seven,) = tok.encode("7", add_special_tokens=False)
+        echo = _env_argv("vf_echo", api_url, vllm.base_url, tmp_path, "echo", 2, 6)
         guess = _env_argv("vf_guess", api_url, vllm.base_url, tmp_path, "guess", 1, 1)
         guess += ["--env-args", json.dumps({"secrets": [-1], "max_turns": TURNS})]
         guess += ["--sampling", json.dumps({"allowed_token_ids": [seven]})]
-        summary = _run_env(guess, tmp_path, "guess")
-        assert summary["pushed"] == 1 and not any(k.startswith("refused") for k in summary)
+        started = [_start_env(echo, tmp_path, "echo"), _start_env(guess, tmp_path, "guess")]
+        procs += started
+        summaries = {p.name: _finish_env(p, tmp_path) for p in started}
+        assert summaries["echo"]["pushed"] == 2 and summaries["guess"]["pushed"] == 1
+        for summary in summaries.values():
+            assert not any(k.startswith(("refused", "failed")) for k in summary), summary
 
         for name, want_runs in (("echo", 1), ("guess", TURNS)):
             record = [
@@ -175,7 +182,7 @@ def test_verifiers_envs_train_through_the_stack(tiny_model_dir: Path, tmp_path: 
             time.sleep(1.0)
         # after the first sync: a group sampled by the new weights
         late = _env_argv("vf_echo", api_url, vllm.base_url, tmp_path, "echo_late", 1, 6)
-        assert _run_env(late, tmp_path, "echo_late")["pushed"] == 1
+        assert _finish_env(_start_env(late, tmp_path, "echo_late"), tmp_path)["pushed"] == 1
         assert trainer.wait_exit(stall=900, limit=1800) == 0, tail(trainer.log_path)
     finally:
         for p in reversed(procs):
