@@ -49,6 +49,7 @@ class ScoredSequence(BaseModel):
     score: float = Field(description="The reward of this completion (finite).")
     advantages: list[float] | None = Field(
         None,
+        exclude_if=lambda v: v is None,  # stored and served as before when not given
         description="The environment's own per-token advantages, aligned to `tokens` (e.g. "
         "per-turn credit); they replace the group-normalised `score` on this sequence's "
         "tokens. Omitted: the episode's score, normalised in its group, on every sampled token.",
