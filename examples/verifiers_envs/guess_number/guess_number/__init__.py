@@ -4,8 +4,9 @@ The model guesses a secret integer in ``[low, high]``; the game answers each gue
 "higher" or "lower" (the env plays the user, as verifiers' TextArena env does) until the
 model finds it or ``max_turns`` guesses are spent. Reward ``solved``: 1.0 for a win at the
 first guess, 0.1 less for every further guess (never below ``min_win``), 0.0 for a loss,
-so a policy learns to win and to win in fewer turns (binary search). Metrics: ``guesses``,
-``won``, ``valid`` (share of replies that held a number).
+so a policy learns to win and to win in fewer turns (binary search); plus ``format``:
+``format_weight`` times the share of replies that held a number (a small instruct model at
+first often answers in prose). Metrics: ``guesses``, ``won``, ``valid``.
 
 Splits of secrets: ``test`` holds every ``holdout_every``-th number of the range (held out),
 ``train`` the rest; each secret is repeated ``repeats`` times per epoch. Evaluate a trained
@@ -43,6 +44,9 @@ class GuessConfig(vf.TasksetConfig):
     holdout_every: int = 5
     repeats: int = 1
     min_win: float = 0.3
+    format_weight: float = 0.2
+    """Credit for replying with a number at all: this times the share of replies that held
+    one (a small model must first learn to answer in the game's form)."""
 
 
 class GuessTaskset(vf.Taskset[GuessTask, GuessConfig]):
@@ -54,7 +58,7 @@ class GuessTaskset(vf.Taskset[GuessTask, GuessConfig]):
         secrets = [s for s in range(c.low, c.high + 1) if (s in held_out) == (c.split == "test")]
         prompt = (
             f"I am thinking of an integer between {c.low} and {c.high}. "
-            f"You have {c.max_turns} guesses. Your first guess?"
+            f"You have {c.max_turns} guesses. Your first guess? Reply with the number only."
         )
         return [
             GuessTask(
@@ -78,7 +82,8 @@ def judge(reply: str, secret: int) -> tuple[str | None, bool]:
     guess = int(m.group())
     if guess == secret:
         return None, True
-    return ("higher" if guess < secret else "lower"), True
+    hint = "Higher" if guess < secret else "Lower"
+    return f"{hint}. Your next guess? Reply with the number only.", True
 
 
 class GuessEnv(vf.Env[GuessEnvConfig]):
@@ -100,6 +105,7 @@ class GuessEnv(vf.Env[GuessEnvConfig]):
         trace = interaction.trace
         reward = max(c.min_win, 1.0 - 0.1 * (turns - 1)) if solved else 0.0
         trace.record_reward("solved", reward)
+        trace.record_reward("format", c.format_weight * valid / max(1, turns))
         trace.record_metric("guesses", float(turns))
         trace.record_metric("won", float(solved))
         trace.record_metric("valid", valid / max(1, turns))
