@@ -67,6 +67,8 @@ SLOW_FIRST = (
     "test_sync_deadlines",
     "test_atropos_e2e",
     "test_atropos_multiturn",
+    "test_verifiers_env",
+    "test_launch_verifiers",
     "test_checkpoint_faults",
     "test_launch_oom",
     "test_trainer_fsdp",
