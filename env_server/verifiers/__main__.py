@@ -1,7 +1,8 @@
 """``python -m env_server.verifiers ENV_ID [flags]`` from any interpreter: makes sure the
 verifiers venv exists (``venv.py``, built once under a file lock), then replaces this process
-with the service running in that venv (``run.py``; same PID, so a parent-death request or a
-launcher's stop by PID still reaches it). ``--help`` and config errors answer here, fast."""
+with the same command in that venv, which runs the service (``run.py``; same PID, so a
+parent-death request or a launcher's stop by PID still reaches it). ``--help`` and config
+errors answer here, fast."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> None:
 
         run(args)
         return
-    os.execve(str(py), [str(py), "-m", "env_server.verifiers.run", *args], venv_environ())
+    os.execve(str(py), [str(py), "-m", "env_server.verifiers", *args], venv_environ())
 
 
 if __name__ == "__main__":

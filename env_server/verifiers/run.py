@@ -302,7 +302,3 @@ def main(argv: list[str] | None = None) -> None:
     summary = asyncio.run(serve(cfg))
     if cfg.summary_path is not None:
         Path(cfg.summary_path).write_text(json.dumps(summary))
-
-
-if __name__ == "__main__":
-    main()
