@@ -129,15 +129,18 @@ def resume_plan(cfg: RunConfig, run_dir: Path) -> str:
     checkpoint trainer/resume.py picks for SFT and for GRPO (and trainer/run.py's check that
     it is complete), and the reuse of the SFT evaluation."""
     parts, sft_pending = [], False
+    shop_r1 = cfg.launch.shop_r1_env  # without it: no dataset, no SFT, no Shop-R1 evaluation
     if prepares_embedded(cfg):
-        have = {"the base model": has_base_model(cfg), "the dataset": has_dataset(cfg)}
+        have = {"the base model": has_base_model(cfg)}
+        if shop_r1:
+            have["the dataset"] = has_dataset(cfg)
         for done, verb in ((True, "reused"), (False, "built")):
             names = [n for n, h in have.items() if h is done]
             if names:
                 parts.append(f"{' and '.join(names)} {'is' if len(names) == 1 else 'are'} {verb}")
-        if sft_done(cfg):
+        if shop_r1 and sft_done(cfg):
             parts.append("SFT is done (its model is reused)")
-        else:
+        elif shop_r1:
             text, sft_pending = _trainer_plan("SFT", cfg.trainer.sft)
             parts.append(text)
     grpo, left = _trainer_plan("GRPO", cfg.trainer.grpo)
@@ -146,8 +149,12 @@ def resume_plan(cfg: RunConfig, run_dir: Path) -> str:
     elif not left:
         grpo += ": only its final weights are synced to vLLM again"
     parts.append(grpo)
-    if cfg.launch.eval_samples and reused_sft_eval(cfg, run_dir):
+    if shop_r1 and cfg.launch.eval_samples and reused_sft_eval(cfg, run_dir):
         parts.append("the SFT evaluation is read back, the RL evaluation runs")
-    elif cfg.launch.eval_samples:
+    elif shop_r1 and cfg.launch.eval_samples:
         parts.append("the SFT and RL evaluations run")
+    if cfg.verifiers is not None and cfg.launch.verifiers_eval_env_args is not None:
+        before = (run_dir / "eval_verifiers_before.jsonl").exists()
+        runs = "is read back" if before else "runs"
+        parts.append(f"the verifiers env's held-out evaluation before training {runs}")
     return "; ".join(parts)

@@ -51,8 +51,10 @@ def evaluate(cfg: RunConfig, url: str, name: str, run_dir: Path, base: Mapping[s
     log = run_dir / f"eval_verifiers_{name}.log"
     print(f"[run_all] verifiers evaluation '{name}' on the held-out tasks -> {out}", flush=True)
     proc = ManagedProcess(f"eval_verifiers_{name}", evaluation_argv(cfg, url, out), log, base)
-    proc.start()
-    rc = proc.popen.wait() if proc.popen is not None else 1
+    try:
+        rc = proc.start().popen.wait()
+    finally:  # Ctrl-C while it runs: stopped by its PID like every service
+        proc.stop()
     if rc != 0:
         raise ServiceFailed(f"the verifiers evaluation '{name}' exited with {rc}; read {log}")
     return out

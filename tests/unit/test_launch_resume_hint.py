@@ -173,3 +173,20 @@ def test_the_sft_evaluation_is_read_back(art: Path, tmp_path: Path) -> None:
     assert _hint(run_dir, "--eval-samples", "4").endswith(
         "; the SFT evaluation is read back, the RL evaluation runs"
     )
+
+
+def test_a_verifiers_run_without_shop_r1_has_no_dataset_nor_sft(art: Path, tmp_path: Path) -> None:
+    """The guess-the-number recipe (a verifiers env instead of Shop-R1's): stopped during its
+    held-out evaluation before training, nothing but the base model to build or reuse."""
+    recipe = paths.REPO_ROOT / "recipes" / "smollm2-135m-instruct" / "guess_number"
+    flags = ["--preset", "cpu-smol", "--recipe", str(recipe / "multiturn.yaml")]
+    (art / "models" / "smollm2-135m-instruct").mkdir(parents=True)
+    (art / "models" / "smollm2-135m-instruct" / "config.json").write_text("{}")
+    assert _hint(tmp_path / "run", flags=flags) == (
+        "the base model is reused; GRPO starts from step 0 (40 steps; no checkpoint yet); the "
+        "verifiers env's held-out evaluation before training runs"
+    )
+    run = tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    (run / "eval_verifiers_before.jsonl").write_text("")
+    assert _hint(run, flags=flags).endswith("held-out evaluation before training is read back")

@@ -54,7 +54,7 @@ def test_the_evaluation_runs_the_run_env_on_its_held_out_split(tmp_path: Path) -
     got = parse_eval(argv[3:])
     assert got.env_id == "guess_number" and json.loads(got.env_args) == {"split": "test"}
     assert got.samples == cfg.launch.verifiers_eval_samples
-    assert (got.temperature, got.max_tokens) == (1.0, 8)
+    assert (got.temperature, got.max_tokens) == (0.7, 8)  # the training rollouts'
     assert got.env_path == cfg.verifiers.env_path and got.out == tmp_path / "e.jsonl"
 
 
