@@ -69,6 +69,7 @@ SLOW_FIRST = (
     "test_atropos_multiturn",
     "test_verifiers_env",
     "test_launch_verifiers",
+    "test_verifiers_tool",
     "test_checkpoint_faults",
     "test_launch_oom",
     "test_trainer_fsdp",
