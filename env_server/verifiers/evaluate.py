@@ -105,30 +105,19 @@ def paired_difference(before: list[dict[str, Any]], after: list[dict[str, Any]])
 
 
 async def evaluate(cfg: EvalConfig) -> dict[str, Any]:
-    import verifiers.v1 as vf
 
     from env_server.verifiers.proxy import RecordingProxy
-    from env_server.verifiers.run import discover, load_env
+    from env_server.verifiers.run import load_env, model_context
 
     env = load_env(cfg)
     if not env.taskset.bounded:
         raise SystemExit(f"error: {cfg.env_id}'s taskset is unbounded; give --max-tasks")
     tasks = list(env.taskset)[: cfg.max_tasks]
-    model, root = await discover(cfg.inference_url)
     # the service's own path to the server (its proxy adapts vLLM's generate answer for
-    # verifiers' renderer); what it records is dropped after each episode
+    # verifiers' renderer) and model context; what the proxy records is dropped per episode
     proxy = RecordingProxy(cfg.inference_url, cfg.request_timeout_s)
     await proxy.start()
-    client = vf.TrainClientConfig(
-        base_url=proxy.url + "/v1",
-        api_key_var="SHOP_R1_VERIFIERS_INFERENCE_KEY",
-        renderer=json.loads(cfg.renderer) if cfg.renderer else None,
-        renderer_model_name=cfg.tokenizer or root or model,
-    )
-    sampling = vf.SamplingConfig(
-        temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens
-    )
-    ctx = vf.ModelContext(model=cfg.model or model, client=client, sampling=sampling)
+    ctx = await model_context(cfg, proxy.url)
     gate = asyncio.Semaphore(cfg.concurrency)
 
     async def one(i: int, task: Any, sample: int) -> dict[str, Any]:

@@ -90,6 +90,30 @@ async def discover(url: str) -> tuple[str, str | None]:
         return first["id"], first.get("root")
 
 
+async def model_context(cfg: VerifiersConfig, proxy_url: str) -> Any:
+    """verifiers' model context for ``cfg``: its train client pointed at the recording proxy
+    at ``proxy_url``, the renderer's tokenizer the model path the server reports, and the
+    sampling of every turn (``--sampling`` extras included). The service's rollouts and the
+    held-out evaluation (``evaluate.py``) sample through the same one."""
+    import verifiers.v1 as vf
+
+    model, root = await discover(cfg.inference_url)
+    model = cfg.model or model
+    client = vf.TrainClientConfig(
+        base_url=proxy_url + "/v1",
+        api_key_var="SHOP_R1_VERIFIERS_INFERENCE_KEY",
+        renderer=json.loads(cfg.renderer) if cfg.renderer else None,
+        renderer_model_name=cfg.tokenizer or root or model,
+    )
+    sampling = vf.SamplingConfig(
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        max_tokens=cfg.max_tokens,
+        **json.loads(cfg.sampling or "{}"),
+    )
+    return vf.ModelContext(model=model, client=client, sampling=sampling)
+
+
 class Service:
     def __init__(self, cfg: VerifiersConfig, env: Any, proxy: RecordingProxy) -> None:
         from api.client import ApiClient
@@ -109,23 +133,7 @@ class Service:
             f.write(json.dumps({"kind": kind, "time": time.time(), **payload}) + "\n")
 
     async def context(self) -> Any:
-        import verifiers.v1 as vf
-
-        model, root = await discover(self.cfg.inference_url)
-        model = self.cfg.model or model
-        client = vf.TrainClientConfig(
-            base_url=self.proxy.url + "/v1",
-            api_key_var="SHOP_R1_VERIFIERS_INFERENCE_KEY",
-            renderer=json.loads(self.cfg.renderer) if self.cfg.renderer else None,
-            renderer_model_name=self.cfg.tokenizer or root or model,
-        )
-        sampling = vf.SamplingConfig(
-            temperature=self.cfg.temperature,
-            top_p=self.cfg.top_p,
-            max_tokens=self.cfg.max_tokens,
-            **json.loads(self.cfg.sampling or "{}"),
-        )
-        return vf.ModelContext(model=model, client=client, sampling=sampling)
+        return await model_context(self.cfg, self.proxy.url)
 
     async def rollout_group(self) -> dict[str, Any] | None:
         """One task's ``group_size`` episodes as a scored group (None: nothing trainable)."""
