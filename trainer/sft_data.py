@@ -107,6 +107,7 @@ class LazySplit:
             encode_example, tokenizer=tokenizer, max_seq_len=max_seq_len, latest_only=latest_only
         )
         self._done: dict[int, SftExample | None] = {}
+        self.skipped: list[int] = []  # rows drawn so far that cannot fit, in the order drawn
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -119,6 +120,7 @@ class LazySplit:
             encoded = list(pool.map(self._encode, rows))
         for i, ex in zip(todo, encoded, strict=True):
             if ex is None:
+                self.skipped.append(i)
                 log.warning("row %d does not fit max_seq_len=%d; skipped", i, self.max_seq_len)
             self._done[i] = ex
         return [ex for i in indices if (ex := self._done[i]) is not None]
