@@ -65,5 +65,6 @@ class LaunchConfig(BaseModel):
     """JSON taskset fields of the ``verifiers:`` env's held-out evaluation (e.g.
     '{"split": "test"}'), run before and after training on the served weights; none: no
     evaluation."""
-    verifiers_eval_samples: int = Field(8, ge=1)
-    """Episodes per held-out task in that evaluation."""
+    verifiers_eval_samples: int = Field(8, ge=2)
+    """Episodes per held-out task in that evaluation (at least 2: the before/after
+    difference is taken task by task, with each task's sampling variance)."""

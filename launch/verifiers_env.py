@@ -7,13 +7,12 @@ the first vLLM server serves at that moment."""
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import httpx
 
+from env_server.verifiers.compare import compare, read_episodes, table
 from launch.procs import ManagedProcess
 from launch.run_config import RunConfig
 from launch.supervisor import PY, ServiceFailed
@@ -60,59 +59,6 @@ def evaluate(cfg: RunConfig, url: str, name: str, run_dir: Path, base: Mapping[s
     return out
 
 
-def _episodes(path: Path) -> list[dict[str, Any]]:
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    return [r for r in rows if r.get("kind") == "episode"]
-
-
-def compare(before: Path, after: Path) -> dict[str, Any]:
-    """After - before on the held-out episodes: mean reward and solved share, each with the
-    standard error of the difference of two independent samples of episodes (every episode
-    samples its own turns), and the mean model turns."""
-    a, b = _episodes(before), _episodes(after)
-    if len(a) < 2 or len(b) < 2:
-        raise ValueError(f"need at least 2 episodes a side, got {len(a)} and {len(b)}")
-    out: dict[str, Any] = {"episodes": [len(a), len(b)]}
-    for key, value in (("reward", lambda r: float(r["reward"])), ("solved", _solved)):
-        xs, ys = [value(r) for r in a], [value(r) for r in b]
-        (m0, v0), (m1, v1) = _mean_var(xs), _mean_var(ys)
-        se = math.sqrt(v0 / len(xs) + v1 / len(ys))
-        diff = m1 - m0
-        out[key] = {"before": m0, "after": m1, "difference": diff, "se": se}
-        out[key]["z"] = diff / se if se > 0 else 0.0
-    out["turns"] = {"before": _mean_var([r["turns"] for r in a])[0]}
-    out["turns"]["after"] = _mean_var([r["turns"] for r in b])[0]
-    out["failed"] = [sum(r["error"] is not None for r in rows) for rows in (a, b)]
-    return out
-
-
-def _solved(row: Mapping[str, Any]) -> float:
-    return float(row["reward"] > 0)
-
-
-def _mean_var(xs: list[float]) -> tuple[float, float]:
-    m = sum(xs) / len(xs)
-    return m, sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1)
-
-
-def table(result: Mapping[str, Any], note: str) -> str:
-    """The before/after table in Markdown."""
-    lines = [
-        "| held-out | before | after | after - before | SE | z |",
-        "|---|---|---|---|---|---|",
-    ]
-    for key, label in (("reward", "mean episode reward"), ("solved", "solved share")):
-        r = result[key]
-        lines.append(
-            f"| {label} | {r['before']:.3f} | {r['after']:.3f} | {r['difference']:+.3f} "
-            f"| {r['se']:.3f} | {r['z']:+.1f} |"
-        )
-    t = result["turns"]
-    lines.append(f"| model turns per episode | {t['before']:.2f} | {t['after']:.2f} | | | |")
-    n0, n1 = result["episodes"]
-    return "\n".join(lines) + f"\n\n{n0} / {n1} episodes. {note}\n"
-
-
 def evaluate_before(
     cfg: RunConfig, url: str, run_dir: Path, base: Mapping[str, str]
 ) -> Path | None:
@@ -142,7 +88,7 @@ def report_after(
         f"{v.temperature}: before = {cfg.model}; after = the trainer's weights as vLLM "
         f"serves them after the last sync (weight version {version})."
     )
-    text = table(compare(before, after), note)
+    text = table(compare(read_episodes(before), read_episodes(after)), note)
     (run_dir / "eval_verifiers.md").write_text(text)
     print(text, flush=True)
     return text

@@ -8,8 +8,8 @@ train client -- the same renderer and token path the training rollouts take -- a
 server as it is now; the env's own rewards score them. One JSON line per episode
 (``task``, ``sample``, ``reward``, ``turns``, ``components``, ``error``), then a
 ``summary`` line (mean reward, its standard error over tasks, solved share). Run it before
-and after training on the same tasks and pair the two files by task
-(:func:`paired_difference`, ``python -m env_server.verifiers.evaluate --compare A B``).
+and after training on the same tasks and compare the two files task by task
+(``python -m env_server.verifiers.evaluate --compare A B``, env_server/verifiers/compare.py).
 Runs in the verifiers venv (re-executed there like ``python -m env_server.verifiers``).
 """
 
@@ -68,39 +68,6 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "solved": sum(r["reward"] > 0 for r in rows) / len(rows) if rows else 0.0,
         "turns_mean": sum(r["turns"] for r in rows) / len(rows) if rows else 0.0,
         "failed": sum(r["error"] is not None for r in rows),
-    }
-
-
-def read(path: Path) -> list[dict[str, Any]]:
-    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    return [r for r in lines if r.get("kind") == "episode"]
-
-
-def paired_difference(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> dict:
-    """After - before, paired by task (the tasks both evaluated): the mean difference of the
-    per-task mean rewards, its standard error, and the t statistic (mean / SE)."""
-
-    def per_task(rows: list[dict[str, Any]]) -> dict[str, float]:
-        out: dict[str, list[float]] = {}
-        for r in rows:
-            out.setdefault(str(r["task"]), []).append(float(r["reward"]))
-        return {k: sum(v) / len(v) for k, v in out.items()}
-
-    a, b = per_task(before), per_task(after)
-    common = sorted(set(a) & set(b))
-    if len(common) < 2:
-        raise ValueError(f"need at least 2 tasks evaluated in both, got {len(common)}")
-    d = [b[k] - a[k] for k in common]
-    n = len(d)
-    mean = sum(d) / n
-    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n)
-    return {
-        "tasks": n,
-        "before": sum(a[k] for k in common) / n,
-        "after": sum(b[k] for k in common) / n,
-        "difference": mean,
-        "se": se,
-        "t": mean / se if se > 0 else math.inf if mean else 0.0,
     }
 
 
@@ -166,7 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     if args[:1] == ["--compare"]:
         if len(args) != 3:
             raise SystemExit(f"usage: {PROG} --compare BEFORE.jsonl AFTER.jsonl")
-        print(json.dumps(paired_difference(read(Path(args[1])), read(Path(args[2])))))
+        from env_server.verifiers.compare import compare, read_episodes
+
+        print(json.dumps(compare(read_episodes(Path(args[1])), read_episodes(Path(args[2])))))
         return
     cfg = parse(args)
     from env_server.verifiers.venv import ensure_venv, venv_environ

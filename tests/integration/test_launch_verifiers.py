@@ -41,7 +41,7 @@ model: ${{ARTIFACTS}}/models/tiny-qwen2-sft
 launch:
   shop_r1_env: false
   verifiers_eval_env_args: '{{"secrets": [3, 12]}}'
-  verifiers_eval_samples: 1
+  verifiers_eval_samples: 2
 verifiers:
   env_id: vf_guess
   env_path: ["{ENVS}"]
@@ -73,12 +73,13 @@ trainer:
         envs = {e for (e,) in conn.execute("SELECT DISTINCT env FROM groups")}
     assert envs == {"vf_guess"}
 
-    for name in ("before", "after"):  # 2 held-out secrets x 1 episode each
+    for name in ("before", "after"):  # 2 held-out secrets x 2 episodes each
         lines = (run_dir / f"eval_verifiers_{name}.jsonl").read_text().splitlines()
         episodes = [json.loads(x) for x in lines if '"episode"' in x]
-        assert sorted(e["task"] for e in episodes) == [0, 1], name
+        assert sorted(e["task"] for e in episodes) == [0, 0, 1, 1], name
     table = (run_dir / "eval_verifiers.md").read_text()
     assert "| mean episode reward |" in table and f"(weight version {STEPS})" in table
+    assert "2 held-out tasks, 4 / 4 episodes" in table
     assert table in out
 
     pids = json.loads((run_dir / "pids.json").read_text())

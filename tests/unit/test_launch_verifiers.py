@@ -6,11 +6,13 @@ The run itself: tests/integration/test_launch_verifiers.py."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import yaml
 
+from env_server.verifiers.compare import compare, read_episodes, table
 from env_server.verifiers.config import parse_config
 from env_server.verifiers.evaluate import parse as parse_eval
 from launch import verifiers_env
@@ -58,24 +60,42 @@ def test_the_evaluation_runs_the_run_env_on_its_held_out_split(tmp_path: Path) -
     assert got.env_path == cfg.verifiers.env_path and got.out == tmp_path / "e.jsonl"
 
 
-def _episodes(path: Path, rewards: list[float]) -> Path:
-    rows = [
-        {"kind": "episode", "task": i % 2, "sample": i, "reward": r, "turns": 2.0, "error": None}
+def _episodes(rewards: list[float], turns: float = 2.0) -> list[dict]:
+    return [
+        {"kind": "episode", "task": i % 2, "sample": i, "reward": r, "turns": turns, "error": None}
         for i, r in enumerate(rewards)
     ]
-    path.write_text("".join(json.dumps(r) + "\n" for r in [*rows, {"kind": "summary"}]))
-    return path
 
 
-def test_the_before_after_table(tmp_path: Path) -> None:
-    before = _episodes(tmp_path / "b.jsonl", [0.0, 0.0, 1.0, 0.0])
-    after = _episodes(tmp_path / "a.jsonl", [1.0, 0.5, 1.0, 0.0])
-    got = verifiers_env.compare(before, after)
+def test_the_before_after_table_is_stratified_by_task(tmp_path: Path) -> None:
+    # task 0: episodes 0, 2; task 1: episodes 1, 3
+    before = _episodes([0.0, 0.0, 1.0, 0.0])
+    after = _episodes([1.0, 0.5, 1.0, 0.0], turns=3.0)
+    path = tmp_path / "b.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*before, {"kind": "summary"}]))
+    assert read_episodes(path) == before
+    got = compare(before, after)
+    assert got["tasks"] == 2 and got["episodes"] == [4, 4] and got["failed"] == [0, 0]
     assert got["reward"]["before"] == 0.25 and got["reward"]["after"] == 0.625
     assert got["reward"]["difference"] == pytest.approx(0.375)
-    # two independent samples: sqrt(var_b / n + var_a / n), sample variances
-    assert got["reward"]["se"] == pytest.approx((0.25 / 4 + 0.2291667 / 4) ** 0.5, rel=1e-5)
+    # per task: var_b / 2 + var_a / 2 (sample variances); task 0: 0.5/2 + 0; task 1: 0 + 0.125/2
+    assert got["reward"]["se"] == pytest.approx((0.25 + 0.0625) ** 0.5 / 2)
     assert got["solved"]["before"] == 0.25 and got["solved"]["after"] == 0.75
-    text = verifiers_env.table(got, "note.")
+    assert got["turns"]["difference"] == 1.0 and got["turns"]["z"] == math.inf
+    text = table(got, "note.")
     assert "| mean episode reward | 0.250 | 0.625 | +0.375 |" in text
-    assert text.endswith("4 / 4 episodes. note.\n")
+    assert "2 held-out tasks, 4 / 4 episodes (0 / 0 failed" in text and text.endswith("note.\n")
+
+
+def test_task_difficulty_cancels_out() -> None:
+    # the hard task's episodes all score 0, the easy one's 1 on both sides: no difference, and
+    # the spread between tasks is not noise
+    same = _episodes([1.0, 0.0] * 3)
+    got = compare(same, same)
+    assert got["reward"]["difference"] == 0.0 and got["reward"]["se"] == 0.0
+    assert got["reward"]["z"] == 0.0
+
+
+def test_a_comparison_needs_two_episodes_of_a_task_a_side() -> None:
+    with pytest.raises(ValueError, match="--samples >= 2"):
+        compare(_episodes([1.0, 0.0]), _episodes([1.0, 0.0]))
