@@ -25,12 +25,12 @@ from trainer.loss import (
     TokenStats,
     group_advantages,
     mismatch_kl,
-    policy_loss,
     self_certainty,
     shift_aligned,
 )
 from trainer.model import LoadedModel, Reference, autocast, vocab_size
 from trainer.optim import clip_and_step
+from trainer.policy_losses import LossInput, LossSettings, compute_loss
 
 
 @dataclass
@@ -212,6 +212,7 @@ def accumulate(
     trainable = [i for mb in mbs for i in mb.items]
     n_tokens = sum(sum(i.mask[1:]) for i in trainable)
     normaliser = float(n_tokens if cfg.loss_aggregation == "token" else len(trainable))
+    settings = LossSettings.from_config(cfg)
     keys = ("kl", "clipped", "ratio", "iw", "iw_truncated", "tokens", "mismatch_masked")
     sums = dict.fromkeys(keys, 0.0)
     loss_total = 0.0
@@ -224,24 +225,15 @@ def accumulate(
         else:
             with autocast(lm.device, lm.compute_dtype):
                 stats = stats_of(lm.model, mb, cfg.temperature, with_entropy=False)
-        out = policy_loss(
+        inp = LossInput(
             stats.logprobs,
             shift_aligned(batch["logprobs"]),
             token_advantages(adv[[i.index for i in mb.items]].to(lm.device), batch),
             shift_aligned(batch["mask"]),
-            normaliser=normaliser,
-            clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high,
-            tis_cap=cfg.tis_cap,
-            ref_logprobs=ref_lp,
-            kl_beta=cfg.kl_beta,
-            aggregation=cfg.loss_aggregation,
-            loss_type=cfg.policy_loss,
-            tis_level=cfg.tis_level,
-            mask_low=cfg.mismatch_mask_low,
-            mask_high=cfg.mismatch_mask_high,
-            kl_estimator=cfg.kl_estimator,
+            normaliser,
+            ref_lp,
         )
+        out = compute_loss(inp, settings)
         if not real:  # same collectives as the other ranks, no contribution
             (out.loss * 0.0).backward()
             continue

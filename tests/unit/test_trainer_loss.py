@@ -10,11 +10,11 @@ import torch
 from trainer.loss import (
     group_advantages,
     kl_k3,
-    policy_loss,
     self_certainty,
     sft_loss,
     token_stats,
 )
+from trainer.policy_losses import policy_loss
 
 pytestmark = pytest.mark.unit
 

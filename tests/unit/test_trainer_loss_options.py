@@ -11,7 +11,8 @@ import torch
 from pydantic import ValidationError
 
 from trainer.config import GrpoConfig
-from trainer.loss import kl_estimate, mismatch_kl, policy_loss
+from trainer.loss import kl_estimate, mismatch_kl
+from trainer.policy_losses import policy_loss
 
 pytestmark = pytest.mark.unit
 LN = math.log

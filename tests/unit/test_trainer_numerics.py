@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 from tests.unit.test_trainer_core import _grpo_cfg, _params, build_micro_model, make_groups
 from trainer.batch import flatten_groups
 from trainer.grpo_step import StepContext, grpo_step
-from trainer.loss import LOG_RATIO_BOUND, group_advantages, kl_k3, policy_loss
+from trainer.loss import LOG_RATIO_BOUND, group_advantages, kl_k3
 from trainer.model import Reference, load_model
 from trainer.optim import build_optimizer, build_scheduler, clip_and_step
+from trainer.policy_losses import policy_loss
 
 pytestmark = pytest.mark.unit
 
