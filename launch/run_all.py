@@ -364,10 +364,12 @@ def resume_hint(run_dir: Path, argv: list[str]) -> str:
     """How to continue this run: the same flags with ``--resume``, and what that will do from
     the state the run is in now (``launch.prepare.resume_plan``: the command resolved as its
     launch will resolve it, against the files the stopped run left)."""
-    drop, rest, skip = ("--run-dir", "--resume"), [], False
+    valued = ("--run-dir", "--launch.run-dir")  # either spelling: the hint gives its own
+    flags = ("--resume", "--no-resume", "--launch.resume", "--no-launch.resume")
+    rest, skip = [], False
     for a in argv:
-        if skip or a in drop or a.startswith("--run-dir="):
-            skip = a == "--run-dir"
+        if skip or a in valued or a in flags or a.startswith(tuple(f"{v}=" for v in valued)):
+            skip = a in valued
             continue
         rest.append(a)
     args = ["--resume", "--run-dir", str(run_dir), *rest]

@@ -190,3 +190,24 @@ def test_a_verifiers_run_without_shop_r1_has_no_dataset_nor_sft(art: Path, tmp_p
     run.mkdir(exist_ok=True)
     (run / "eval_verifiers_before.jsonl").write_text("")
     assert _hint(run, flags=flags).endswith("held-out evaluation before training is read back")
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        ["--launch.run-dir", "{run}"],
+        ["--launch.run-dir={run}"],
+        ["--run-dir={run}", "--no-resume"],
+        ["--run-dir", "{run}", "--launch.run-dir", "{run}", "--no-launch.resume"],
+    ],
+)
+def test_the_hint_names_the_run_dir_and_resume_once(
+    art: Path, tmp_path: Path, given: list[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    argv = [a.format(run=run_dir) for a in given] + FLAGS
+    first = resume_hint(run_dir, argv).splitlines()[0]
+    assert first == (
+        f"[run_all] to continue this run: launch/run_all.sh --resume --run-dir {run_dir} "
+        + " ".join(FLAGS)
+    )
