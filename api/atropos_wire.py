@@ -86,6 +86,12 @@ class PreparedGroup:
     payload: str
 
 
+_NOT_DECODED = (ValueError, RecursionError)
+"""What the decoders raise for a body that is not JSON: ``msgspec.DecodeError`` and
+``json.JSONDecodeError`` (both ``ValueError``s), ``UnicodeDecodeError`` (msgspec, for invalid
+UTF-8 inside a string) and ``RecursionError`` (both, for arrays nested too deep)."""
+
+
 def split_body(raw: bytes) -> list[Any]:
     """A ``/scored_data_list`` body -> its items, each still undecoded (``msgspec.Raw``), or
     decoded by Python's ``json`` when the body uses its non-standard ``NaN``/``Infinity``
@@ -93,11 +99,11 @@ def split_body(raw: bytes) -> list[Any]:
     the body is not a JSON list."""
     try:
         return _decode_list.decode(raw)
-    except msgspec.DecodeError:
+    except _NOT_DECODED:
         pass
     try:
         body = json.loads(raw)
-    except ValueError as e:
+    except _NOT_DECODED as e:
         raise ItemError(f"body is not JSON: {e}") from None
     if not isinstance(body, list):
         raise ItemError("body must be a JSON list of groups")
@@ -109,11 +115,11 @@ def decode_one(raw: bytes) -> Any:
     try:
         msgspec.json.decode(raw)
         return msgspec.Raw(raw)
-    except msgspec.DecodeError:
+    except _NOT_DECODED:
         pass
     try:
         return json.loads(raw)
-    except ValueError as e:
+    except _NOT_DECODED as e:
         raise ItemError(f"body is not JSON: {e}") from None
 
 

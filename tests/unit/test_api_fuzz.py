@@ -44,3 +44,26 @@ def test_no_server_errors(label: str) -> None:
 def test_every_route_is_fuzzed() -> None:
     """The spec lists the native and the Atropos routes; none is left out of the fuzzing."""
     assert len(OPERATIONS) >= 15 and "POST /groups" in OPERATIONS, sorted(OPERATIONS)
+
+
+BODIES_NOT_GENERATED = {
+    "invalid UTF-8 in a string": b'{"tokens": [[1]], "name": "\xff\xfe"}',
+    "nested deeper than the decoders go": b"[" * 100_000,
+}
+"""Bodies schemathesis does not make and that reached a decoder's error outside the ones
+handled (tests/integration/test_fuzz_api_server.py found them): msgspec raises
+``UnicodeDecodeError`` for the first, msgspec and ``json`` ``RecursionError`` for the second."""
+
+
+@pytest.mark.parametrize("name", sorted(BODIES_NOT_GENERATED))
+def test_undecodable_bodies_are_refused_on_every_body_route(name: str) -> None:
+    from fastapi.testclient import TestClient
+
+    body = BODIES_NOT_GENERATED[name]
+    with TestClient(APP, raise_server_exceptions=False) as client:
+        for label, op in OPERATIONS.items():
+            if not op.body:
+                continue
+            method, path = label.split(" ", 1)
+            r = client.request(method, path.replace("{batch_id}", "b-1"), content=body)
+            assert 400 <= r.status_code < 500, (label, r.status_code, r.text[:200])
