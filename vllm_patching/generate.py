@@ -14,7 +14,11 @@ adds ``weight_version`` (as in the ``x-weight-version`` header, which it also ca
 
 Same guards as ``/v1/completions``: no bridge token (an inference route), vLLM's
 ``--api-key`` / ``VLLM_API_KEY`` when set (vLLM guards only ``/v1``-style paths itself, so this
-route checks it). An unknown field is a 400 naming it (Atropos's server answers a 500).
+route checks it). An unknown field is a 400 naming it (Atropos's server answers a 500), and
+so is every body vLLM's engine would fail on rather than refuse: a field of the wrong type
+(checked against ``SamplingParams``' own annotations), an integer beyond 64 bits (the engine's
+wire format), a lone surrogate in a string (the tokenizer cannot encode it), JSON nested deeper
+than the parser goes.
 """
 
 from __future__ import annotations
@@ -96,7 +100,9 @@ def parse_prompt(prompt: Any) -> dict[str, Any]:
 
 
 def sampling_params(body: dict[str, Any]) -> Any:
-    """``SamplingParams`` from the request's other fields (400 naming an unknown one)."""
+    """``SamplingParams`` from the request's other fields (400 naming an unknown one, a value
+    of the wrong type or one the engine cannot carry)."""
+    import msgspec
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     unknown = sorted(set(body) - SAMPLING_FIELDS)
@@ -105,9 +111,38 @@ def sampling_params(body: dict[str, Any]) -> Any:
             400, f"unknown field(s) {unknown}: /generate takes prompt and SamplingParams fields"
         )
     try:
-        return SamplingParams(**body, output_kind=RequestOutputKind.FINAL_ONLY)
+        # The types vLLM declares (a JSON object's keys are strings: logit_bias' become ints).
+        typed = msgspec.convert(body, SamplingParams, strict=False)
+        fields = {name: getattr(typed, name) for name in body}
+        check_plain(fields)
+        return SamplingParams(**fields, output_kind=RequestOutputKind.FINAL_ONLY)
     except (TypeError, ValueError) as e:
         raise HTTPException(400, f"invalid sampling parameters: {e}") from None
+
+
+INT64 = range(-(2**63), 2**63)
+"""Integers the engine's wire format (msgpack) carries; a larger one fails inside vLLM."""
+
+
+def check_plain(value: Any) -> None:
+    """``ValueError`` unless every integer of ``value`` (keys included) fits in 64 bits and
+    every string is valid Unicode (a lone surrogate, which JSON's ``\\ud800`` escape allows,
+    makes the tokenizer raise). Iterative: ``value`` may be as deep as the JSON parser went."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list | tuple):
+            stack.extend(v)
+        elif isinstance(v, int) and not isinstance(v, bool) and v not in INT64:
+            raise ValueError(f"integer {v} does not fit in 64 bits")
+        elif isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"string {v[:40]!r} is not valid Unicode text") from None
 
 
 def _position(entry: Any, first: int) -> dict[int, float]:
@@ -154,12 +189,16 @@ async def generate(request: Request) -> JSONResponse:
         return JSONResponse({"error": "Unauthorized"}, status_code=401)
     try:
         body = await request.json()
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than json parses
         raise HTTPException(400, "body is not JSON") from None
     if not isinstance(body, dict) or "prompt" not in body:
         raise HTTPException(400, 'body must be a JSON object with "prompt"')
     body = dict(body)
     prompt = parse_prompt(body.pop("prompt"))
+    try:
+        check_plain(prompt)
+    except ValueError as e:
+        raise HTTPException(400, f"invalid prompt: {e}") from None
     if body.pop("stream", False):
         raise HTTPException(
             400, "stream is not supported by this /generate (atroposlib never asks)"

@@ -10,6 +10,8 @@ plugin contract prescribes.
 from __future__ import annotations
 
 import asyncio
+import glob
+import json
 import os
 import time
 from argparse import Namespace
@@ -92,6 +94,17 @@ VERSIONED_PATHS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/generate"}
 )
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+WEIGHT_TRANSFER_PATHS = frozenset(
+    {
+        "/init_weight_transfer_engine",
+        "/start_weight_update",
+        "/start_draft_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+    }
+)
+"""vLLM's weight-transfer routes: a server without a weight-transfer backend (modes ``none``
+and ``lora_only``) answers them 400 naming its mode, where vLLM's handlers fail with 500."""
 _OPEN = [(m, compile_path(p)[0]) for m, p in sorted(OPEN_ROUTES)]
 
 
@@ -170,6 +183,15 @@ class BridgeMiddleware:
             if not token_ok(headers, self.token):
                 await _deny(send)
                 return
+        if self.state.settings.backend is None and route_path(scope) in WEIGHT_TRANSFER_PATHS:
+            mode = self.state.settings.mode
+            await _reply(
+                send,
+                400,
+                f"{route_path(scope)}: this server runs bridge mode {mode}, "
+                "which has no weight-transfer engine (shared_vllm has one)",
+            )
+            return
         version = self.state.version
         scope.setdefault("state", {})["weight_version"] = version  # a route may report it too
         status = 0
@@ -186,7 +208,16 @@ class BridgeMiddleware:
                     ]
             await send(message)
 
-        await self.app(scope, receive, send_with_version)
+        try:
+            await self.app(scope, receive, send_with_version)
+        except RecursionError:
+            # vLLM's routes that parse their body with json.loads (collective_rpc,
+            # abort_requests, invocations, scale_elastic_ep...) let a body nested deeper than
+            # the parser goes escape: a 400, not a dropped connection.
+            if status:
+                raise
+            await _reply(send, 400, "request body nested too deeply to parse")
+            return
         if (
             method not in SAFE_METHODS
             and status < 400
@@ -200,11 +231,19 @@ class BridgeMiddleware:
 
 
 async def _deny(send) -> None:
-    body = b'{"error": "missing or wrong bridge token (header x-shop-r1-bridge-token)"}'
+    await _reply(
+        send,
+        HTTPStatus.UNAUTHORIZED.value,
+        "missing or wrong bridge token (header x-shop-r1-bridge-token)",
+    )
+
+
+async def _reply(send, status: int, error: str) -> None:
+    body = json.dumps({"error": error}).encode()
     await send(
         {
             "type": "http.response.start",
-            "status": HTTPStatus.UNAUTHORIZED.value,
+            "status": status,
             "headers": [(b"content-type", b"application/json")],
         }
     )
@@ -358,17 +397,29 @@ async def reload(request: Request, body: ReloadRequest) -> SyncResult:
         raise HTTPException(400, f"/bridge/reload is for mode none, server runs {st.settings.mode}")
     if not os.path.isdir(body.path):
         raise HTTPException(400, f"no such checkpoint folder: {body.path}")
+    if not glob.glob(os.path.join(glob.escape(body.path), "*.safetensors")):
+        raise HTTPException(400, f"no *.safetensors in the checkpoint folder {body.path}")
     async with st.lock:
 
         async def work():
             res = await st.engine_client.collective_rpc(
                 "bridge_reload_from_path", kwargs={"path": body.path}
             )
-            await st.engine_client.update_weight_version(str(body.version))
-            return res
+            failed = [r["error"] for r in res if "error" in r]
+            if not failed:
+                await st.engine_client.update_weight_version(str(body.version))
+            return res, failed
 
-        detail, stall = await _paused(st, work)
+        (detail, failed), stall = await _paused(st, work)
         await st.refresh_version()
+    if failed:
+        # The checkpoint's content (an unreadable file, a name or shape the model lacks): the
+        # client's to fix. Layers loaded whole before the failure keep their new weights.
+        raise HTTPException(
+            422,
+            f"checkpoint {body.path} could not be loaded: {failed[0]}; weight_version stays "
+            f"{st.version}, reload a checkpoint that fits this model",
+        )
     return SyncResult(
         weight_version=st.version,
         served_model=st.served_model,

@@ -44,19 +44,27 @@ class BridgeWorkerExtension:
             "rank": getattr(self, "rank", 0),
         }
 
-    def bridge_reload_from_path(self, path: str) -> dict[str, float]:
-        """Load every ``*.safetensors`` file under ``path`` in place (the ``none`` mode)."""
+    def bridge_reload_from_path(self, path: str) -> dict[str, float | str]:
+        """Load every ``*.safetensors`` file under ``path`` in place (the ``none`` mode).
+
+        A checkpoint that cannot be loaded (no file, an unreadable one, a tensor name or shape
+        the model lacks) is answered ``{"error": ...}``, not raised: across ``collective_rpc``
+        every exception becomes the same bare one, and /bridge/reload must tell this client
+        error (422) from a failure of the server (500)."""
         from vllm.config import set_current_vllm_config
 
         from vllm_patching.engines.apply import apply_weights
 
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        files = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
         if not files:
-            raise FileNotFoundError(f"no *.safetensors under {path}")
+            return {"error": f"no *.safetensors under {path}"}
         t0 = time.perf_counter()
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-            n = apply_weights(model, self.model_config, _read_safetensors(files))  # type: ignore[attr-defined]
+        try:
+            with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
+                n = apply_weights(model, self.model_config, _read_safetensors(files))  # type: ignore[attr-defined]
+        except Exception as e:  # noqa: BLE001 -- the checkpoint's fault, reported to the client
+            return {"error": f"{type(e).__name__}: {e}"[:2000]}
         self.model_runner.reset_lora_state()  # type: ignore[attr-defined]
         return {"tensors": float(n), "apply_s": time.perf_counter() - t0}
 
