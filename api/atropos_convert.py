@@ -30,23 +30,26 @@ ATROPOS_FIELDS = (
 declares the same)."""
 
 
+_SEQUENCES = frozenset({"tokens", "masks", "scores", "inference_logprobs"})
+"""The ``ScoredData`` fields that become the native sequences; the others are ``atropos``."""
+
+
 def to_native(payload: str, group_id: str, env: str, policy_version: int) -> str:
     """A stored Atropos group -> native ``ScoredGroup`` JSON (for a native lease): labels
-    become the 0/1 ``mask`` (kept verbatim in extras if they were not in label form),
-    missing logprobs become 0.0 with ``extras.atropos.inference_logprobs_missing``."""
+    become the 0/1 ``mask`` (kept verbatim in ``atropos.masks`` if they were not in label
+    form), missing logprobs become 0.0 with ``atropos.inference_logprobs_missing``; the other
+    fields sent go to ``atropos`` (``api.protocol_atropos.AtroposFields``)."""
     g = json.loads(payload)
     tokens, masks = g["tokens"], g["masks"]
     logprobs = g.get("inference_logprobs")
-    extras = {
-        k: v
-        for k, v in g.items()
-        if k not in ("tokens", "masks", "scores", "inference_logprobs") and v is not None
+    fields = {
+        k: v for k, v in g.items() if k in ATROPOS_FIELDS and k not in _SEQUENCES and v is not None
     }
     mask01 = [[0 if m == -100 else 1 for m in mask] for mask in masks]
     if any(labels(t, m01) != m for t, m01, m in zip(tokens, mask01, masks, strict=True)):
-        extras["masks"] = masks
+        fields["masks"] = masks
     if logprobs is None:
-        extras["inference_logprobs_missing"] = True
+        fields["inference_logprobs_missing"] = True
         logprobs = [[0.0] * len(t) for t in tokens]
     seqs = [
         {"tokens": t, "mask": m, "logprobs": lp, "score": s}
@@ -58,21 +61,24 @@ def to_native(payload: str, group_id: str, env: str, policy_version: int) -> str
         "policy_version": policy_version,
         "sequences": seqs,
         "metrics": {},
-        "extras": {"atropos": extras},
+        "extras": {},
+        "atropos": fields,
     }
     return json.dumps(group, separators=(",", ":"))
 
 
 def from_native(payload: str) -> str:
-    """A stored native group -> Atropos ``ScoredData`` JSON (for ``GET /batch``)."""
+    """A stored native group -> Atropos ``ScoredData`` JSON (for ``GET /batch``). Its
+    ``atropos`` fields, or ``extras["atropos"]`` in a group stored before that field, are
+    served as sent."""
     group = json.loads(payload)
-    extras = group.get("extras", {}).get("atropos", {})
+    fields = group.get("atropos") or group.get("extras", {}).get("atropos") or {}
     seqs = group["sequences"]
-    out: dict[str, Any] = {k: extras.get(k) for k in ATROPOS_FIELDS}
+    out: dict[str, Any] = {k: fields.get(k) for k in ATROPOS_FIELDS}
     out["tokens"] = [s["tokens"] for s in seqs]
-    out["masks"] = extras.get("masks") or [labels(s["tokens"], s["mask"]) for s in seqs]
+    out["masks"] = fields.get("masks") or [labels(s["tokens"], s["mask"]) for s in seqs]
     out["scores"] = [s["score"] for s in seqs]
-    missing = extras.get("inference_logprobs_missing", False)
+    missing = fields.get("inference_logprobs_missing", False)
     out["inference_logprobs"] = None if missing else [s["logprobs"] for s in seqs]
     if all(s.get("advantages") is not None for s in seqs):  # a native env's own advantages
         out["advantages"] = [s["advantages"] for s in seqs]

@@ -68,7 +68,7 @@ class ApiConfig(BaseModel):
     """Atropos groups without `inference_logprobs`: reject each such group alone (its index
     and reason in the reply; the rest of the post is stored), or store it as posted (served
     on `GET /batch` with `inference_logprobs: null`, as Atropos does; a native lease gets 0.0
-    logprobs and `extras.atropos.inference_logprobs_missing`)."""
+    logprobs and `atropos.inference_logprobs_missing`)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level of the service and of uvicorn."""
 

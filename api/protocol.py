@@ -14,10 +14,13 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
+
+from api.protocol_atropos import AtroposFields
 
 GROUP_ID_MAX = 200
 """Longest accepted ``group_id`` (an idempotency key, usually a UUID)."""
@@ -106,9 +109,34 @@ class ScoredGroup(BaseModel):
     )
     extras: dict[str, Any] = Field(
         default_factory=dict,
-        description="Opaque fields passed through to the trainer unchanged (the Atropos "
-        "routes keep `advantages`, `ref_logprobs`, `messages`, `overrides`... here).",
+        description="Opaque fields passed through to the trainer unchanged.",
     )
+    atropos: AtroposFields | None = Field(
+        None,
+        exclude_if=lambda v: v is None,  # a native group is stored and served as before
+        description="What an Atropos group sent beyond tokens, masks, scores and logprobs "
+        "(`advantages`, `ref_logprobs`, `overrides`, ...; api/protocol_atropos.py). Groups "
+        'stored before it existed carry it as `extras["atropos"]`, read into this field.',
+    )
+
+    @model_validator(mode="after")
+    def _lift_atropos(self) -> ScoredGroup:
+        """The older form, ``extras["atropos"]`` (queues and dumps written before the typed
+        field), moved into ``atropos``."""
+        if "atropos" not in self.extras:
+            return self
+        if self.atropos is not None:
+            raise ValueError('give the Atropos fields once: atropos or extras["atropos"]')
+        old = self.extras.pop("atropos")
+        try:
+            self.atropos = AtroposFields.model_validate({} if old is None else old)
+        except ValidationError as e:
+            errors = "; ".join(
+                ".".join(map(str, ["extras.atropos", *err["loc"]])) + ": " + err["msg"]
+                for err in e.errors()
+            )
+            raise ValueError(errors) from None
+        return self
 
     @property
     def num_tokens(self) -> int:

@@ -1,5 +1,6 @@
-"""Scored groups (the data contract: docs/INTERFACES.md; Atropos fields:
-trainer/atropos_fields.py) -> padded tensors in token-budget micro-batches."""
+"""Scored groups (the data contract: docs/INTERFACES.md; Atropos fields: ``group.atropos``,
+api/protocol_atropos.py, checked at lease time by trainer/atropos_fields.py) -> padded tensors
+in token-budget micro-batches."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 
 from api.protocol import ScoredGroup
-from trainer.atropos_fields import sequence_fields
+from api.protocol_atropos import NATIVE
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +54,10 @@ class SeqItem:
 
 
 def flatten_groups(groups: Sequence[ScoredGroup], max_seq_len: int) -> tuple[list[SeqItem], int]:
-    """Validate and flatten leased groups, with the Atropos fields of
-    trainer/atropos_fields.py. Returns the items and the number of sequences dropped as
-    malformed (named in the log with their group id): shorter than 2 tokens, nothing to train
-    (mask all 0), or per-token fields not aligned to the tokens.
+    """Validate and flatten leased groups, with their Atropos fields (``group.atropos``: one
+    ``AtroposSequence`` per sequence). Returns the items and the number of sequences dropped
+    as malformed (named in the log with their group id): shorter than 2 tokens, nothing to
+    train (mask all 0), or per-token fields not aligned to the tokens.
 
     A sequence over ``max_seq_len`` (a long multi-turn episode, say) is kept whole but not
     trained (``trainable`` False, logged with its group and length; the step's metrics count
@@ -77,7 +78,9 @@ def flatten_groups(groups: Sequence[ScoredGroup], max_seq_len: int) -> tuple[lis
                 max_seq_len,
                 too_long,
             )
-        for seq, extra in zip(group.sequences, sequence_fields(group), strict=True):
+        fields = group.atropos
+        for i, seq in enumerate(group.sequences):
+            extra = NATIVE if fields is None else fields.sequence(i)
             tokens, mask = list(seq.tokens), list(seq.mask)
             rationale = list(seq.spans.get("rationale") or [0] * len(tokens))
             advantages = seq.advantages if seq.advantages is not None else extra.advantages
