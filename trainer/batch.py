@@ -145,18 +145,21 @@ def micro_batches(items: list[SeqItem], max_tokens: int) -> list[list[SeqItem]]:
     return batches
 
 
+def _pad(
+    rows: list[list[Any]], length: int, value: Any, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    out = torch.full((len(rows), length), value, dtype=dtype)
+    for r, row in enumerate(rows):
+        out[r, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out.to(device)
+
+
 def collate(items: list[SeqItem], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Right-padded ``[B, L]`` tensors; padding has attention 0 and mask 0."""
     length = max(len(i.tokens) for i in items)
 
     def pad(rows: list[list[Any]], value: Any, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.full((len(rows), length), value, dtype=dtype)
-        for r, row in enumerate(rows):
-            out[r, : len(row)] = torch.tensor(row, dtype=dtype)
-        return out.to(device)
-
-    def flag(name: str) -> torch.Tensor:
-        return torch.tensor([bool(getattr(i, name)) for i in items], device=device)
+        return _pad(rows, length, value, dtype, device)
 
     return {
         "tokens": pad([i.tokens for i in items], pad_id, torch.long),
@@ -164,14 +167,45 @@ def collate(items: list[SeqItem], pad_id: int, device: torch.device) -> dict[str
         "mask": pad([i.mask for i in items], 0, torch.long),
         "logprobs": pad([i.logprobs for i in items], 0.0, torch.float32),
         "rationale": pad([i.rationale for i in items], 0, torch.long),
-        # Atropos fields (trainer/atropos_fields.py): per-token values and per-row flags
-        "advantages": pad([i.advantages or [] for i in items], 0.0, torch.float32),
-        "ref_logprobs": pad([i.ref_logprobs or [] for i in items], 0.0, torch.float32),
-        "has_advantages": torch.tensor([i.advantages is not None for i in items], device=device),
-        "has_ref": torch.tensor([i.ref_logprobs is not None for i in items], device=device),
-        "logprobs_missing": flag("logprobs_missing"),
-        "zero_advantage": flag("zero_advantage"),
     }
+
+
+@dataclass
+class EnvRows:
+    """What the environment sent for each row of a micro-batch beyond tokens and logprobs
+    (an env's own ``advantages``, the Atropos fields): ``[B, L]`` values padded like
+    ``collate``'s tensors (0 where a row has none) and ``[B]`` flags, on the device."""
+
+    advantages: torch.Tensor
+    """Per-token advantages of the rows that sent them (``has_advantages``)."""
+    has_advantages: torch.Tensor
+    ref_logprobs: torch.Tensor
+    """Per-token reference logprobs of the rows that sent them (``has_ref``)."""
+    has_ref: torch.Tensor
+    logprobs_missing: torch.Tensor
+    """The row's inference logprobs are placeholders (``SeqItem.logprobs_missing``)."""
+    zero_advantage: torch.Tensor
+    """``SeqItem.zero_advantage``: advantage 0 on the row."""
+
+    @classmethod
+    def of(cls, items: list[SeqItem], device: torch.device) -> EnvRows:
+        length = max(len(i.tokens) for i in items)
+
+        def flags(values: list[bool]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.bool, device=device)
+
+        return cls(
+            advantages=_pad(
+                [i.advantages or [] for i in items], length, 0.0, torch.float32, device
+            ),
+            has_advantages=flags([i.advantages is not None for i in items]),
+            ref_logprobs=_pad(
+                [i.ref_logprobs or [] for i in items], length, 0.0, torch.float32, device
+            ),
+            has_ref=flags([i.ref_logprobs is not None for i in items]),
+            logprobs_missing=flags([i.logprobs_missing for i in items]),
+            zero_advantage=flags([i.zero_advantage for i in items]),
+        )
 
 
 def _shared(a: Sequence[int], b: Sequence[int]) -> int:

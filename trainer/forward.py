@@ -10,7 +10,7 @@ from typing import Literal
 
 import torch
 
-from trainer.batch import SeqItem, collate
+from trainer.batch import EnvRows, SeqItem, collate
 from trainer.loss import TokenStats, sft_loss, token_stats
 from trainer.prefix_tree import PackedTree, pack
 from trainer.tree_attention import Targets, targets, tree_token_stats
@@ -23,6 +23,8 @@ class MicroBatch:
     items: list[SeqItem]
     batch: dict[str, torch.Tensor]
     """``collate``'s padded tensors (tokens, attention, mask, logprobs, rationale)."""
+    env: EnvRows
+    """What the environment sent per row (its advantages, the Atropos fields), typed."""
     tree: PackedTree | None = None
     want: Targets | None = None
     """The predictions the tree path computes: every masked or rationale token."""
@@ -39,12 +41,13 @@ def prepare(
     items: list[SeqItem], pad_id: int, device: torch.device, packed: bool, min_shared: int
 ) -> MicroBatch:
     batch = collate(items, pad_id, device)
+    env = EnvRows.of(items, device)
     if not packed:
-        return MicroBatch(items, batch)
+        return MicroBatch(items, batch, env)
     seqs = [i.tokens for i in items]
     tree = pack(seqs, min_shared)
     wanted = [[m or r for m, r in zip(i.mask, i.rationale, strict=True)] for i in items]
-    return MicroBatch(items, batch, tree.to(device), targets(tree, seqs, wanted))
+    return MicroBatch(items, batch, env, tree.to(device), targets(tree, seqs, wanted))
 
 
 def stats_of(

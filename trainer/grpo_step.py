@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer.batch import SeqItem, micro_batches, tree_micro_batches, turns
+from trainer.batch import EnvRows, SeqItem, micro_batches, tree_micro_batches, turns
 from trainer.config import GrpoConfig
 from trainer.distributed import Work
 from trainer.forward import MicroBatch, prepare, stats_of
@@ -110,9 +110,9 @@ def _scoring_pass(
         if not real:  # a padding pass (other ranks have one more micro-batch)
             continue
         if cfg.kl_beta > 0:
-            ref_lp = _with_env_ref(ref_lp, batch)
+            ref_lp = _with_env_ref(ref_lp, mb.env)
         ref_lps.append(ref_lp)
-        missing = batch["logprobs_missing"]
+        missing = mb.env.logprobs_missing
         if bool(missing.any()):  # never trained on placeholder zeros
             batch["logprobs"][missing, 1:] = stats.logprobs[missing].to(batch["logprobs"].dtype)
             sums["recomputed"] += float(missing.sum())
@@ -143,11 +143,11 @@ def _scoring_pass(
     return certainty, ref_lps, stats
 
 
-def _with_env_ref(ref_lp: torch.Tensor | None, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def _with_env_ref(ref_lp: torch.Tensor | None, rows: EnvRows) -> torch.Tensor:
     """The KL's reference per prediction: an environment's ``ref_logprobs`` where it sent
     them, the reference model's elsewhere (``kl_reference: env`` refuses groups without)."""
-    has = batch["has_ref"]
-    env = shift_aligned(batch["ref_logprobs"])
+    has = rows.has_ref
+    env = shift_aligned(rows.ref_logprobs)
     if ref_lp is None:
         if not bool(has.all()):
             raise ValueError("a sequence has no reference logprobs and no reference model runs")
@@ -155,15 +155,15 @@ def _with_env_ref(ref_lp: torch.Tensor | None, batch: dict[str, torch.Tensor]) -
     return torch.where(has.unsqueeze(-1), env.to(ref_lp.dtype), ref_lp)
 
 
-def token_advantages(seq_adv: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def token_advantages(seq_adv: torch.Tensor, rows: EnvRows) -> torch.Tensor:
     """Per-prediction advantages of a micro-batch's rows: the group advantage of each row,
     replaced by the environment's own per-token advantages where it sent them (Atropos
     ``advantages``), and 0 for rows with ``set_advantage_to_zero``. ``[B]`` when neither
     applies (the same values, broadcast by the loss)."""
-    has, zero = batch["has_advantages"], batch["zero_advantage"]
+    has, zero = rows.has_advantages, rows.zero_advantage
     if not bool(has.any() or zero.any()):
         return seq_adv
-    env = shift_aligned(batch["advantages"]).to(seq_adv.device)
+    env = shift_aligned(rows.advantages).to(seq_adv.device)
     adv = seq_adv.unsqueeze(-1).expand_as(env)
     adv = torch.where(has.unsqueeze(-1), env, adv)
     return torch.where(zero.unsqueeze(-1), torch.zeros_like(adv), adv)
@@ -228,7 +228,7 @@ def accumulate(
         inp = LossInput(
             stats.logprobs,
             shift_aligned(batch["logprobs"]),
-            token_advantages(adv[[i.index for i in mb.items]].to(lm.device), batch),
+            token_advantages(adv[[i.index for i in mb.items]].to(lm.device), mb.env),
             shift_aligned(batch["mask"]),
             normaliser,
             ref_lp,

@@ -5,6 +5,7 @@ trainer's real code. Hand-computed values on the micro Qwen2, both packing paths
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -21,7 +22,7 @@ from api.atropos_convert import to_native
 from api.protocol import ScoredGroup
 from tests.unit.test_trainer_core import _grpo_cfg, build_micro_model
 from trainer.atropos_fields import refusal
-from trainer.batch import flatten_groups
+from trainer.batch import EnvRows, flatten_groups
 from trainer.config import GrpoConfig
 from trainer.forward import prepare, stats_of
 from trainer.grpo_step import StepContext, accumulate, token_advantages
@@ -163,17 +164,20 @@ def test_flatten_reads_the_atropos_fields() -> None:
 
 
 def test_token_advantages_hand_values() -> None:
-    batch = {
-        "advantages": torch.tensor([[0.0, 0.0, 5.0, 6.0], [0.0, 0.0, 0.0, 0.0], [9.0] * 4]),
-        "has_advantages": torch.tensor([True, False, False]),
-        "zero_advantage": torch.tensor([False, False, True]),
-    }
-    adv = token_advantages(torch.tensor([0.5, -0.25, 2.0]), batch)
+    none = torch.zeros(3, dtype=torch.bool)
+    rows = EnvRows(
+        advantages=torch.tensor([[0.0, 0.0, 5.0, 6.0], [0.0, 0.0, 0.0, 0.0], [9.0] * 4]),
+        has_advantages=torch.tensor([True, False, False]),
+        ref_logprobs=torch.zeros(3, 4),
+        has_ref=none,
+        logprobs_missing=none,
+        zero_advantage=torch.tensor([False, False, True]),
+    )
+    adv = token_advantages(torch.tensor([0.5, -0.25, 2.0]), rows)
     torch.testing.assert_close(
         adv, torch.tensor([[0.0, 5.0, 6.0], [-0.25, -0.25, -0.25], [0.0, 0.0, 0.0]])
     )
-    plain = {**batch, "has_advantages": torch.zeros(3, dtype=torch.bool)}
-    plain["zero_advantage"] = torch.zeros(3, dtype=torch.bool)
+    plain = dataclasses.replace(rows, has_advantages=none, zero_advantage=none)
     torch.testing.assert_close(
         token_advantages(torch.tensor([1.0, 2.0, 3.0]), plain), torch.tensor([1.0, 2.0, 3.0])
     )
