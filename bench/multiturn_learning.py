@@ -116,8 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--eval-samples", type=int, default=16)
     p.add_argument("--eval-only", action="store_true", help="the start weights' evaluation only")
+    p.add_argument("--report", action="store_true", help="result.json of a finished --out")
     args = p.parse_args(argv)
     args.out = args.out.resolve()
+    if args.report:
+        times = args.out / "times.json"
+        return report(args, json.loads(times.read_text()) if times.exists() else {})
     args.out.mkdir(parents=True, exist_ok=True)
     plan = plan_threads(available_cores(), 1)
     print(f"[multiturn] {plan.describe()}", flush=True)
@@ -149,10 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         urls = (api_url, vllm.base_url)
         times["start_s"] = time.monotonic() - t0
         t = time.monotonic()
-        before = evaluate(py, args, urls, "before")
+        evaluate(py, args, urls, "before")
         times["eval_before_s"] = time.monotonic() - t
         if args.eval_only:
-            print(json.dumps(compare(read_episodes(before), read_episodes(before))["reward"]))
+            rows = read_episodes(args.out / "eval_before" / "samples.jsonl")
+            print(json.dumps(compare(rows, rows)["reward"]))
             return 0
         t = time.monotonic()
         trainer_env = {**os.environ, **plan.trainer_env}
@@ -171,15 +176,24 @@ def main(argv: list[str] | None = None) -> int:
         times["train_s"] = time.monotonic() - t
         env.stop()
         t = time.monotonic()
-        after = evaluate(py, args, urls, "after")
+        evaluate(py, args, urls, "after")
         times["eval_after_s"] = time.monotonic() - t
+        (args.out / "times.json").write_text(json.dumps(times) + "\n")
     finally:
         for proc in reversed(procs):
             proc.stop()
         if vllm is not None:
             vllm.stop()
+    return report(args, times)
+
+
+def report(args: argparse.Namespace, times: dict[str, float]) -> int:
+    """``result.json`` and the before/after table from the run's files."""
+    before = args.out / "eval_before" / "samples.jsonl"
+    after = args.out / "eval_after" / "samples.jsonl"
     result = compare(read_episodes(before), read_episodes(after))
-    steps = [json.loads(x) for x in (args.out / "trainer" / "metrics.jsonl").read_text().split()]
+    metrics = (args.out / "trainer" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(x) for x in metrics if x.strip()]
     report: dict[str, Any] = {
         "args": {k: v for k, v in vars(args).items() if k not in ("light", "out")},
         "comparison": result,

@@ -23,10 +23,12 @@ Row = Mapping[str, Any]
 
 METRICS: dict[str, Callable[[Row], float]] = {
     "reward": lambda r: float(r["reward"]),
-    "solved": lambda r: float(r["reward"] > 0),
+    "solved": lambda r: float(r["solved"] if "solved" in r else r["reward"] > 0),
     "turns": lambda r: float(r["turns"]),
 }
-"""What is compared, read off one episode row (``solved``: reward above 0)."""
+"""What is compared, read off one episode row (``solved``: the row's own ``solved`` where the
+env writes one, else a reward above 0 -- wrong for an env that pays partial credit, which
+should then write ``solved``)."""
 
 
 def read_episodes(path: Path) -> list[dict[str, Any]]:

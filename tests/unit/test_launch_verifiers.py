@@ -87,6 +87,14 @@ def test_the_before_after_table_is_stratified_by_task(tmp_path: Path) -> None:
     assert "2 held-out tasks, 4 / 4 episodes (0 / 0 failed" in text and text.endswith("note.\n")
 
 
+def test_solved_is_the_rows_own_where_it_has_one() -> None:
+    # partial credit (a format reward) is not a win
+    before = [{**r, "solved": False} for r in _episodes([0.2, 0.0, 0.1, 0.0])]
+    after = [{**r, "solved": r["reward"] == 1.0} for r in _episodes([1.0, 0.2, 1.0, 0.1])]
+    got = compare(before, after)
+    assert got["solved"]["before"] == 0.0 and got["solved"]["after"] == 0.5
+
+
 def test_task_difficulty_cancels_out() -> None:
     # the hard task's episodes all score 0, the easy one's 1 on both sides: no difference, and
     # the spread between tasks is not noise
