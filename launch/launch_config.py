@@ -25,6 +25,12 @@ class LaunchConfig(BaseModel):
     """build_embedded: `python -m` module that builds base_model if missing."""
     trainer_device: Literal["cpu", "cuda"] = "cpu"
     """Where the trainer runs (launch/placement.py picks the GPUs)."""
+    cost_probe: bool = True
+    """CPU trainer: before SFT and GRPO start, time one optimizer step of the phase's model
+    at its shapes on this CPU and print what the phase will cost (launch/cost_probe.py);
+    where the run would exceed ~90 min, print why and the cpu-tiny command (the run goes
+    on). Phases of a few steps, or of steps of seconds (the tiny model), are not probed.
+    False (``--no-cost-probe``): no probe."""
     eval_samples: int = Field(512, ge=0)
     """Test-split steps of the SFT-vs-RL evaluation (0: skip); 512 gives ~±3 points."""
     run_dir: Path | None = None

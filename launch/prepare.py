@@ -8,6 +8,7 @@ do (``resume_plan``, from the same decisions). docs/TRAINER.md describes SFT.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from launch.configs import preset_model, write_service_config
@@ -47,10 +48,13 @@ def reused_sft_eval(cfg: RunConfig, run_dir: Path) -> Path | None:
     return done if cfg.launch.eval_samples and cfg.launch.resume and done.exists() else None
 
 
-def prepare_embedded(cfg: RunConfig, run_dir: Path) -> None:
+def prepare_embedded(
+    cfg: RunConfig, run_dir: Path, before_sft: Callable[[], object] | None = None
+) -> None:
     """The preset's base model (the tiny model, or SmolLM2 for cpu-smol), the dataset (with
     the env's ``num_sessions``) and the SFT cold start (``trainer.sft``, whose ``save_path``
-    the launcher set to the preset's model), each only if missing."""
+    the launcher set to the preset's model), each only if missing; ``before_sft`` runs just
+    before the SFT starts (the launcher's cost probe, launch/cost_probe.py)."""
     launch_cfg, sft = cfg.launch, cfg.trainer.sft
     base, sft_dir = Path(launch_cfg.base_model), Path(sft.save_path)
     if not has_base_model(cfg):
@@ -65,6 +69,8 @@ def prepare_embedded(cfg: RunConfig, run_dir: Path) -> None:
             argv += ["--num-sessions", str(cfg.env.num_sessions)]
         run_step("dataset", argv, run_dir / "dataset.log", title="build dataset")
     if not sft_done(cfg):
+        if before_sft is not None:
+            before_sft()
         path = write_service_config(run_dir, "trainer_sft", cfg, "trainer.sft")
         argv = [PY, "-m", "trainer", "sft", "--config", str(path)]
         source = sft_source(sft_dir, sft.training_steps)

@@ -31,6 +31,7 @@ from api.config import TOKEN_ENV as API_TOKEN_ENV
 from api.config import ApiConfig, check_exposure
 from launch import progress, verifiers_env
 from launch.configs import resolve_for_run, write_service_configs
+from launch.cost_probe import CostProbe
 from launch.eval_table import eval_table
 from launch.evaluation import evaluate, finish_evaluation, pages_table, start_evaluation
 from launch.follow import LogSource, grpo_source
@@ -246,8 +247,9 @@ def launch(argv: list[str], cfg: RunConfig, stack: Stack, run_dir: Path) -> int:
     cfg = resolve_for_run(argv, api_url, urls, run_dir, place.trainer_device)
     model, save = str(cfg.model), Path(cfg.trainer.grpo.save_path)
     env_cfg, steps = cfg.env, cfg.trainer.grpo.training_steps
+    probe = CostProbe(cfg, argv, threads.trainer_env)  # the trainer's threads
     if prepares_embedded(cfg):
-        prepare_embedded(cfg, run_dir)
+        prepare_embedded(cfg, run_dir, before_sft=probe.before_sft)
     budget = (env_cfg.max_prompt_tokens, env_cfg.max_tokens)
     envs = (["env"] if lc.shop_r1_env else []) + (["verifiers"] if cfg.verifiers else [])
     if not envs:
@@ -310,6 +312,7 @@ def launch(argv: list[str], cfg: RunConfig, stack: Stack, run_dir: Path) -> int:
     else:
         sft_metrics = finish_evaluation(sft_eval) if sft_eval is not None else None
 
+    probe.before_grpo()  # what GRPO's trainer will cost here, while vLLM idles (cost_probe)
     held_out = verifiers_env.evaluate_before(cfg, urls[0], run_dir, light)
     if lc.shop_r1_env:
         stack.start("env", [PY, "-m", "env_server", "--config", str(files["env"])], light)

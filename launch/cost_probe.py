@@ -1,0 +1,401 @@
+"""What the run's long phases will cost on this CPU, measured before they start (issue 46).
+
+CPUs differ by more than the presets' comments can say: the cpu-smol SFT took ~28 s a step on
+a CPU with native bf16 (avx512_bf16) and 60-100 s in fp32 on an AVX2-only AMD EPYC. So before
+SFT (and GRPO) start on a CPU trainer, the launcher loads the model the phase trains the way
+the trainer does (``trainer.model.load_model``: the phase's precision, attention, packing,
+LoRA, frozen layers), with the trainer's thread count (launch/threads.py), and times one real
+optimizer step at the phase's shapes on synthetic tokens, after one small warm-up step:
+
+- SFT: one micro-batch of ``micro_batch_size`` rows of ``max_seq_len`` tokens (the first
+  examples the SFT will draw when the dataset is there, else random tokens, which share no
+  prefix and so cost more), times ``batch_size / micro_batch_size``, plus one AdamW step.
+- GRPO: one group (``env.group_size`` completions of ``env.max_tokens`` after a shared prompt
+  of ``env.max_prompt_tokens``, packed as the trainer packs it; full lengths: an upper bound)
+  times the step's groups, plus the scoring forward (several micro-batches) and the KL
+  reference's forward where they run, and one AdamW step. The trainer's compute only:
+  sampling (vLLM) and weight syncs come on top.
+
+A pass holds at most ``MAX_PROBE_TOKENS`` tokens: a larger micro-batch is probed with fewer
+rows, scaled linearly (the line says so). The times are wall-clock: where other work held
+the CPU, the line says what share of its threads the probe got. Over ``LONG_RUN_S`` (both
+phases) the launcher says why and prints the cpu-tiny command, then goes on: the user chose.
+No probe with ``launch.cost_probe: false``, a GPU trainer or several trainer processes, a
+phase of ``MIN_STEPS`` steps or fewer, or a step under ``MIN_STEP_FLOP`` (the tiny model).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+MIN_STEPS = 5
+"""A phase of this many steps or fewer is not probed (it is over before the probe would be)."""
+MIN_STEP_FLOP = 1e12
+"""A step under this many FLOP (6 x parameters x tokens) takes seconds on any CPU: no probe
+(the tiny model's SFT step: ~2e11; SmolLM2-135M's: ~7e12)."""
+MAX_PROBE_TOKENS = 2048
+"""Most tokens in one timed pass; a larger micro-batch is probed with fewer rows, scaled."""
+BUSY_SHARE = 0.7
+"""Below this share of its threads' time the line says the CPU was busy with other work."""
+LONG_RUN_S = 90 * 60.0
+"""Above this (all phases' estimates together) the launcher offers the tiny preset."""
+
+
+@dataclass(frozen=True)
+class PhaseShape:
+    """What one optimizer step of a phase computes."""
+
+    name: str  # SFT or GRPO
+    steps: int  # steps the phase has left to run
+    prompt: int  # tokens the rows of a pass share first (GRPO: the group's prompt; SFT: 0)
+    completion: int  # tokens of each row after it (SFT: the whole sequence)
+    rows: int  # rows (sequences) in one timed pass
+    passes: int  # such passes per optimizer step (micro-batches or groups)
+    scoring_forwards: int = 0  # no-grad forwards per pass (GRPO's scoring, the KL reference)
+    scale: float = 1.0  # real rows / probed rows (> 1: probed with fewer rows)
+    source: str = "random tokens"  # or the SFT's first training examples
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one timed pass (its shared prefix once)."""
+        return self.prompt + self.rows * self.completion
+
+    def describe(self) -> str:
+        shape = f"{self.rows} x {self.completion} tokens"
+        if self.prompt:
+            shape = f"{self.prompt}-token prompt + {shape}"
+        scaled = f", scaled x{self.scale:.3g} to the real rows" if self.scale > 1 else ""
+        return f"{shape} ({self.source}), x{self.passes} per step{scaled}"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A phase's measured step and what it multiplies out to."""
+
+    shape: PhaseShape
+    step_s: float
+    """Seconds of one optimizer step (measured, scaled to the phase's shapes)."""
+    precision: str
+    """``fp32`` or ``bf16``: the compute precision the trainer will use."""
+    timed_steps: int = 1
+    share: float = 1.0
+    """CPU time the probe's process got / (wall time x threads): < 1 where others ran."""
+
+    @property
+    def total_s(self) -> float:
+        return self.shape.steps * self.step_s
+
+
+def _duration(s: float) -> str:
+    if s < 90:
+        return f"{s:.0f} s"
+    if s < 90 * 60:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.1f} h"
+
+
+def cpu_words(precision: str, native_bf16: bool) -> str:
+    """``AMD EPYC, fp32, no bf16``: the CPU's name, the precision, whether bf16 is native."""
+    import torch
+
+    name = str(torch.cpu.get_capabilities().get("cpu_name") or "CPU")
+    return f"{name}, {precision}, {'native bf16' if native_bf16 else 'no bf16'}"
+
+
+def phase_line(est: Estimate, cpu: str) -> str:
+    """``[run_all] cost on this CPU (AMD EPYC, fp32, no bf16): SFT 30 steps x ~75 s = ~38 min
+    (probe: ...)``."""
+    shape = est.shape
+    only = " (trainer compute only, not sampling)" if shape.name == "GRPO" else ""
+    busy = ""
+    if est.share < BUSY_SHARE:
+        busy = f"; the CPU was busy: the probe got {est.share:.0%} of its threads' time"
+    return (
+        f"[run_all] cost on this CPU ({cpu}): {shape.name} {shape.steps} steps x "
+        f"~{_duration(est.step_s)} = ~{_duration(est.total_s)}{only} "
+        f"(probe: {est.timed_steps} step(s) of {shape.describe()}{busy})"
+    )
+
+
+def tiny_command(argv: Sequence[str]) -> str:
+    """The run's command with the tiny preset: its ``--preset``, ``--recipe``/``--config``
+    (a recipe names its model), ``--run-dir`` and ``--resume`` left out."""
+    valued = {"--preset", "--recipe", "--config", "--run-dir", "--launch.run-dir"}
+    flags = {"--resume", "--launch.resume"}
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in valued:
+            skip = True
+            continue
+        if a in flags or a.split("=", 1)[0] in valued:
+            continue
+        rest.append(a)
+    return shlex.join(["launch/run_all.sh", "--preset", "cpu-tiny", *rest])
+
+
+def long_run_lines(estimates: Sequence[Estimate], preset: str, argv: Sequence[str]) -> list[str]:
+    """Why the run is long and the cpu-tiny command, when the estimates together exceed
+    ``LONG_RUN_S``; nothing otherwise."""
+    total = sum(e.total_s for e in estimates)
+    if total <= LONG_RUN_S:
+        return []
+    parts = " + ".join(f"{e.shape.name} ~{_duration(e.total_s)}" for e in estimates)
+    steps = " and ".join(
+        f"~{e.step_s:.0f} s a {e.shape.name} step in {e.precision}" for e in estimates
+    )
+    return [
+        f"[run_all] NOTE: preset {preset} would spend ~{_duration(total)} training on this CPU "
+        f"({parts}), over {LONG_RUN_S / 60:.0f} min: its model's steps are measured at {steps} "
+        f"(fp32 where the CPU has no native bf16, trainer/precision.py).",
+        f"[run_all] NOTE: the tiny preset runs the same pipeline in minutes: {tiny_command(argv)}",
+        f"[run_all] NOTE: continuing with {preset} as asked (--no-cost-probe skips this probe).",
+    ]
+
+
+def param_count(model_dir: str | Path) -> int:
+    """Parameters in ``model_dir``'s safetensors files, read from their headers (0 if none)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 -- safe_open is not a dict
+                total += math.prod(f.get_slice(key).get_shape())
+    return total
+
+
+def step_flop(shape: PhaseShape, params: int) -> float:
+    """6 x parameters x tokens of one optimizer step (forward + backward)."""
+    return 6.0 * params * shape.tokens * shape.scale * shape.passes
+
+
+def sft_shape(sft: Any, steps: int) -> PhaseShape:
+    """An SFT step (``SftConfig``): ``batch_size / micro_batch_size`` micro-batches."""
+    rows = sft.micro_batch_size
+    probed = max(1, min(rows, MAX_PROBE_TOKENS // sft.max_seq_len))
+    passes = sft.batch_size // sft.micro_batch_size
+    return PhaseShape("SFT", steps, 0, sft.max_seq_len, probed, passes, 0, rows / probed)
+
+
+def grpo_shape(grpo: Any, group_size: int, prompt: int, completion: int, steps: int) -> PhaseShape:
+    """A GRPO step (``GrpoConfig``): its groups, packed; several micro-batches add the
+    scoring forward, a KL reference model its own forward."""
+    groups = max(1, grpo.batch_size // group_size)
+    probed = max(1, min(group_size, (MAX_PROBE_TOKENS - prompt) // max(1, completion)))
+    tokens = groups * (prompt + group_size * completion)
+    several = tokens > grpo.micro_batch_tokens
+    reference = grpo.kl_beta > 0 and grpo.kl_reference == "model"
+    extra = int(several) + int(reference)
+    return PhaseShape("GRPO", steps, prompt, completion, probed, groups, extra, group_size / probed)
+
+
+Rows = list[tuple[list[int], list[int]]]
+"""Sequences of one pass with their loss masks (1 = a target token)."""
+
+
+def measure_step(
+    cfg: Any,
+    model_dir: str | Path,
+    shape: PhaseShape,
+    threads: int | None,
+    examples: Rows | None = None,
+    timed: int = 1,
+) -> Estimate:
+    """Seconds of one optimizer step of ``shape`` on this machine: the model loaded with the
+    trainer's loader from the phase's config ``cfg`` (``SftConfig``/``GrpoConfig``) on the CPU,
+    ``threads`` torch threads, a small warm-up step, then ``timed`` steps (the best is kept),
+    each pass on ``examples`` (else random rows of ``shape``)."""
+    import torch
+
+    from trainer.forward import target_nll
+    from trainer.model import autocast, load_model
+    from trainer.optim import build_optimizer, build_scheduler, clip_and_step
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        lm = load_model(cfg.model_copy(update={"model_name": str(model_dir), "device": "cpu"}))
+        lm.model.train()
+        optimizer = build_optimizer(lm.model, cfg)
+        scheduler = build_scheduler(optimizer, cfg)
+        vocab = int(lm.model.get_input_embeddings().weight.shape[0])
+        gen = torch.Generator().manual_seed(0)
+
+        def rows(n: int, prompt: int, completion: int) -> Rows:
+            shared = torch.randint(3, vocab, (prompt,), generator=gen).tolist()
+            tail = torch.randint(3, vocab, (n, completion), generator=gen).tolist()
+            return [(shared + t, [0] * prompt + [1] * completion) for t in tail]
+
+        def nll(batch: Rows) -> torch.Tensor:
+            seqs, masks = [s for s, _ in batch], [m for _, m in batch]
+            pad = lm.tokenizer.pad_token_id or 0
+            with autocast(lm.device, lm.compute_dtype):
+                return target_nll(
+                    lm.model, seqs, masks, lm.device, lm.tree_attention, cfg.min_shared_prefix, pad
+                )
+
+        def step(batch: Rows) -> tuple[float, float, float]:
+            t0 = time.perf_counter()
+            (nll(batch) / sum(len(s) for s, _ in batch)).backward()
+            t1 = time.perf_counter()
+            with torch.no_grad():
+                for _ in range(min(1, shape.scoring_forwards)):  # one timed, the others alike
+                    nll(batch)
+            t2 = time.perf_counter()
+            clip_and_step(lm.model, optimizer, scheduler, cfg.max_grad_norm)
+            return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+        step(rows(1, min(shape.prompt, 64), min(shape.completion, 128)))  # kernels, AdamW
+        best, wall0, cpu0 = math.inf, time.perf_counter(), time.process_time()
+        for _ in range(max(1, timed)):
+            fb, fwd, opt = step(examples or rows(shape.rows, shape.prompt, shape.completion))
+            per_pass = (fb + fwd * shape.scoring_forwards) * shape.scale
+            best = min(best, per_pass * shape.passes + opt)
+        wall = (time.perf_counter() - wall0) * torch.get_num_threads()
+        share = min(1.0, (time.process_time() - cpu0) / wall) if wall > 0 else 1.0
+        precision = "bf16" if lm.compute_dtype == torch.bfloat16 else "fp32"
+        return Estimate(shape, best, precision, max(1, timed), share)
+    finally:
+        torch.set_num_threads(before)
+
+
+def sft_examples(sft: Any, model_dir: str | Path, n: int) -> Rows | None:
+    """The first ``n`` examples the SFT will train on (epoch 0's order, as trainer/sft.py
+    draws them), tokenized with ``model_dir``'s tokenizer; None without a dataset."""
+    if not (Path(sft.data_dir) / "train.jsonl").exists():
+        return None
+    from trainer.model import load_tokenizer
+    from trainer.sft_data import LazySplit, epoch_order, load_or_build_dataset
+
+    data = load_or_build_dataset(sft.data_dir, sft.num_sessions, sft.seed)
+    split = LazySplit(
+        data["train"], load_tokenizer(str(model_dir)), sft.max_seq_len, sft.latest_only
+    )
+    order = epoch_order(len(split), sft.seed, 0)
+    found = split.take(order[: 4 * n])[:n]
+    return [(e.tokens, e.loss_mask) for e in found] or None
+
+
+def steps_left(cfg: Any) -> int:
+    """Steps the trainer with ``cfg`` will still run: all of them, or on ``resume`` what its
+    newest checkpoint leaves (0 when it is done; an unreadable one counts as none)."""
+    total = int(cfg.training_steps)
+    if cfg.resume not in (True, "latest"):
+        return total
+    from trainer.checkpoint_files import checkpoint_step
+    from trainer.resume import resume_checkpoint
+
+    try:
+        ckpt = resume_checkpoint(cfg)
+        done = checkpoint_step(ckpt) if ckpt is not None else 0
+    except (OSError, ValueError, KeyError, json.JSONDecodeError):
+        done = 0
+    return max(0, total - done)
+
+
+class CostProbe:
+    """The launcher's probe of one run (``cfg``: its ``RunConfig`` resolved for the run;
+    ``argv``: its command line, for the cpu-tiny command; ``trainer_env``: what the thread
+    plan gives the trainer, whose ``OMP_NUM_THREADS`` the probe's torch uses). :meth:`before_sft` estimates SFT and GRPO at once (the
+    GRPO probe then runs on the base model: the same architecture as the SFT model it will
+    train), :meth:`before_grpo` repeats the GRPO line, or probes GRPO when SFT did not run.
+    A probe that fails says so and the run goes on."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        argv: Sequence[str],
+        trainer_env: Mapping[str, str] | None = None,
+        measure: Any = measure_step,
+    ) -> None:
+        lc = cfg.launch
+        self.cfg, self.argv, self.measure = cfg, list(argv), measure
+        omp = (trainer_env or {}).get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
+        self.threads = int(omp) if omp and omp.isdigit() else None
+        self.enabled = lc.cost_probe and lc.trainer_device == "cpu" and lc.trainer_procs == 1
+        self.grpo: Estimate | None = None
+        self.grpo_probed = False
+        self.cpu = ""
+
+    def _shape(self, name: str, steps: int) -> PhaseShape:
+        cfg = self.cfg
+        if name == "SFT":
+            return sft_shape(cfg.trainer.sft, steps)
+        env = cfg.env
+        return grpo_shape(
+            cfg.trainer.grpo, env.group_size, env.max_prompt_tokens, env.max_tokens, steps
+        )
+
+    def _estimate(self, name: str, phase_cfg: Any, model_dir: str) -> Estimate | None:
+        steps = steps_left(phase_cfg)
+        if steps <= MIN_STEPS or not Path(model_dir).is_dir():
+            return None
+        shape = self._shape(name, steps)
+        if step_flop(shape, param_count(model_dir)) < MIN_STEP_FLOP:
+            return None  # seconds a step: not worth a probe
+        examples = sft_examples(phase_cfg, model_dir, shape.rows) if name == "SFT" else None
+        if examples:
+            longest = max(len(t) for t, _ in examples)
+            source = "the first training examples; the longest shown"
+            shape = replace(shape, rows=len(examples), completion=longest, source=source)
+            shape = replace(shape, scale=phase_cfg.micro_batch_size / len(examples))
+        threads = f"{self.threads} thread(s)" if self.threads else "torch's threads"
+        print(f"[run_all] cost probe: timing a {name} step on this CPU ({threads})...", flush=True)
+        est = self.measure(phase_cfg, model_dir, shape, self.threads, examples)
+        if not self.cpu:
+            from trainer.precision import cpu_native_bf16
+
+            self.cpu = cpu_words(est.precision, cpu_native_bf16()[0])
+        return est
+
+    def _run(self, phases: list[tuple[str, Any, str]]) -> list[str]:
+        """The lines for ``phases`` ((name, phase config, model directory)), probed."""
+        if not self.enabled:
+            return []
+        t0 = time.monotonic()
+        try:
+            found = [(n, self._estimate(n, c, m)) for n, c, m in phases]
+        except Exception as e:  # noqa: BLE001 -- an estimate must never stop the run
+            return [f"[run_all] cost probe failed ({type(e).__name__}: {e}); continuing"]
+        estimates = [e for _, e in found if e is not None]
+        self.grpo_probed |= any(n == "GRPO" for n, _, _ in phases)
+        self.grpo = next((e for n, e in found if n == "GRPO"), self.grpo)
+        if not estimates:
+            return []
+        lines = [phase_line(e, self.cpu) for e in estimates]
+        lines[-1] += f" [probe took {time.monotonic() - t0:.0f} s]"
+        return lines + long_run_lines(estimates, self.cfg.preset, self.argv)
+
+    def before_sft(self) -> list[str]:
+        """Before the SFT cold start: SFT's and GRPO's estimates, printed."""
+        cfg = self.cfg
+        base = str(cfg.launch.base_model)
+        phases = [("SFT", cfg.trainer.sft, base), ("GRPO", cfg.trainer.grpo, base)]
+        return _print(self._run(phases))
+
+    def before_grpo(self) -> list[str]:
+        """Before the GRPO trainer starts: its estimate (probed now if SFT did not run)."""
+        if self.grpo is not None:
+            return _print([phase_line(self.grpo, self.cpu)])
+        if self.grpo_probed:  # skipped (or failed) before SFT: not again
+            return []
+        grpo = self.cfg.trainer.grpo
+        return _print(self._run([("GRPO", grpo, str(grpo.model_name))]))
+
+
+def _print(lines: list[str]) -> list[str]:
+    for line in lines:
+        print(line, flush=True)
+    return lines

@@ -1,0 +1,170 @@
+"""launch/cost_probe.py: the measured step on the tiny model, the estimate it multiplies out
+to, the launcher's lines, and the >90 min branch (a per-step time injected, nothing slept)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launch import cost_probe
+from launch.cost_probe import (
+    CostProbe,
+    Estimate,
+    PhaseShape,
+    grpo_shape,
+    long_run_lines,
+    measure_step,
+    phase_line,
+    sft_shape,
+    tiny_command,
+)
+from launch.run_config import resolve_run
+from trainer.config import GrpoConfig, SftConfig
+
+pytestmark = pytest.mark.unit
+
+
+def test_probe_measures_a_positive_step_and_multiplies_it_out(tiny_model_dir: Path) -> None:
+    sft = SftConfig(
+        model_name=str(tiny_model_dir),
+        precision="fp32",
+        batch_size=4,
+        micro_batch_size=2,
+        max_seq_len=32,
+        training_steps=30,
+    )
+    shape = sft_shape(sft, 30)
+    assert (shape.rows, shape.passes, shape.completion) == (2, 2, 32)
+    est = measure_step(sft, tiny_model_dir, shape, threads=1)
+    assert est.step_s > 0 and est.precision == "fp32" and 0 < est.share <= 1
+    assert est.total_s == pytest.approx(30 * est.step_s)
+
+
+def test_grpo_probe_packs_a_group_and_counts_its_extra_forwards(tiny_model_dir: Path) -> None:
+    grpo = GrpoConfig(
+        model_name=str(tiny_model_dir),
+        precision="fp32",
+        batch_size=4,
+        micro_batch_tokens=32,
+        kl_beta=0.05,
+        training_steps=10,
+    )
+    shape = grpo_shape(grpo, group_size=2, prompt=16, completion=8, steps=10)
+    # 2 groups of (16 + 2 x 8) tokens > 32: a scoring pass, and the KL reference's forward
+    assert (shape.passes, shape.rows, shape.scoring_forwards, shape.tokens) == (2, 2, 2, 32)
+    est = measure_step(grpo, tiny_model_dir, shape, threads=1)
+    assert est.step_s > 0
+    assert est.total_s == pytest.approx(10 * est.step_s)
+
+
+def test_a_large_micro_batch_is_probed_with_fewer_rows_and_scaled() -> None:
+    sft = SftConfig(batch_size=16, micro_batch_size=16, max_seq_len=2048)
+    shape = sft_shape(sft, 100)
+    assert shape.rows == cost_probe.MAX_PROBE_TOKENS // 2048
+    assert shape.rows * shape.scale == 16
+    assert f"scaled x{16 // shape.rows}" in shape.describe()
+
+
+def _estimate(name: str, steps: int, step_s: float) -> Estimate:
+    shape = PhaseShape(name, steps, 0, 1024, 8, 1)
+    return Estimate(shape, step_s, "fp32")
+
+
+def test_the_line_names_the_cpu_precision_and_numbers() -> None:
+    line = phase_line(_estimate("SFT", 30, 75.0), "AMD EPYC, fp32, no bf16")
+    assert line.startswith("[run_all] cost on this CPU (AMD EPYC, fp32, no bf16): ")
+    assert "SFT 30 steps x ~75 s = ~38 min" in line
+    assert "probe: 1 step(s) of 8 x 1024 tokens (random tokens)" in line
+    assert "busy" not in line
+    busy = Estimate(PhaseShape("SFT", 30, 0, 1024, 8, 1), 75.0, "fp32", share=0.2)
+    assert "the CPU was busy: the probe got 20% of its threads' time" in phase_line(busy, "X")
+    grpo = phase_line(_estimate("GRPO", 30, 70.0), "X")
+    assert "trainer compute only, not sampling" in grpo
+
+
+def test_over_90_minutes_prints_why_and_the_tiny_preset_command() -> None:
+    argv = ["--preset", "cpu-smol", "--run-dir", "runs/x", "--training-steps", "40"]
+    slow = [_estimate("SFT", 30, 100.0), _estimate("GRPO", 40, 100.0)]
+    lines = long_run_lines(slow, "cpu-smol", argv)
+    text = "\n".join(lines)
+    assert "~1.9 h" in text and "over 90 min" in text and "fp32" in text
+    assert "launch/run_all.sh --preset cpu-tiny --training-steps 40" in text
+    assert "continuing with cpu-smol" in text
+    assert long_run_lines([_estimate("SFT", 30, 10.0)], "cpu-smol", argv) == []
+
+
+def test_tiny_command_drops_the_preset_recipe_run_dir_and_resume() -> None:
+    argv = [
+        "--preset=cpu-smol",
+        "--recipe",
+        "r.yaml",
+        "--resume",
+        "--run-dir=runs/a",
+        "--seed",
+        "3",
+    ]
+    assert tiny_command(argv) == "launch/run_all.sh --preset cpu-tiny --seed 3"
+
+
+def _smol_like(tmp_path: Path, model_dir: Path, *flags: str):
+    """cpu-smol's shapes and steps over the tiny model's files (no SmolLM2 needed)."""
+    argv = ["--preset", "cpu-smol", "--base-model", str(model_dir), *flags]
+    argv += ["--trainer.sft.save-path", str(tmp_path / "sft")]
+    argv += ["--trainer.grpo.save-path", str(tmp_path / "grpo")]
+    argv += ["--trainer.sft.data-dir", str(tmp_path / "no-data")]  # random tokens
+    return argv, resolve_run(argv)
+
+
+def test_the_launcher_probe_prints_both_phases_and_the_tiny_command(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    monkeypatch.setattr(cost_probe, "MIN_STEP_FLOP", 0.0)  # the tiny model stands in for Smol
+    argv, cfg = _smol_like(tmp_path, tiny_model_dir)
+    calls: list[tuple[str, int]] = []
+
+    def measured(phase_cfg, model_dir, shape, threads, examples=None):
+        calls.append((shape.name, threads))
+        return Estimate(shape, 120.0, "fp32")
+
+    probe = CostProbe(cfg, argv, {"OMP_NUM_THREADS": "1"}, measure=measured)
+    lines = probe.before_sft()
+    assert calls == [("SFT", 1), ("GRPO", 1)]
+    assert "SFT 30 steps x ~2 min = ~60 min" in lines[0]
+    assert "GRPO 30 steps x ~2 min = ~60 min" in lines[1]
+    assert any("--preset cpu-tiny" in line for line in lines)
+    out = capsys.readouterr().out
+    assert out.count("[run_all] cost probe: timing a ") == 2  # before each measurement
+    assert all(line in out for line in lines)
+    again = probe.before_grpo()  # the GRPO line again, not measured again
+    assert again == [lines[1].split(" [probe took")[0]] and len(calls) == 2
+
+
+def test_no_probe_when_off_short_or_the_steps_take_seconds(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    def never(*_a):
+        raise AssertionError("probed")
+
+    for flags in (["--no-cost-probe"], ["--sft-steps", "5", "--training-steps", "5"], []):
+        argv, cfg = _smol_like(tmp_path, tiny_model_dir, *flags)
+        probe = CostProbe(cfg, argv, {}, measure=never)  # [] : the tiny model's steps are cheap
+        assert probe.before_sft() == [] and probe.before_grpo() == []
+
+
+def test_a_failing_probe_says_so_and_the_run_goes_on(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cost_probe, "MIN_STEP_FLOP", 0.0)
+    argv, cfg = _smol_like(tmp_path, tiny_model_dir)
+
+    def broken(*_a):
+        raise RuntimeError("no memory")
+
+    lines = CostProbe(cfg, argv, {}, measure=broken).before_sft()
+    assert lines == ["[run_all] cost probe failed (RuntimeError: no memory); continuing"]
+
+
+def test_without_a_dataset_sft_is_probed_on_random_tokens(tmp_path: Path) -> None:
+    sft = SftConfig(data_dir=str(tmp_path / "none"))
+    assert cost_probe.sft_examples(sft, tmp_path, 2) is None
