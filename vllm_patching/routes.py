@@ -17,6 +17,7 @@ import time
 from argparse import Namespace
 from http import HTTPStatus
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from starlette.routing import compile_path
@@ -94,6 +95,7 @@ VERSIONED_PATHS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/generate"}
 )
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+_HEADER_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 WEIGHT_TRANSFER_PATHS = frozenset(
     {
         "/init_weight_transfer_engine",
@@ -194,6 +196,7 @@ class BridgeMiddleware:
             return
         version = self.state.version
         scope.setdefault("state", {})["weight_version"] = version  # a route may report it too
+        header = (VERSION_HEADER.encode(), header_value(version))
         status = 0
 
         async def send_with_version(message) -> None:
@@ -202,10 +205,7 @@ class BridgeMiddleware:
                 status = message["status"]
                 if path in VERSIONED_PATHS:
                     message.setdefault("headers", [])
-                    message["headers"] = [
-                        *message["headers"],
-                        (VERSION_HEADER.encode(), version.encode()),
-                    ]
+                    message["headers"] = [*message["headers"], header]
             await send(message)
 
         try:
@@ -228,6 +228,13 @@ class BridgeMiddleware:
             }
         ):
             await self.state.refresh_version()
+
+
+def header_value(version: str) -> bytes:
+    """``version`` as an HTTP field value: printable ASCII as it is, any other character
+    percent-encoded. vLLM's /update_weight_version takes any string, and a control character
+    in the header made uvicorn drop every reply of the versioned routes."""
+    return quote(version, safe=_HEADER_SAFE, errors="surrogatepass").encode("ascii")
 
 
 async def _deny(send) -> None:

@@ -15,8 +15,8 @@ from fastapi import FastAPI, HTTPException, Request
 
 from vllm_patching.generate import check_plain, sampling_params
 from vllm_patching.generate import router as generate_router
-from vllm_patching.protocol import TOKEN_HEADER, BridgeSettings
-from vllm_patching.routes import BridgeMiddleware, BridgeState, router
+from vllm_patching.protocol import TOKEN_HEADER, VERSION_HEADER, BridgeSettings
+from vllm_patching.routes import BridgeMiddleware, BridgeState, header_value, router
 
 pytestmark = pytest.mark.unit
 TOKEN = "t0ken"
@@ -166,3 +166,15 @@ def test_a_body_too_deep_for_a_vllm_route_s_json_parser_is_400() -> None:
     r = post(app, "/collective_rpc", "[" * 100_000)
     assert r.status_code == 400 and "nested too deeply" in r.json()["error"]
     assert post(app, "/collective_rpc", '{"method": "m"}').json() == {"method": "m"}
+
+
+def test_a_version_label_that_is_no_header_value_is_percent_encoded() -> None:
+    """vLLM's /update_weight_version takes any string; with a control character in the
+    x-weight-version header uvicorn dropped every reply of the versioned routes. Printable
+    ASCII labels (ours are integers) go out as they are."""
+    assert header_value("17") == b"17" and header_value("v1.2-rc 3") == b"v1.2-rc 3"
+    assert header_value("é") == b"%C3%A9" and header_value("50%") == b"50%25"
+    app = app_for("none", None)
+    app.state.bridge.version = "a\nb\x00"
+    r = post(app, "/generate", "{}")  # refused (no prompt), and versioned all the same
+    assert r.status_code == 400 and r.headers[VERSION_HEADER] == "a%0Ab%00"
