@@ -77,6 +77,8 @@ SLOW_FIRST = (
     "test_atropos_generate",
     "test_smol_model",
     "test_prefix_tree_models",
+    "test_fuzz_bridge_server",
+    "test_fuzz_api_server",
     "test_trainer_grpo",
     "test_trainer_gail",
     "test_trainer_sft",
