@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -125,8 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     plan = plan_threads(available_cores(), 1)
     print(f"[multiturn] {plan.describe()}", flush=True)
-    import os
-
     args.light = {**os.environ, **plan.light_env, "HF_HUB_OFFLINE": "1"}
     py = ensure_atropos()
     times: dict[str, float] = {}
