@@ -82,15 +82,24 @@ def test_lazy_split_skips_rows_that_do_not_fit(tiny_model_dir: Path) -> None:
     fits = {i for i, r in enumerate(rows) if encode_example(r, tok, 400) is not None}
     assert 0 < len(fits) < len(rows)
     lazy = LazySplit(rows, tok, 400, latest_only=False)
-    # a handler on the module's own logger: pytest's caplog handler sits on the root logger,
-    # which any library that reconfigures logging (basicConfig(force=True)) can take away
+    # a handler on the module's own logger, enabled here whatever an earlier test in this
+    # worker did to logging: pytest's caplog handler sits on the root logger, which a library
+    # can take away (basicConfig(force=True)), and a library's dictConfig can disable existing
+    # loggers, raise the root level or call logging.disable
     warned = _Collect()
     logger = logging.getLogger("trainer.sft_data")
+    saved = (logger.disabled, logger.level, logging.root.manager.disable)
+    logger.disabled = False
+    logger.setLevel(logging.WARNING)
+    logging.disable(logging.NOTSET)
     logger.addHandler(warned)
     try:
         batches = _batches(lazy, 6, 8)
     finally:
         logger.removeHandler(warned)
+        logger.disabled, _, _ = saved
+        logger.setLevel(saved[1])
+        logging.disable(saved[2])
     assert all(len(b) == 8 for b in batches)
     kept = {tuple(encode_example(rows[i], tok, 400).tokens) for i in fits}
     assert all(tuple(t) in kept for b in batches for t in b)
