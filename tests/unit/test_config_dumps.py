@@ -1,0 +1,96 @@
+"""Every shipped recipe and preset resolves to the same values as before issue 47's config
+rework (lists as lists, the loss and the weight transport as unions): the full run config,
+the launcher's run config (its wiring included) and the files it writes into a run dir.
+
+The expected dumps (tests/unit/data/config_dumps/*.json) were written by the code before the
+rework; rewrite them with ``SHOP_R1_PIN_DUMPS=1`` only after a deliberate change of values.
+Each dump is compared key by key in the old spelling (:func:`old_spelling`): a field that
+another change added since is not in the dump and is not compared."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from launch.configs import resolve_for_run, write_service_configs
+from launch.run_config import RunConfig, resolve_run
+from settings import paths
+from settings.paths import REPO_ROOT
+
+pytestmark = pytest.mark.unit
+RECIPES = sorted((REPO_ROOT / "recipes").rglob("*.yaml"))
+DUMPS = Path(__file__).parent / "data" / "config_dumps"
+API_URL = "http://127.0.0.1:8000"
+VLLM_URLS = ["http://127.0.0.1:9000", "http://127.0.0.1:9001"]
+PIN = bool(os.environ.get("SHOP_R1_PIN_DUMPS"))
+"""Rewrite the dumps (read before ``clean_environ`` clears every ``SHOP_R1_`` variable)."""
+UNSTABLE = {("trainer", "sft", "resume"), ("trainer", "sft", "overwrite")}
+"""The launcher's SFT resume/overwrite depend on what artifacts/ holds now."""
+
+
+def _argv(recipe: Path) -> list[str]:
+    if recipe.parent.name == "presets":
+        return ["--preset", recipe.stem]
+    return ["--recipe", str(recipe)]
+
+
+def _named(data: Any) -> Any:
+    """``data`` with the project's locations as ``${NAME}`` (machine-independent)."""
+    text = json.dumps(data, sort_keys=True)
+    for name in ("RUNS_DIR", "ARTIFACTS", "REPO_ROOT"):
+        text = text.replace(str(getattr(paths, name)), f"${{{name}}}")
+    return json.loads(text)
+
+
+def old_spelling(cfg: RunConfig) -> dict[str, Any]:
+    """``cfg`` dumped with the keys the code before the rework had."""
+    return cfg.model_dump(mode="json", exclude={"recipe"})
+
+
+def _dumps(recipe: Path, run_dir: Path) -> dict[str, Any]:
+    run = resolve_run(_argv(recipe), environ={})
+    launched = resolve_for_run(_argv(recipe), API_URL, VLLM_URLS, run_dir, environ={}, warn=False)
+    files = write_service_configs(run_dir, launched)
+    written = {name: yaml.safe_load(path.read_text()) for name, path in files.items()}
+    return _named({"run": old_spelling(run), "launched": old_spelling(launched), "files": written})
+
+
+def _missing(expected: Any, got: Any, where: tuple[str, ...] = ()) -> list[str]:
+    """Where ``got`` differs from ``expected`` (keys ``expected`` lacks are not compared)."""
+    if where in UNSTABLE:
+        return []
+    if isinstance(expected, dict) and isinstance(got, dict):
+        return [
+            m
+            for k, v in expected.items()
+            for m in (
+                _missing(v, got[k], (*where, k)) if k in got else [f"{'.'.join(where)}.{k}: gone"]
+            )
+        ]
+    return [] if expected == got else [f"{'.'.join(where)}: {expected!r} -> {got!r}"]
+
+
+@pytest.fixture
+def clean_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("SHOP_R1_API_TOKEN", "SHOP_R1_BRIDGE_TOKEN", "HF_TOKEN", "NUM_INFERENCE_NODES"):
+        monkeypatch.delenv(name, raising=False)
+    for name in [n for n in os.environ if n.startswith(("GAIL_", "SHOP_R1_"))]:
+        monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: str(p.relative_to(REPO_ROOT)))
+@pytest.mark.usefixtures("clean_environ")
+def test_every_recipe_resolves_to_the_values_it_had(recipe: Path, tmp_path: Path) -> None:
+    name = str(recipe.relative_to(REPO_ROOT / "recipes")).replace("/", "__")
+    dump_file = DUMPS / f"{name.removesuffix('.yaml')}.json"
+    text = json.dumps(_dumps(recipe, tmp_path / "run"), sort_keys=True)
+    got = json.loads(text.replace(str(tmp_path / "run"), "${RUN_DIR}"))
+    if PIN:
+        DUMPS.mkdir(parents=True, exist_ok=True)
+        dump_file.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+    assert _missing(json.loads(dump_file.read_text()), got) == []
