@@ -99,7 +99,7 @@ class InFlight:
     on an idle machine a short request could finish before the sync, on a loaded one it
     might not have started), and the request is long enough to outlast the sync: 300 tokens
     are 2.5-4.3 s of decoding for vLLM on the CPU at 70-120 tokens/s (the tiny model, measured
-    on a quiet 2-core box; the Intel Xeon box of docs/TESTING.md "Durations" decoded a
+    on a quiet 2-core box; the Xeon box of docs/results/suite_speedups.md decoded a
     streamed request at 5-60 tokens/s, vLLM's throughput log), a sync of the tiny model well
     under a second, and a loaded box slows both. ``check`` asserts that the request outlived
     the sync (it asked only that it outlived the sync's start, which a request finished before
