@@ -73,6 +73,18 @@ class EnvConfig(BaseModel):
     """Nucleus sampling for rollouts."""
     latest_only: bool = False
     """Show only the current page (paper Table 5 ablation) instead of the whole session."""
+    episode: Literal["step", "session"] = "step"
+    """``step``: each step its own prompt holding the session so far; ``session``: the session
+    as one conversation (each page a user turn, each rationale + action an assistant turn),
+    its steps drawn one after another so they share their history (env_server/sessions.py).
+    The model must have been trained (SFT) in the same form."""
+
+    @model_validator(mode="after")
+    def _one_page_or_session(self) -> EnvConfig:
+        if self.latest_only and self.episode == "session":
+            raise ValueError("latest_only shows one page; it does not apply to episode: session")
+        return self
+
     reward_variant: Literal["full", "binary", "no_dars", "no_format"] = "full"
     """Reward preset: the paper's reward or one of its ablations (the same ablations ship as
     recipes; a recipe's ``rewards:`` section is the general form)."""

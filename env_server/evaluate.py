@@ -332,13 +332,14 @@ def _env_defaults(argv: list[str] | None) -> dict[str, Any]:
     from env_server.config import parse_config
 
     env = parse_config(["--config", str(path)])
-    keys = ("data_dir", "tokenizer", "max_prompt_tokens", "max_tokens")
+    keys = ("data_dir", "tokenizer", "max_prompt_tokens", "max_tokens", "latest_only", "episode")
     return {k: getattr(env, k) for k in keys}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from env_server.config import DEFAULT_MAX_PROMPT_TOKENS
     from env_server.data.dataset import load_or_build
+    from env_server.sessions import as_episodes
     from settings.paths import DATA_DIR
 
     ap = argparse.ArgumentParser(
@@ -381,6 +382,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-tokens", type=int, default=160, help="completion budget")
     ap.add_argument("--latest-only", action="store_true", help="latest page only (Table 5)")
     ap.add_argument(
+        "--episode",
+        choices=["step", "session"],
+        default="step",
+        help="prompt form the model was trained in: each step its own prompt, or the session "
+        "as one conversation (env_server/sessions.py)",
+    )
+    ap.add_argument(
         "--concurrency",
         type=int,
         default=CONCURRENCY,
@@ -407,7 +415,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
 
     split = load_or_build(args.data_dir, args.num_sessions)[args.split]
-    rows = split.to_list()[: args.limit]
+    rows = split.to_list()
+    if args.episode == "session":  # histories come from the split's earlier rows
+        rows = as_episodes(rows)
+    rows = rows[: args.limit]
     if args.predictions:
         completions = read_predictions(args.predictions, rows)
     else:

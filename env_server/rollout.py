@@ -22,6 +22,7 @@ from typing import Any
 from env_server.inference import Completion, CompletionBatch
 from env_server.prompts import build_messages
 from env_server.reward import ParsedOutput, RewardBreakdown, RewardConfig, parse_output, score
+from env_server.sessions import TURNS, session_prompt_ids
 
 ENV_NAME = "shop_r1"
 
@@ -29,7 +30,13 @@ ENV_NAME = "shop_r1"
 def prompt_ids(
     row: Mapping[str, Any], tokenizer: Any, max_prompt_tokens: int | None, latest_only: bool
 ) -> list[int]:
-    """Chat-templated prompt ids of a row, the context fitted to ``max_prompt_tokens``."""
+    """Chat-templated prompt ids of a row, the context fitted to ``max_prompt_tokens``: the
+    session as one conversation when the row carries its earlier turns
+    (``env_server.sessions.as_episodes``), else the step form (``env_server.prompts``)."""
+    if TURNS in row:
+        if latest_only:
+            raise ValueError("latest_only shows one page; it does not apply to session episodes")
+        return session_prompt_ids(row, tokenizer, max_prompt_tokens)
 
     def render(budget: int | None) -> list[int]:
         msgs = build_messages(row, tokenizer, budget, latest_only)

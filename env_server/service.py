@@ -32,6 +32,7 @@ from env_server.evaluate import compute_metrics, generate_completions
 from env_server.inference import InferenceClient, InferencePool
 from env_server.page_report import page_kind
 from env_server.rollout import build_group, prompt_ids
+from env_server.sessions import as_episodes
 
 log = logging.getLogger("env_server")
 REREGISTER_S = 60.0
@@ -87,15 +88,25 @@ class Stats:
         )
 
 
-def cycle_rows(rows: list[dict[str, Any]], seed: int) -> Iterator[dict[str, Any]]:
-    """Rows in a seeded random order, reshuffled every epoch."""
+def cycle_rows(
+    rows: list[dict[str, Any]], seed: int, by_session: bool = False
+) -> Iterator[dict[str, Any]]:
+    """Rows in a seeded random order, reshuffled every epoch; ``by_session``: whole sessions
+    in a random order, each session's steps one after another (their groups then share the
+    session's history in vLLM's prefix cache and in the trainer's prefix tree)."""
+    units: list[list[dict[str, Any]]] = [[r] for r in rows]
+    if by_session:
+        sessions: dict[str, list[dict[str, Any]]] = {}
+        for r in rows:
+            sessions.setdefault(r["session_id"], []).append(r)
+        units = [sorted(v, key=lambda r: r["step"]) for v in sessions.values()]
     rng = random.Random(f"env-order-{seed}")
     epoch = 0
     while True:
-        order = list(range(len(rows)))
+        order = list(range(len(units)))
         rng.shuffle(order)
         for i in order:
-            yield rows[i]
+            yield from units[i]
         epoch += 1
         log.info("finished epoch %d over %d prompts", epoch, len(rows))
 
@@ -105,8 +116,12 @@ class EnvService:
         self, cfg: EnvConfig, api: ApiLink, inference: InferenceClient, tokenizer: Any, dataset: Any
     ) -> None:
         self.cfg, self.api, self.inference, self.tokenizer = cfg, api, inference, tokenizer
-        self.rows = cycle_rows(dataset["train"].to_list(), cfg.seed)
-        self.val_rows = dataset["validation"].to_list()[: cfg.eval_samples]
+        train, val = dataset["train"].to_list(), dataset["validation"].to_list()
+        session = cfg.episode == "session"
+        if session:  # every row carries its session's earlier turns
+            train, val = as_episodes(train), as_episodes(val)
+        self.rows = cycle_rows(train, cfg.seed, by_session=session)
+        self.val_rows = val[: cfg.eval_samples]
         self.reward = cfg.reward_config()
         self.stats = Stats()
         self.stop = asyncio.Event()

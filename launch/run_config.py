@@ -70,6 +70,9 @@ class RunConfig(_Keys):
     """SFT steps if SFT must run (``trainer.sft.training_steps``)."""
     num_sessions: int | None = Field(None, ge=10)
     """Sessions of the dataset, built if missing (``env.num_sessions``, ``trainer.sft.``)."""
+    episode: Literal["step", "session"] | None = None
+    """Shop-R1 prompts: each step its own prompt, or the session as one conversation
+    (``env.episode``, ``trainer.sft.episode``; env_server/sessions.py)."""
     keep_constant_groups: bool = False
     """Keep groups whose rewards are all equal (``env.drop_constant_groups`` false)."""
     env_args: str | None = None

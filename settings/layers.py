@@ -28,6 +28,7 @@ SHORTCUTS: dict[str, tuple[str, ...]] = {
     "training_steps": ("trainer.grpo.training_steps",),
     "sft_steps": ("trainer.sft.training_steps",),
     "num_sessions": ("trainer.sft.num_sessions", "env.num_sessions"),
+    "episode": ("trainer.sft.episode", "env.episode"),
     "keep_constant_groups": ("env.drop_constant_groups",),  # negated
 }
 """Top-level keys of a run and the fields they fill."""

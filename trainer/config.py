@@ -178,6 +178,11 @@ class SftConfig(CommonConfig):
     """Prompt + target token budget; the prompt's oldest context is dropped first."""
     latest_only: bool = False
     """Show only the latest page (plus the action history) instead of every page so far."""
+    episode: Literal["step", "session"] = "step"
+    """``step``: one example per step, its prompt the session so far; ``session``: the session
+    as one conversation, one sequence per window of it with every assistant turn a target
+    (env_server/sessions.py). A batch then holds whole sessions: at least ``batch_size``
+    sequences. Train the env's rollouts (``env.episode``) in the same form."""
     eval_every: int = 150
     """Measure validation loss every this many steps (and at the end): 3 times in the default
     450 steps (each reads the model and never changes it; ~2.5 s apiece on the tiny model)."""

@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 import math
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from env_server.sessions import as_episodes
 from trainer.checkpoint import save_final_model
 from trainer.config import SftConfig
 from trainer.dist_checkpoint import unsharded_copy
@@ -34,8 +36,14 @@ def train(cfg: SftConfig) -> Run:
     lm, state = run.loaded, run.state
     work = Work.of(run.dist)
     data = load_or_build_dataset(cfg.data_dir, cfg.num_sessions, cfg.seed)
-    train_set = LazySplit(data["train"], lm.tokenizer, cfg.max_seq_len, cfg.latest_only)
-    val_set = LazySplit(data["validation"], lm.tokenizer, cfg.max_seq_len, cfg.latest_only)
+    split = partial(
+        LazySplit,
+        tokenizer=lm.tokenizer,
+        max_seq_len=cfg.max_seq_len,
+        latest_only=cfg.latest_only,
+        episode=cfg.episode,
+    )
+    train_set, val_set = split(data["train"]), split(data["validation"])
     held_out = val_set.first(cfg.eval_examples)
     log.info("SFT: %d train / %d validation rows", len(train_set), len(val_set))
     bar = tqdm(
@@ -74,7 +82,8 @@ def train(cfg: SftConfig) -> Run:
                 return run
         save_final_model(cfg.save_path, lm.model, lm.tokenizer)
         if cfg.eval_generate > 0:
-            rows = list(data["validation"])[: cfg.eval_generate]
+            rows = list(data["validation"])
+            rows = (as_episodes(rows) if cfg.episode == "session" else rows)[: cfg.eval_generate]
             result = format_valid_rate(
                 lm, rows, cfg.max_seq_len, cfg.max_new_tokens, cfg.latest_only
             )

@@ -20,6 +20,7 @@ import torch
 
 # Rollouts and SFT must tokenize prompts identically: one function serves both.
 from env_server.rollout import prompt_ids
+from env_server.sessions import NotAppendOnly
 
 log = logging.getLogger(__name__)
 
@@ -94,36 +95,103 @@ def encode_split(
     return examples
 
 
+def encode_session(
+    rows: list[dict[str, Any]], tokenizer: Any, max_seq_len: int
+) -> list[SftExample] | None:
+    """A session's examples (``episode: session``): the session as one conversation, one
+    sequence per window of it (``env_server.sessions.windows``), every step's assistant turn a
+    target in the window its prompt is in; None when even one page does not fit."""
+    from env_server.sessions import gold_turn, windows
+
+    rows = sorted(rows, key=lambda r: int(r["step"]))
+    if [int(r["step"]) for r in rows] != list(range(len(rows))):
+        raise ValueError(
+            f"session {rows[0]['session_id']}: steps {[r['step'] for r in rows]} are "
+            "not 0, 1, ...: a session needs all its rows"
+        )
+    turns = [gold_turn(r) for r in rows]
+    longest = max(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in turns) + 1
+    last = rows[-1]
+    try:
+        found = windows(
+            tokenizer, last["pages"], last["previous_actions"], turns[:-1], max_seq_len - longest
+        )
+    except NotAppendOnly:
+        raise
+    except ValueError:  # the budget cannot hold even one page's frame
+        return None
+    out, first = [], 0
+    for k, end, conv in found:
+        ids, spans = conv.answer(turns[end])
+        mask = [0] * len(ids)
+        for step, (a, b) in enumerate(spans, start=k):
+            if step >= first:  # a step trains in the window its own prompt is in
+                mask[a:b] = [1] * (b - a)
+        out.append(SftExample(ids, mask, mask.index(1)))
+        first = end + 1
+    return out
+
+
 class LazySplit:
     """A split's rows, each encoded the first time a batch asks for it: a run reads a fraction
     of a large split (the default SFT, 3,600 of 9,365 training rows), so encoding the whole
     split up front was most of its start-up. A batch's rows are encoded on as many threads as
     :func:`encode_split` uses, and each result is kept. Indices are rows, not examples: a row
-    that cannot fit is ``None`` (warned about once), and :meth:`take` skips it."""
+    that cannot fit is ``None`` (warned about once), and :meth:`take` skips it.
 
-    def __init__(self, rows: Any, tokenizer: Any, max_seq_len: int, latest_only: bool) -> None:
-        self.rows, self.max_seq_len = rows, max_seq_len
-        self._encode = partial(
-            encode_example, tokenizer=tokenizer, max_seq_len=max_seq_len, latest_only=latest_only
-        )
-        self._done: dict[int, SftExample | None] = {}
-        self.skipped: list[int] = []  # rows drawn so far that cannot fit, in the order drawn
+    ``episode="session"``: indices are sessions (in the order their first row appears), each
+    encoded by :func:`encode_session` into one example per window."""
+
+    def __init__(
+        self, rows: Any, tokenizer: Any, max_seq_len: int, latest_only: bool, episode: str = "step"
+    ) -> None:
+        self.rows, self.max_seq_len, self.episode = rows, max_seq_len, episode
+        self.units: list[list[int]] | None = None
+        if episode == "session":
+            if latest_only:
+                raise ValueError(
+                    "latest_only shows one page; it does not apply to episode: session"
+                )
+            ids = (
+                rows["session_id"]
+                if hasattr(rows, "column_names")
+                else [r["session_id"] for r in rows]
+            )
+            sessions: dict[str, list[int]] = {}
+            for i, sid in enumerate(ids):
+                sessions.setdefault(sid, []).append(i)
+            self.units = list(sessions.values())
+            self._encode = partial(encode_session, tokenizer=tokenizer, max_seq_len=max_seq_len)
+        else:
+            one = partial(
+                encode_example,
+                tokenizer=tokenizer,
+                max_seq_len=max_seq_len,
+                latest_only=latest_only,
+            )
+            self._encode = lambda row: None if (ex := one(row)) is None else [ex]
+        self._done: dict[int, list[SftExample] | None] = {}
+        self.skipped: list[int] = []  # rows (sessions) drawn so far that cannot fit, in order
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.rows) if self.units is None else len(self.units)
+
+    def _unit(self, i: int) -> Any:
+        return self.rows[i] if self.units is None else [self.rows[j] for j in self.units[i]]
 
     def take(self, indices: list[int]) -> list[SftExample]:
-        """The examples of rows ``indices`` that fit, in that order."""
+        """The examples of rows (sessions) ``indices`` that fit, in that order."""
         todo = [i for i in dict.fromkeys(indices) if i not in self._done]
-        rows = [self.rows[i] for i in todo]
+        units = [self._unit(i) for i in todo]
         with ThreadPoolExecutor(_workers()) as pool:
-            encoded = list(pool.map(self._encode, rows))
+            encoded = list(pool.map(self._encode, units))
         for i, ex in zip(todo, encoded, strict=True):
             if ex is None:
                 self.skipped.append(i)
-                log.warning("row %d does not fit max_seq_len=%d; skipped", i, self.max_seq_len)
+                what = "row" if self.units is None else "session"
+                log.warning("%s %d does not fit max_seq_len=%d; skipped", what, i, self.max_seq_len)
             self._done[i] = ex
-        return [ex for i in indices if (ex := self._done[i]) is not None]
+        return [ex for i in indices for ex in self._done[i] or []]
 
     def first(self, n: int) -> list[SftExample]:
         """The first ``n`` examples that fit (held-out losses read these)."""
@@ -133,7 +201,7 @@ class LazySplit:
             stop = min(len(self), start + n - len(out))
             out += self.take(list(range(start, stop)))
             start = stop
-        return out
+        return out[:n]
 
 
 def _workers() -> int:
