@@ -44,7 +44,7 @@ def launcher_values(
     env["metrics_path"] = str(run_dir / "env_metrics.jsonl")
     grpo = dict(model_name=cfg.model, save_path=str(run_dir / "trainer"), api_url=api_url)
     grpo |= dict(weight_bridge_mode=cfg.weight_bridge_mode, single_copy=cfg.single_copy)
-    grpo |= {"inference_url": urls, "device": device}
+    grpo |= {"inference_url": list(vllm_urls), "device": device}
     grpo["resume" if cfg.launch.resume else "overwrite"] = True
     sft_resume = (sft_dir / "checkpoints").is_dir()  # an interrupted SFT continues
     own_sft = {"save_path": str(sft_dir), "resume" if sft_resume else "overwrite": True}

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from launch.placement import num_servers_from_env
+from settings.lists import CommaList
 from settings.paths import TINY_MODEL_DIR
 
 
@@ -56,8 +57,8 @@ class LaunchConfig(BaseModel):
     vllm_args: str | None = None
     """More vLLM flags for every server, one quoted string after '=' (e.g.
     --vllm-args='--gpu-memory-utilization 0.3'); they win over the run's ``vllm:`` section."""
-    gpus: str | None = None
-    """GPU presets: comma-separated GPU ids to place the servers and the trainer on (default:
+    gpus: CommaList | None = None
+    """GPU presets: the GPU ids (a list, or comma-separated) to place the servers and the trainer on (default:
     $CUDA_VISIBLE_DEVICES, else every GPU nvidia-smi lists)."""
     prepare_only: bool = False
     """Build the tiny model, dataset and SFT checkpoint if missing, then exit."""

@@ -74,7 +74,7 @@ def placement(cfg: RunConfig) -> Placement:
     """Devices of every process (launch/placement.py); fails before anything starts."""
     lc = cfg.launch
     device = lc.trainer_device
-    gpus = [g.strip() for g in lc.gpus.split(",") if g.strip()] if lc.gpus else None
+    gpus = lc.gpus or None
     if device == "cuda" and gpus is None:
         gpus = visible_gpus()
     try:

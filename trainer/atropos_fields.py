@@ -49,7 +49,7 @@ TEMPERATURE_TOLERANCE = 1e-6
 
 
 def metadata_keys(cfg: GrpoConfig) -> set[str]:
-    return {k.strip() for k in cfg.atropos_metadata_keys.split(",") if k.strip()}
+    return set(cfg.atropos_metadata_keys)
 
 
 def refusal(group: ScoredGroup, cfg: GrpoConfig) -> str | None:

@@ -14,6 +14,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from settings.cli import add_config_flags, resolve_args
 from settings.layers import env_default
+from settings.lists import CommaList
 from settings.paths import DATA_DIR, RUNS_DIR, SFT_MODEL_DIR, TINY_MODEL_DIR
 from settings.ports import API_URL, HOST, VLLM_PORT
 from trainer.gail import GailConfig
@@ -103,8 +104,9 @@ class CommonConfig(_Config):
     """LoRA scaling numerator (scale = lora_alpha / lora_r)."""
     lora_dropout: float = 0.0
     """Dropout on the LoRA input."""
-    lora_target_modules: str = "all-linear"
-    """Modules that get adapters: ``all-linear`` or a comma-separated list of module names."""
+    lora_target_modules: CommaList = Field(default_factory=lambda: ["all-linear"])
+    """Modules that get adapters: ``[all-linear]`` or a list of module names (a
+    comma-separated string is taken too)."""
     max_seq_len: int = Field(2048, validation_alias=AliasChoices("max_seq_len", "seq_len"))
     """Longest sequence (prompt + completion) the trainer puts through the model."""
     tensorboard: bool = True
@@ -279,9 +281,9 @@ class GrpoConfig(CommonConfig):
     """Host of the patched vLLM server (ignored when ``inference_url`` is given)."""
     vllm_port: int = VLLM_PORT
     """Port of the patched vLLM server (ignored when ``inference_url`` is given)."""
-    inference_url: str | None = None
-    """Inference server base URLs to sync weights into, comma-separated (``--inference-url
-    A,B``: several for data-parallel vLLM, as the env's); default from host/port."""
+    inference_url: CommaList | None = None
+    """Inference server base URLs to sync weights into, a list (``--inference-url A,B``:
+    several for data-parallel vLLM, as the env's); default from host/port."""
     inference_device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the vLLM workers run (picks the bridge transport); auto: the trainer's device."""
     bridge_token: str | None = Field(
@@ -333,8 +335,8 @@ class GrpoConfig(CommonConfig):
     sequences whose environment sent ``ref_logprobs`` (Atropos), which are used as sent.
     ``env``: no reference model is built; every group must bring ``ref_logprobs`` when
     ``kl_beta > 0`` (a group without is refused at lease time, naming the field)."""
-    atropos_metadata_keys: str = ""
-    """Comma-separated Atropos ``overrides`` / ``group_overrides`` keys (or ``ScoredData``
+    atropos_metadata_keys: CommaList = Field(default_factory=list)
+    """Atropos ``overrides`` / ``group_overrides`` keys (or ``ScoredData``
     fields such as ``distill_logprobs``) that carry only metadata for this trainer. Any other
     key the trainer does not apply is refused at lease time with an error naming it
     (trainer/atropos_fields.py)."""
@@ -368,8 +370,7 @@ class GrpoConfig(CommonConfig):
         return self
 
     def inference_urls(self) -> list[str]:
-        urls = [u.strip() for u in (self.inference_url or "").split(",") if u.strip()]
-        return urls or [f"http://{self.vllm_host}:{self.vllm_port}"]
+        return self.inference_url or [f"http://{self.vllm_host}:{self.vllm_port}"]
 
 
 C = TypeVar("C", bound=_Config)

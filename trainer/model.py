@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from trainer import tree_attention
 from trainer.config import CommonConfig
 from trainer.precision import choose_precision
+from trainer.prefix_tree import attention as tree_attention
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class LoadedModel:
     compute_dtype: torch.dtype
     is_lora: bool
     tree_attention: bool = False
-    """The model runs packed prefix trees (``packing: prefix_tree``, trainer/tree_attention.py)."""
+    """The model runs packed prefix trees (``packing: prefix_tree``, trainer/prefix_tree/)."""
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
@@ -116,9 +116,7 @@ def _add_lora(model: torch.nn.Module, cfg: CommonConfig) -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
     targets = cfg.lora_target_modules
-    target_modules: str | list[str] = (
-        targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
-    )
+    target_modules: str | list[str] = "all-linear" if targets == ["all-linear"] else targets
     torch.manual_seed(cfg.seed)  # LoRA A matrices are random: make them reproducible
     lora = LoraConfig(
         r=cfg.lora_r,

@@ -47,16 +47,42 @@ def _named(data: Any) -> Any:
     return json.loads(text)
 
 
+LISTS = {"launch": ("gpus",), "trainer.grpo": ("inference_url", "atropos_metadata_keys")}
+LISTS |= {"trainer.sft": ("lora_target_modules",)}
+LISTS["trainer.grpo"] += LISTS["trainer.sft"]
+"""Fields that held one comma-joined string before the rework."""
+
+
+def _joined(section: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """``section``'s list fields ``names`` as the comma-joined strings they were."""
+    out = dict(section)
+    for name in names:
+        if isinstance(out.get(name), list):
+            out[name] = ",".join(out[name])
+    return out
+
+
 def old_spelling(cfg: RunConfig) -> dict[str, Any]:
-    """``cfg`` dumped with the keys the code before the rework had."""
-    return cfg.model_dump(mode="json", exclude={"recipe"})
+    """``cfg`` dumped with the keys and values the code before the rework had."""
+    data = cfg.model_dump(mode="json", exclude={"recipe"})
+    data["launch"] = _joined(data["launch"], LISTS["launch"])
+    for name in ("sft", "grpo"):
+        data["trainer"][name] = _joined(data["trainer"][name], LISTS[f"trainer.{name}"])
+    return data
+
+
+def old_file(name: str, data: dict[str, Any]) -> dict[str, Any]:
+    """A written service file (``<run>/config/<name>.yaml``) in the old spelling."""
+    if name == "trainer_grpo":
+        return {"trainer": {"grpo": _joined(data["trainer"]["grpo"], LISTS["trainer.grpo"])}}
+    return data
 
 
 def _dumps(recipe: Path, run_dir: Path) -> dict[str, Any]:
     run = resolve_run(_argv(recipe), environ={})
     launched = resolve_for_run(_argv(recipe), API_URL, VLLM_URLS, run_dir, environ={}, warn=False)
     files = write_service_configs(run_dir, launched)
-    written = {name: yaml.safe_load(path.read_text()) for name, path in files.items()}
+    written = {n: old_file(n, yaml.safe_load(path.read_text())) for n, path in files.items()}
     return _named({"run": old_spelling(run), "launched": old_spelling(launched), "files": written})
 
 

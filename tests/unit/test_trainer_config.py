@@ -48,6 +48,27 @@ def test_yaml_then_flags(tmp_path: Path) -> None:
     assert _parse(["--vllm-port", "9100"]).inference_urls() == ["http://127.0.0.1:9100"]
 
 
+def test_list_fields_take_lists_and_the_old_comma_strings(tmp_path: Path) -> None:
+    """settings/lists.py: a YAML list, one comma-joined string (file, flag, variable) or a
+    repeated flag give the same list."""
+    urls = ["http://a:1", "http://b:2"]
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"trainer: {{grpo: {{inference_url: {urls}, lora_target_modules: 'q,v'}}}}\n")
+    cfg = _parse(["--config", str(recipe)])
+    assert cfg.inference_url == urls and cfg.lora_target_modules == ["q", "v"]
+    assert _parse(["--inference-url", "http://a:1, http://b:2,"]).inference_url == urls
+    assert _parse(["--inference-url", urls[0], "--inference-url", urls[1]]).inference_url == urls
+    environ = {"SHOP_R1_TRAINER__GRPO__ATROPOS_METADATA_KEYS": "x, y"}
+    from settings.cli import resolve_section
+
+    assert resolve_section(GrpoConfig, "trainer.grpo", environ=environ).atropos_metadata_keys == [
+        "x",
+        "y",
+    ]
+    assert GrpoConfig().lora_target_modules == ["all-linear"]
+    assert GrpoConfig().atropos_metadata_keys == [] and GrpoConfig().inference_url is None
+
+
 def test_bad_values_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="lr"):
         _parse(["--lr", "fast"])
