@@ -155,22 +155,33 @@ def write_result(path: Path, key: str, value: Any) -> dict[str, Any]:
     return data
 
 
-def run_child(script: str | Path, spec: dict[str, Any], timeout: float = 3600) -> dict[str, Any]:
+def run_child(module: str, spec: dict[str, Any], timeout: float = 3600) -> dict[str, Any]:
     """One measured point in a fresh process (its memory, threads and kernels its own):
-    ``python SCRIPT --child SPEC``, which prints its result as a ``RESULT <json>`` line."""
+    ``python -m MODULE --child SPEC --child-result FILE``, which writes its result to FILE as
+    JSON (``write_child_result``)."""
     import subprocess
+    import tempfile
 
-    out = subprocess.run(
-        [sys.executable, str(script), "--child", json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-    if out.returncode != 0 or not lines:
-        raise SystemExit(f"point {spec} failed:\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
+    with tempfile.TemporaryDirectory(prefix="bench-child-") as tmp:
+        result = Path(tmp) / "result.json"
+        out = subprocess.run(
+            [sys.executable, "-m", module, "--child", json.dumps(spec), "--child-result", result],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if out.returncode != 0 or not result.exists():
+            raise SystemExit(f"point {spec} failed:\n{out.stderr[-3000:]}")
+        return json.loads(result.read_text())
+
+
+def write_child_result(path: Path, result: dict[str, Any]) -> None:
+    """A child's result for ``run_child``, written whole (a killed child leaves no file)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(path)
 
 
 def parse_list(text: str, cast: type = int) -> list[Any]:

@@ -6,16 +6,16 @@
 #     mkdir -p .whl/models/smol-shape && cp artifacts/models/smollm2-135m-instruct/{config.json,\
 #         tokenizer.json,tokenizer_config.json,chat_template.jinja,generation_config.json} \
 #         .whl/models/smol-shape/
-#     .venv/bin/python bench/trainer_packing.py --preset cpu-smol --groups 4 --rounds 1 --sft \
+#     .venv/bin/python -m bench.trainer.packing --preset cpu-smol --groups 4 --rounds 1 --sft \
 #         --write-inputs .whl/inputs_smol.json
-#     .venv/bin/python bench/trainer_packing.py --preset cpu-tiny --group-sizes 8 --groups 4 \
+#     .venv/bin/python -m bench.trainer.packing --preset cpu-tiny --group-sizes 8 --groups 4 \
 #         --rounds 1 --sft --write-inputs .whl/inputs_tiny.json
 #     (+ the wheels of docs/MULTINODE.md "GPU check", pydantic-settings, python-dotenv, tenacity)
 #
 # then there, from the repository root with .whl carried: OUT=/tmp/out bash bench/cuda_rows.sh
 #   1. SmolLM2-135M's shape with random weights (timing does not depend on the values: the
 #      real weights are 517 MB, over what a call carries), bf16 autocast (`precision: auto`):
-#      bench/trainer_packing.py padded vs prefix tree at G = 4, 8, 16 and SFT, 3 steps each;
+#      bench/trainer/packing.py padded vs prefix tree at G = 4, 8, 16 and SFT, 3 steps each;
 #   2. the tiny default (the embedded model itself) at G = 8 and SFT;
 #   3. bench/gpu_check.sh's CUDA steps (the `gpu` tests, which include the tree's CUDA
 #      equality tests, FSDP2 at world size 1, two NCCL ranks on one GPU).
@@ -38,10 +38,10 @@ for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
     open(f"{dst}/{f}", "wb").write(open(f"{src}/{f}", "rb").read())
 print("random-weight SmolLM2 shape at", dst)
 PY
-    timeout 300 python3 bench/trainer_packing.py --preset cpu-smol --model /tmp/smol-random \
+    timeout 300 python3 -m bench.trainer.packing --preset cpu-smol --model /tmp/smol-random \
         --device cuda --inputs .whl/inputs_smol.json --groups 4 --rounds 1 --steps 3 --sft \
         --out "$OUT/trainer_packing_cuda.json"
-    timeout 120 python3 bench/trainer_packing.py --preset cpu-tiny \
+    timeout 120 python3 -m bench.trainer.packing --preset cpu-tiny \
         --model .whl/models/tiny-qwen2 --device cuda \
         --inputs .whl/inputs_tiny.json --group-sizes 8 --groups 4 --rounds 1 --steps 3 --sft \
         --out "$OUT/trainer_packing_cuda.json"

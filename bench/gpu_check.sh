@@ -8,10 +8,10 @@
 #   1. the `gpu` tests (tests/gpu);
 #   2. the trainer's sharded path on CUDA with NCCL at world size 1 under torchrun (small and
 #      base models, bf16): step time, CUDA peak memory, the gather to rank 0, a DCP sharded
-#      checkpoint + exact resume, and the Hugging Face export (bench/fsdp_scaling.py);
-#   3. two ranks on the one GPU with NCCL (bench/nccl_same_gpu.py; refusal expected);
-#   4. gather-to-rank-0 vs per-rank sends, gloo on CPU (bench/sharded_sync_paths.py);
-#   5. bench/fsdp_scaling.py on CPU with gloo at 1, 2 and 4 ranks (tiny and small).
+#      checkpoint + exact resume, and the Hugging Face export (bench/trainer/fsdp_scaling.py);
+#   3. two ranks on the one GPU with NCCL (bench/trainer/nccl_same_gpu.py; refusal expected);
+#   4. gather-to-rank-0 vs per-rank sends, gloo on CPU (bench/sync/sharded_paths.py);
+#   5. bench/trainer/fsdp_scaling.py on CPU with gloo at 1, 2 and 4 ranks (tiny and small).
 # Everything lands in $OUT (default /tmp/gpu_check): gpu_check.log and one JSON per bench.
 # Without CUDA the CUDA steps say "skipped" and the rest runs; GPU_CHECK_QUICK=1 shrinks every
 # CPU step to tiny settings (how the script is tried on a CPU box); GPU_CHECK_CPU_STEPS=0 skips
@@ -73,9 +73,9 @@ step "build bench models" 60 python3 -c "from bench.common import model_dir; [mo
 
 if ((CUDA)); then
     step "pytest -m gpu" 120 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider
-    step "fsdp small cuda world 1" 75 python3 bench/fsdp_scaling.py --device cuda --model small \
+    step "fsdp small cuda world 1" 75 python3 -m bench.trainer.fsdp_scaling --device cuda --model small \
         --ranks 1 --steps 3 --threads 4 --checkpoint --results "$OUT/fsdp_cuda.json"
-    step "nccl 2 ranks on 1 GPU" 60 python3 bench/nccl_same_gpu.py --ranks 2 --timeout 45 \
+    step "nccl 2 ranks on 1 GPU" 60 python3 -m bench.trainer.nccl_same_gpu --ranks 2 --timeout 45 \
         --out "$OUT/nccl_same_gpu.json"
 else
     log "SKIP CUDA steps (no CUDA device)"
@@ -84,23 +84,23 @@ fi
 if ((!CPU_STEPS)); then
     log "SKIP CPU steps (GPU_CHECK_CPU_STEPS=0)"
 elif ((QUICK)); then
-    step "sync paths tiny" 60 python3 bench/sharded_sync_paths.py --model tiny --trainers 2 \
+    step "sync paths tiny" 60 python3 -m bench.sync.sharded_paths --model tiny --trainers 2 \
         --rounds 3 --results "$OUT/sync_paths.json"
-    step "fsdp cpu tiny" 120 python3 bench/fsdp_scaling.py --model tiny --ranks 1,2 --steps 1 \
+    step "fsdp cpu tiny" 120 python3 -m bench.trainer.fsdp_scaling --model tiny --ranks 1,2 --steps 1 \
         --groups 2 --group-size 2 --prompt 64 --completion 16 --micro-tokens 160 \
         --results "$OUT/fsdp_cpu.json"
 else
-    step "sync paths tiny" 40 python3 bench/sharded_sync_paths.py --model tiny --trainers 2,4 \
+    step "sync paths tiny" 40 python3 -m bench.sync.sharded_paths --model tiny --trainers 2,4 \
         --rounds 5 --results "$OUT/sync_paths.json"
-    step "sync paths small" 50 python3 bench/sharded_sync_paths.py --model small --trainers 2,4 \
+    step "sync paths small" 50 python3 -m bench.sync.sharded_paths --model small --trainers 2,4 \
         --rounds 5 --results "$OUT/sync_paths.json"
-    step "fsdp cpu tiny" 60 python3 bench/fsdp_scaling.py --model tiny --ranks 1,2,4 --steps 3 \
+    step "fsdp cpu tiny" 60 python3 -m bench.trainer.fsdp_scaling --model tiny --ranks 1,2,4 --steps 3 \
         --results "$OUT/fsdp_cpu.json"
-    step "fsdp cpu small" 150 python3 bench/fsdp_scaling.py --model small --ranks 1,2,4 \
+    step "fsdp cpu small" 150 python3 -m bench.trainer.fsdp_scaling --model small --ranks 1,2,4 \
         --steps 2 --results "$OUT/fsdp_cpu.json"
 fi
 if ((CUDA)); then
-    step "fsdp base cuda world 1" 60 python3 bench/fsdp_scaling.py --device cuda --model base \
+    step "fsdp base cuda world 1" 60 python3 -m bench.trainer.fsdp_scaling --device cuda --model base \
         --ranks 1 --steps 3 --threads 4 --checkpoint --results "$OUT/fsdp_cuda.json"
 fi
 uptime >>"$LOG"

@@ -2,7 +2,7 @@
 
     python atropos_generate_client.py BASE_URL TOKENIZER_DIR API_KEY OUT_JSON
 
-Runs in the atroposlib virtualenv (``bench.api_throughput_servers.ensure_atropos``), never
+Runs in the atroposlib virtualenv (``bench.api.servers.ensure_atropos``), never
 in the project's. Builds a ``ServerManager`` from an ``APIServerConfig(server_type="vllm")``
 as a ``BaseEnv`` does, and records what atroposlib's code returns for: a text prompt with
 ``n`` samples (``tokens_and_logprobs_completion``), a token-id prompt (``input_ids``),

@@ -1,6 +1,6 @@
 """A toy atroposlib ``BaseEnv`` and the small OpenAI-compatible server it samples from.
 
-Runs in the atroposlib virtualenv (``bench/api_throughput_servers.py``'s ``ensure_atropos``),
+Runs in the atroposlib virtualenv (``bench/api/servers.py``'s ``ensure_atropos``),
 never in the project's; ``tests/integration/test_atropos_compat.py`` starts it three ways:
 
     python atropos_toy_env.py make-tokenizer DIR      # a word-level tokenizer for BaseEnv

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from bench.bridge_sync_probes import stream_body
+from bench.sync.probes import stream_body
 from vllm_patching.protocol import VERSION_HEADER
 
 PROMPT = "Click the search button to find running shoes"

@@ -1,5 +1,5 @@
 """A full disk at the API, for real: the API's database on a small tmpfs that fills up while
-the env's client pushes and a trainer-like client leases and acks (bench/small_disk.py).
+the env's client pushes and a trainer-like client leases and acks (bench/faults/small_disk.py).
 
 1. Below the reserve (``--min-free-mb``): a push is answered 507 with ``Retry-After`` and the
    reason (free space, path, reserve); ``/backpressure`` asks for 0 groups; leases and acks
@@ -37,7 +37,7 @@ import httpx
 import pytest
 
 from api.client import ApiClient
-from bench.small_disk import SmallDisk, limit_file_size
+from bench.faults.small_disk import SmallDisk, limit_file_size
 from env_server.config import EnvConfig
 from env_server.service import ApiLink
 from launch.procs import ManagedProcess, tail

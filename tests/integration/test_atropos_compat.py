@@ -1,7 +1,7 @@
 """Our API driven by atroposlib 0.4.0's own code, and the same tests against Atropos's own
 ``run-api`` (so the expectations are Atropos's, not ours).
 
-atroposlib lives in its own virtualenv (``bench.api_throughput_servers.ensure_atropos``: built from
+atroposlib lives in its own virtualenv (``bench.api.servers.ensure_atropos``: built from
 PyPI on first use under ``artifacts/venvs/atropos`` and reused afterwards), never in the
 project's. Three copies of one ``BaseEnv`` subclass, all named ``toy`` and one of them with
 ``inference_weight=-1``, run atroposlib's ``serve`` CLI against a small OpenAI-compatible
@@ -34,7 +34,7 @@ from api.atropos_packing import (
     grab_exact,
     grab_with_min_allocations,
 )
-from bench.api_throughput_servers import atropos_api_argv, ensure_atropos
+from bench.api.servers import atropos_api_argv, ensure_atropos
 from launch.procs import ManagedProcess, tail
 from settings.ports import free_port
 

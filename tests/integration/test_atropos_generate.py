@@ -16,7 +16,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from bench.api_throughput_servers import ensure_atropos
+from bench.api.servers import ensure_atropos
 from launch.vllm_server import start_bridge_server
 from vllm_patching.protocol import TOKEN_HEADER, VERSION_HEADER
 

@@ -57,7 +57,7 @@ from api.atropos_convert import to_native
 from api.atropos_wire import prepare
 from api.protocol import ScoredGroup
 from api.store_queue import Queue
-from bench.api_throughput_servers import ensure_atropos
+from bench.api.servers import ensure_atropos
 from launch.procs import ManagedProcess, tail
 from launch.vllm_server import start_bridge_server
 from settings.ports import free_port

@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.api_throughput_servers import ensure_atropos
+from bench.api.servers import ensure_atropos
 from launch.procs import ManagedProcess, tail
 from settings.ports import free_port
 

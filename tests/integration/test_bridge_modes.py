@@ -215,13 +215,13 @@ class TestSingleCopy:
 
     def test_single_copy_and_restarts(self, shm_server: Slot, tiny_model_dir, tmp_path) -> None:
         """Single copy through /dev/shm, then again with a request in flight; then the
-        benchmark's legacy mode (bench/bridge_variants.py ``RestartBridge``: stop the server by
+        benchmark's legacy mode (bench/sync/variants.py ``RestartBridge``: stop the server by
         its PID, start it from the saved checkpoint); then the single copy again into the
         restarted server, which (a new run id) gets a fresh segment, nothing stale reused.
         One restart serves both checks (they were one restart each, of this server and of the
         ``none`` server: ``RestartBridge`` restarts any server with its own launch options,
         whatever its mode)."""
-        from bench.bridge_variants import RestartBridge
+        from bench.sync.variants import RestartBridge
 
         server = shm_server.server
         url, served = server.base_url, server.served_model_name

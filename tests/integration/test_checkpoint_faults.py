@@ -1,6 +1,6 @@
 """The trainer's checkpoints under faults, end to end: ``python -m trainer grpo`` against a real
 API and a real patched vLLM server (bridge mode ``none``), on fabricated groups that every run
-trains in the same order (bench/trainer_faults.py), compared with an uninterrupted run.
+trains in the same order (bench/faults/lineage.py), compared with an uninterrupted run.
 
 - **A full checkpoint disk**: the checkpoints' filesystem (a small tmpfs; where mounting is
   not allowed, the trainer's ``RLIMIT_FSIZE``) fills up after step 2. The next checkpoint
@@ -12,7 +12,7 @@ trains in the same order (bench/trainer_faults.py), compared with an uninterrupt
   every batch trained once.
 - **A torn checkpoint**: SIGKILL at a random point inside a checkpoint write (CI: 2 trials in
   one process, 1 at 2 ranks with DCP, a random rank or the whole group killed; the full count,
-  20 each, is ``python bench/torn_checkpoint.py``, docs/FAULT_TOLERANCE.md). After every
+  20 each, is ``python -m bench.faults.torn_checkpoint``, docs/FAULT_TOLERANCE.md). After every
   kill each published checkpoint is complete and the newest equals the uninterrupted run's
   at its step; the resumed run starts from it; at the end every acked batch was trained once
   and the weights equal the uninterrupted run's (bitwise in one process; within 1e-5 at 2
@@ -37,8 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.small_disk import SmallDisk, limit_file_size
-from bench.trainer_faults import (
+from bench.faults.lineage import (
     Lineage,
     exactly_once,
     fabricate_groups,
@@ -47,6 +46,7 @@ from bench.trainer_faults import (
     torn_run,
     wait_gone,
 )
+from bench.faults.small_disk import SmallDisk, limit_file_size
 from launch.lifeline import descendants, signal_group
 from launch.procs import ManagedProcess, tail
 from launch.vllm_server import BridgeServer
@@ -57,7 +57,7 @@ from tests.integration.grpo_harness import reset_none_server
 pytestmark = pytest.mark.integration
 STEPS = 6
 TRIALS = {1: 2, 2: 1}
-"""Kills per CI run, by trainer processes (bench/torn_checkpoint.py runs 20 each)."""
+"""Kills per CI run, by trainer processes (bench/faults/torn_checkpoint.py runs 20 each)."""
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 The launcher runs the CPU preset (3 GRPO steps, the shared fixture's 3-step SFT model). Once
 the trainer has checkpointed step 1, the test moves the trainer's process into a memory cgroup
-with a 48 MiB limit (bench/memcg.py): its next training step allocates far more, and the
+with a 48 MiB limit (bench/faults/memcg.py): its next training step allocates far more, and the
 kernel's OOM killer kills it. The launcher must say so: the trainer exited with -9, it was
 the OOM killer (the kernel's own line for that PID where the kernel log is readable), the
 memory figures, and the command that continues the run. Where this process may not create a
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.memcg import MemoryCgroup
+from bench.faults.memcg import MemoryCgroup
 from launch.exits import kernel_log
 from tests.integration.launcher_harness import LauncherRun
 from tests.integration.test_launch_run_all import artifacts_env, check_run, launcher

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.api_throughput_bodies import atropos_group, encode_bodies, native_group
+from bench.api.bodies import atropos_group, encode_bodies, native_group
 from bench.common import overhead, parse_list, parse_points, pct, write_result
-from bench.report import fill
-from bench.trainer_breakdown import breakdown
+from bench.report.build import fill
+from bench.trainer.breakdown import breakdown
 
 pytestmark = pytest.mark.unit
 
@@ -98,7 +98,7 @@ def test_atropos_and_native_payloads_carry_the_same_content() -> None:
 
 
 def test_bridge_table_compares_each_mode_with_the_floors_of_its_own_run() -> None:
-    from bench.bridge_sync_tables import table
+    from bench.sync.tables import table
 
     def mode(key: str, label: str, sync_s: float, floors: dict | None) -> dict:
         med = {
@@ -135,7 +135,7 @@ def test_bridge_table_compares_each_mode_with_the_floors_of_its_own_run() -> Non
 
 
 def test_bridge_table_names_the_rounds_a_box_freeze_hit() -> None:
-    from bench.bridge_sync_tables import freeze_note, table
+    from bench.sync.tables import freeze_note, table
 
     def rnd(sync_s: float, gap_s: float, freeze_s: float | None) -> dict:
         r = {"sync_s": sync_s, "client_gap_s": gap_s}
@@ -173,7 +173,7 @@ def test_freeze_probe_counts_a_stop_inside_its_window_only() -> None:
     import signal
     import time
 
-    from bench.bridge_sync_probes import FreezeProbe
+    from bench.sync.probes import FreezeProbe
 
     probe = FreezeProbe()
     try:

@@ -235,10 +235,10 @@ def test_stage_and_apply_refuse_another_server_run_and_other_modes() -> None:
 
 
 def test_restart_mode_restarts_its_own_server_from_the_checkpoint(tmp_path) -> None:
-    """The benchmark's legacy restart mode (bench/bridge_variants.py): each sync saves the
+    """The benchmark's legacy restart mode (bench/sync/variants.py): each sync saves the
     weights and asks the server object the bridge was given to restart from them
     (``BridgeServer.restart``, launch/vllm_server.py)."""
-    from bench.bridge_variants import bench_bridge
+    from bench.sync.variants import bench_bridge
 
     class Server:
         def __init__(self, model: str = "start", version: int = 0) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.small_disk import SmallDisk
+from bench.faults.small_disk import SmallDisk
 from tests.unit.test_trainer_core import _grpo_cfg, build_micro_model
 from trainer.checkpoint import (
     CheckpointWriteError,

@@ -1,7 +1,7 @@
 """Every entry point answers ``--help`` with its usage and options, exit 0, starting nothing:
 each ``python -m`` module of the packages (found by its ``__main__`` guard, so a new one is
-covered without editing this file), the console scripts of pyproject.toml, the bench scripts
-and launch/run_all.sh (which also shows defaults and choices)."""
+covered without editing this file; the benchmarks of bench/ among them), the console scripts
+of pyproject.toml and launch/run_all.sh (which also shows defaults and choices)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,16 @@ import pytest
 from launch.procs import REPO_ROOT
 
 pytestmark = pytest.mark.unit
-PACKAGES = ("api", "env_server", "launch", "procutil", "settings", "trainer", "vllm_patching")
+PACKAGES = (
+    "api",
+    "bench",
+    "env_server",
+    "launch",
+    "procutil",
+    "settings",
+    "trainer",
+    "vllm_patching",
+)
 ENTRY = "tests.unit.console_entry"
 
 
@@ -96,6 +105,9 @@ def test_every_runnable_module_is_found() -> None:
         "trainer.tiny_model",
         "launch.run_all",
         "launch.report",
+        "bench.sync.bridge_sync",
+        "bench.peers.peer_trl",
+        "bench.report.build",
     ):
         assert name in found, (name, sorted(found))
 
@@ -119,13 +131,6 @@ def test_trainer_command_help(command: str) -> None:
 def test_console_script_help(name: str) -> None:
     """The function pyproject.toml installs as ``name``, called as that script is."""
     _check(_run([sys.executable, "-m", ENTRY, _scripts()[name], name, "--help"]), name)
-
-
-@pytest.mark.parametrize(
-    "script", sorted(p.name for p in (REPO_ROOT / "bench").glob("*.py") if _has_main_guard(p))
-)
-def test_bench_script_help(script: str) -> None:
-    _check(_run([sys.executable, str(REPO_ROOT / "bench" / script), "--help"]), script)
 
 
 def test_serve_help_shows_the_bridge_options_and_vllms() -> None:

@@ -1,7 +1,7 @@
 """The launcher's account of a process that died (launch/exits.py), on real processes:
 
 - an OOM kill for real: a child allocating memory in a memory cgroup with a 64 MiB limit
-  (bench/memcg.py) is killed by the kernel, and ``explain`` names the OOM killer, quotes the
+  (bench/faults/memcg.py) is killed by the kernel, and ``explain`` names the OOM killer, quotes the
   kernel's line for that PID, and gives the figures (its peak, the cgroup's limit, the
   machine's memory). Where this process may not create a cgroup, it is skipped with the reason
   and only the cases below run;
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.memcg import MemoryCgroup
+from bench.faults.memcg import MemoryCgroup
 from launch.exits import MemoryWatch, explain, kernel_log
 from launch.procs import ManagedProcess
 

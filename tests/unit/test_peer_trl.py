@@ -1,4 +1,4 @@
-"""bench/peer_trl.py's pure parts: TRL's side gets the env's prompts token for token and the
+"""bench/peers/peer_trl.py's pure parts: TRL's side gets the env's prompts token for token and the
 env's reward score for score; its GRPOConfig keywords are the preset's settings; TRL's
 requirements are checked against the venv; the rates, wall-time picks and paired
 comparisons are right on hand-made timelines; the table renders."""
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.peer_trl_data import ShopR1Reward, prompt_text, rows_in_env_order, trl_rows
-from bench.peer_trl_report import (
+from bench.peers.data import ShopR1Reward, prompt_text, rows_in_env_order, trl_rows
+from bench.peers.report import (
     OURS_PARTS,
     TRL_PARTS,
     at_wall_time,
@@ -22,7 +22,7 @@ from bench.peer_trl_report import (
     steady_rate,
     timeline,
 )
-from bench.peer_trl_settings import (
+from bench.peers.settings import (
     NOT_MATCHED,
     matched,
     requirement_problems,
@@ -219,7 +219,7 @@ def test_markdown_names_the_box_and_the_smoke_label() -> None:
         "preset": "cpu-tiny",
         "trl_version": "1.16.0",
         "steps": 2,
-        "command": "bench/peer_trl.py --smoke",
+        "command": "bench/peers/peer_trl.py --smoke",
         "machine": {"cpu": "Some CPU", "cpus": 2, "loadavg": [1.0], "time_utc": "now"},
         "settings": {
             "model": "/m/tiny",

@@ -1,0 +1,3 @@
+"""The batching API: ingest and serve throughput and latency, ours against atroposlib's
+(``throughput``).
+"""

@@ -1,0 +1,3 @@
+"""Faults on purpose: torn checkpoints, the one-hour soak, and the small disk and memory cgroup
+the fault tests use.
+"""

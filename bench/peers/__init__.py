@@ -1,0 +1,2 @@
+"""This stack against TRL's GRPOTrainer, everything else held equal (``peer_trl``).
+"""

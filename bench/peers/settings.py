@@ -1,0 +1,323 @@
+"""What ``bench/peers/peer_trl.py`` holds equal between this stack and TRL's GRPOTrainer, and how TRL
+gets installed.
+
+The run's settings are resolved exactly as ``launch/run_all.sh`` resolves them (preset <
+launcher flags < ``--trainer-args``, launch/configs.py), from the same argument list the bench
+then runs the stack with; TRL's ``GRPOConfig`` keywords are derived from those resolved
+configs (``trl_args``), so both read one source. No torch or TRL at import time.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from env_server.config import EnvConfig
+    from trainer.config import GrpoConfig
+
+TRL_VERSION = "1.16.0"
+
+NOT_MATCHED = {
+    "importance_ratio": "ours: pi_trainer / pi_vLLM of the sampled tokens (rollouts up to the "
+    "API's staleness bound behind, PPO-clipped); TRL without vLLM and num_iterations=1: the "
+    "ratio is exactly 1 (on-policy, the clip never binds)",
+    "loss_normaliser": "ours: the step's trained tokens (`loss_aggregation: token`); TRL "
+    "`dr_grpo`: sequences x max_completion_length, a constant (both: advantages not divided "
+    "by the group's std)",
+    "constant_groups": "ours (preset default): groups whose rewards are all equal are dropped "
+    "before training, so every trained sequence has signal; TRL trains them at advantage 0 "
+    "(--keep-constant-groups runs ours TRL's way)",
+    "generation": "ours: vLLM (fp32, continuous batching, its own core(s)) while the trainer "
+    "trains; TRL: transformers `generate` in the trainer's process, then training, in turn",
+    "prompt_order": "both walk the train rows in the env's seeded order (cycle_rows), but "
+    "ours has several prompts in flight and drops constant groups, so its steps do not "
+    "hold the same prompts as TRL's",
+    "self_certainty": "ours adds 0.005 x self-certainty of the rationale to every score by "
+    "default; TRL cannot (it needs the trainer's logits), so the bench turns it off in ours "
+    "(--self-certainty-alpha 0) to keep one reward",
+}
+"""Differences the bench cannot remove, each with why (written into the result file)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One comparison: the resolved configs of our run and the budget in steps."""
+
+    preset: str
+    model: str
+    steps: int
+    save_every: int
+    run_all_argv: list[str]
+    env: EnvConfig
+    """The env service's resolved config."""
+    grpo: GrpoConfig
+    """The trainer's resolved config."""
+    eval_samples: int
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.grpo.batch_size)
+
+    @property
+    def group_size(self) -> int:
+        return int(self.env.group_size)
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.batch_size // self.group_size
+
+
+def run_all_argv(
+    preset: str,
+    run_dir: Path,
+    steps: int | None,
+    save_every: int,
+    keep: int,
+    model: str | None = None,
+    keep_constant_groups: bool = False,
+) -> list[str]:
+    """``launch/run_all.sh`` arguments of our side: no SFT-vs-RL evaluation, a checkpoint
+    every ``save_every`` steps, ``keep`` of them kept, self-certainty off (see NOT_MATCHED);
+    ``steps`` None: the preset's step count."""
+    trainer = f"--save-every {save_every} --keep-checkpoints {keep} --self-certainty-alpha 0"
+    argv = [
+        "--preset",
+        preset,
+        "--eval-samples",
+        "0",
+        "--run-dir",
+        str(run_dir),
+        f"--trainer-args={trainer}",
+    ]
+    if steps is not None:
+        argv += ["--training-steps", str(steps)]
+    if model:
+        argv += ["--model", model]
+    if keep_constant_groups:
+        argv.append("--keep-constant-groups")
+    return argv
+
+
+def resolve(argv: list[str], save_every: int) -> Plan:
+    """The env's and the trainer's configs as run_all resolves them from ``argv``."""
+    from launch.configs import resolve_for_run
+    from launch.run_config import parse_args
+
+    first = parse_args(argv)
+    run_dir = first.launch.run_dir or Path("runs/peer_trl")
+    urls = ["http://127.0.0.1:2"]
+    device = first.launch.trainer_device
+    cfg = resolve_for_run(argv, "http://127.0.0.1:1", urls, run_dir, device)
+    env, grpo, model = cfg.env, cfg.trainer.grpo, str(cfg.model)
+    if grpo.batch_size % env.group_size:
+        raise ValueError(f"batch_size {grpo.batch_size} is not whole groups of {env.group_size}")
+    if abs(grpo.temperature - env.temperature) > 1e-9:
+        raise ValueError(
+            f"sampling temperature {env.temperature} != trainer temperature {grpo.temperature}: "
+            "TRL has one temperature for both"
+        )
+    steps = grpo.training_steps
+    return Plan(cfg.preset, model, steps, save_every, argv, env, grpo, cfg.launch.eval_samples)
+
+
+def thread_plan(plan: Plan) -> str:
+    """What ``launch/run_all.sh`` gives each process of our run on this box's cores (the
+    launcher's own ``placement`` and ``plan_threads``; its ``[run_all] threads on ...`` line)."""
+    from launch.run_config import parse_args
+    from launch.run_plan import placement
+    from launch.threads import available_cores, plan_threads
+
+    cfg = parse_args(plan.run_all_argv)
+    device = "cuda" if placement(cfg).trainer_device.startswith("cuda") else "cpu"
+    return plan_threads(available_cores(), cfg.launch.num_inference_servers, device).describe()
+
+
+def compute_precision(plan: Plan) -> tuple[bool, str]:
+    """Whether our trainer computes in bf16 here, and why: its own decision procedure
+    (``trainer.precision.choose_precision`` on its device), which TRL's side is then given."""
+    import torch
+
+    from trainer.model import resolve_device
+    from trainer.precision import choose_precision
+
+    dtype, why = choose_precision(plan.grpo.precision, resolve_device(plan.grpo.device))
+    return dtype == torch.bfloat16, why
+
+
+def write_vllm(plan: Plan, run_dir: Path) -> Path:
+    """``<run_dir>/config/vllm.yaml``: the vLLM options run_all gives the run's servers."""
+    from launch.configs import vllm_values, write_config
+    from launch.run_config import parse_args
+
+    return write_config(run_dir, "vllm", {"vllm": vllm_values(parse_args(plan.run_all_argv))})
+
+
+def _schedule(grpo: GrpoConfig) -> dict[str, Any]:
+    """Our LR schedule in transformers' names (the ones the presets use, else an error)."""
+    name, warm, floor = grpo.lr_schedule, grpo.warmup_steps, grpo.min_lr_ratio
+    out: dict[str, Any] = {"warmup_steps": warm}
+    if name == "constant":
+        out["lr_scheduler_type"] = "constant_with_warmup" if warm else "constant"
+    elif name == "cosine":
+        out["lr_scheduler_type"] = "cosine_with_min_lr"
+        out["lr_scheduler_kwargs"] = {"min_lr_rate": floor}
+    elif name == "linear" and floor == 0:
+        out["lr_scheduler_type"] = "linear"
+    else:
+        raise ValueError(f"no transformers schedule matches ours: {name}, min_lr_ratio {floor}")
+    return out
+
+
+def trl_args(
+    plan: Plan, out_dir: Path, bf16: bool, micro_batch: int | None = None
+) -> dict[str, Any]:
+    """``GRPOConfig`` keywords that hold our run's settings (TRL 1.16's names).
+
+    ``per_device_train_batch_size`` counts completions in TRL (prompts x num_generations),
+    as our ``batch_size`` counts sequences; one generation batch per optimizer step.
+    ``micro_batch``: completions per TRL forward/backward (None: the whole step in one), the
+    step's gradients accumulated over ``batch_size / micro_batch`` of them. TRL computes every
+    completion's prompt in full, so on a long-prompt model the whole step in one forward does
+    not fit in memory (cpu-smol: 32 x ~1,000 tokens went past 23 GiB)."""
+    env, g = plan.env, plan.grpo
+    if g.lora_r:
+        raise ValueError("the bench compares full fine-tuning (the CPU presets); lora_r is set")
+    micro = micro_batch or plan.batch_size
+    if plan.batch_size % micro:
+        raise ValueError(f"--trl-micro-batch {micro} must divide the batch ({plan.batch_size})")
+    accumulate = plan.batch_size // micro
+    return {
+        "output_dir": str(out_dir),
+        "max_steps": plan.steps,
+        "per_device_train_batch_size": micro,
+        "gradient_accumulation_steps": accumulate,
+        "steps_per_generation": accumulate,  # one generation of the whole batch per step
+        "num_iterations": 1,
+        "num_generations": plan.group_size,
+        "max_completion_length": env.max_tokens,
+        "temperature": env.temperature,
+        "top_p": env.top_p,
+        "top_k": 0,
+        "learning_rate": g.lr,
+        **_schedule(g),
+        "weight_decay": g.weight_decay,
+        "adam_beta1": g.adam_beta1,
+        "adam_beta2": g.adam_beta2,
+        "adam_epsilon": g.adam_eps,
+        "max_grad_norm": g.max_grad_norm,
+        "beta": g.kl_beta,
+        "epsilon": g.clip_low,
+        "epsilon_high": g.clip_high,
+        "loss_type": "dr_grpo",
+        "scale_rewards": "group" if g.scale_advantages else "none",
+        "gradient_checkpointing": g.gradient_checkpointing,
+        "bf16": bf16,
+        "fp16": False,
+        "use_cpu": plan.grpo.device in ("cpu", "auto"),
+        "seed": g.seed,
+        "shuffle_dataset": False,
+        "logging_steps": 1,
+        "report_to": "none",
+        "save_strategy": "steps",
+        "save_steps": plan.save_every,
+        "save_only_model": False,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "log_completions": False,
+    }
+
+
+def matched(plan: Plan) -> dict[str, Any]:
+    """The settings both sides run with (the table's 'held equal' list)."""
+    env, g = plan.env, plan.grpo
+    return {
+        "model": plan.model,
+        "group_size": plan.group_size,
+        "prompts_per_step": plan.prompts_per_step,
+        "samples_per_step": plan.batch_size,
+        "steps": plan.steps,
+        "lr": g.lr,
+        "lr_schedule": g.lr_schedule,
+        "warmup_steps": g.warmup_steps,
+        "optimizer": f"AdamW b1 {g.adam_beta1} b2 {g.adam_beta2} eps {g.adam_eps} "
+        f"wd {g.weight_decay}",
+        "max_grad_norm": g.max_grad_norm,
+        "advantages": "scaled by group std" if g.scale_advantages else "Dr. GRPO (centred only)",
+        "kl_beta": g.kl_beta,
+        "clip": [g.clip_low, g.clip_high],
+        "temperature": env.temperature,
+        "top_p": env.top_p,
+        "max_tokens": env.max_tokens,
+        "max_prompt_tokens": env.max_prompt_tokens,
+        "latest_only": env.latest_only,
+        "reward": env.reward_variant if env.rewards is None else "recipe rewards",
+        "precision_setting": g.precision,
+        "gradient_checkpointing": g.gradient_checkpointing,
+        "seed": g.seed,
+    }
+
+
+def trl_dir() -> Path:
+    """Where TRL is installed for the bench (``$SHOP_R1_ARTIFACTS/venvs/trl-<version>``)."""
+    from settings.paths import ARTIFACTS
+
+    return ARTIFACTS / "venvs" / f"trl-{TRL_VERSION}"
+
+
+def requirement_problems(metadata: str) -> list[str]:
+    """The unconditional ``Requires-Dist`` lines of a METADATA text that the running
+    interpreter does not satisfy (name missing or version outside the specifier)."""
+    from packaging.requirements import Requirement
+
+    problems = []
+    for line in metadata.splitlines():
+        if not line.startswith("Requires-Dist:"):
+            continue
+        req = Requirement(line.split(":", 1)[1].strip())
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue  # an extra (vllm, peft, ...) or another platform
+        try:
+            have = importlib.metadata.version(req.name)
+        except importlib.metadata.PackageNotFoundError:
+            problems.append(f"{req} (not installed)")
+            continue
+        if req.specifier and not req.specifier.contains(have, prereleases=True):
+            problems.append(f"{req} (installed {have})")
+    return problems
+
+
+def ensure_trl() -> Path:
+    """A folder holding ``trl==TRL_VERSION`` alone (``pip install --no-deps --target``), put
+    on the TRL child's ``PYTHONPATH``: the project's venv stays as it is, and TRL runs on its
+    torch/transformers/accelerate/datasets. Built on first use under a file lock; refused
+    with the list when the venv does not satisfy TRL's own requirements."""
+    target = trl_dir()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    meta = target / f"trl-{TRL_VERSION}.dist-info" / "METADATA"
+    with open(target.parent / f"trl-{TRL_VERSION}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not meta.exists():
+            tmp = target.with_name(target.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            subprocess.run(
+                [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp)]
+                + [f"trl=={TRL_VERSION}"],
+                check=True,
+            )
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(tmp, target)
+    problems = requirement_problems(meta.read_text())
+    if problems:
+        raise SystemExit(
+            f"TRL {TRL_VERSION} needs what this venv lacks: {'; '.join(problems)}. "
+            "Install them into the venv, or point --trl-path at a folder with a TRL that fits."
+        )
+    return target

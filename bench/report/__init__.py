@@ -1,0 +1,2 @@
+"""The tables and plots of the results (``python -m bench.report.build``).
+"""

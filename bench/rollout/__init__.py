@@ -1,0 +1,3 @@
+"""Generation: the env service's overhead over vLLM (``overhead``), evaluation concurrency,
+vLLM's start time.
+"""
