@@ -14,7 +14,7 @@ import yaml
 
 from launch.run_config import RunConfig, run_layers
 from settings.cli import is_secret
-from settings.layers import has_path, nest, read_recipe, resolve
+from settings.layers import Layer, has_path, nest, read_recipe, resolve
 from settings.paths import PRESETS_DIR
 
 SERVICE_FILES = {"api": "api", "env": "env", "trainer_grpo": "trainer.grpo"}
@@ -68,7 +68,21 @@ def resolve_for_run(
     flag or variable that the launcher overrides gets a WARNING (``warn``: the run's own
     resolution, not the one its resume hint makes)."""
     layers = run_layers(argv, environ)
-    first = resolve(RunConfig, layers)  # what the launcher's decisions depend on
+    asked = resolve(RunConfig, layers)  # what the launcher's decisions depend on
+    return launcher_config(layers, asked, api_url, vllm_urls, run_dir, device, warn)
+
+
+def launcher_config(
+    layers: Sequence[Layer],
+    first: RunConfig,
+    api_url: str,
+    vllm_urls: Sequence[str],
+    run_dir: Path,
+    device: str = "cpu",
+    warn: bool = True,
+) -> RunConfig:
+    """:func:`resolve_for_run` of the run's ``layers``, which resolve to ``first`` (the run the
+    user asked for)."""
     defaults, owned = launcher_values(first, api_url, vllm_urls, run_dir, device)
     cfg = resolve(RunConfig, [("launcher", defaults), *layers, ("launcher", owned)])
     for path in _paths(owned) if warn else []:

@@ -17,30 +17,24 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shlex
 import signal
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from api.config import TOKEN_ENV as API_TOKEN_ENV
-from api.config import ApiConfig, check_exposure
+from api.config import check_exposure
 from launch import progress, verifiers_env
-from launch.configs import resolve_for_run, write_service_configs
+from launch.configs import launcher_config, resolve_for_run, write_service_configs
 from launch.cost_probe import CostProbe
 from launch.eval_table import eval_table
 from launch.evaluation import evaluate, finish_evaluation, pages_table, start_evaluation
 from launch.follow import LogSource, grpo_source
-from launch.placement import (
-    Placement,
-    PlacementError,
-    plan_placement,
-    visible_gpus,
-)
 from launch.prepare import (
     context_warning,
     prepare_embedded,
@@ -51,80 +45,17 @@ from launch.prepare import (
 from launch.procs import ManagedProcess, tail
 from launch.report import build_report
 from launch.reward_curve import reward_curve
-from launch.run_config import RunConfig, parse_args
+from launch.run_config import RunConfig, parse_run
+from launch.run_plan import RunPlan, environments, plan_run, trainer_argv, vllm_extra
 from launch.supervisor import PY, ServiceFailed, Stack
-from launch.threads import ThreadPlan, available_cores, plan_threads
-from launch.trainer_node import launcher_argv, publish_trainer_argv
+from launch.trainer_node import publish_trainer_argv
 from launch.vllm_server import BridgeServer
-from settings.bind import UnsafeBind, is_loopback
+from settings.bind import UnsafeBind
 from settings.paths import RUNS_DIR
-from settings.ports import free_port
 
 
 def _raise_interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-def vllm_names(n: int) -> list[str]:
-    """Service names (= log names) of ``n`` vLLM servers: vllm, vllm1, vllm2, ..."""
-    return ["vllm"] + [f"vllm{i}" for i in range(1, n)]
-
-
-def placement(cfg: RunConfig) -> Placement:
-    """Devices of every process (launch/placement.py); fails before anything starts."""
-    lc = cfg.launch
-    device = lc.trainer_device
-    gpus = lc.gpus or None
-    if device == "cuda" and gpus is None:
-        gpus = visible_gpus()
-    try:
-        return plan_placement(
-            device,
-            cfg.weight_bridge_mode,
-            cfg.single_copy,
-            lc.num_inference_servers,
-            lc.tensor_parallel_size,
-            gpus or [],
-            lc.trainer_procs,
-        )
-    except PlacementError as e:
-        raise ServiceFailed(f"cannot place the processes of preset {cfg.preset}: {e}") from e
-
-
-def vllm_extra(cfg: RunConfig) -> list[str]:
-    """Flags every vLLM server gets after its config file (they win over it)."""
-    extra: list[str] = []
-    if cfg.verifiers is not None:  # verifiers' renderer samples from /inference/v1/generate
-        extra.append("--enable-scale-out")
-    if cfg.launch.tensor_parallel_size > 1:
-        extra += ["--tensor-parallel-size", str(cfg.launch.tensor_parallel_size)]
-    return extra + shlex.split(
-        cfg.launch.vllm_args or ""
-    )  # last: vLLM takes the last value of a flag
-
-
-def trainer_env(place: Placement) -> dict[str, str]:
-    """The trainer's environment: its own GPU(s) on CUDA; MASTER_ADDR/MASTER_PORT pass
-    through (the broadcast rendezvous, trainer/bridge)."""
-    env = dict(os.environ)
-    if place.trainer_gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(place.trainer_gpus)
-    return env
-
-
-def api_connect_host(host: str) -> str:
-    """Where the run's own services reach the API bound to ``host``: loopback for a loopback
-    or wildcard bind (``0.0.0.0``, ``::``), that address otherwise (IPv6 in brackets)."""
-    if host in ("", "0.0.0.0", "::", "[::]") or is_loopback(host):
-        return "127.0.0.1"
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def api_token_env(api: ApiConfig) -> dict[str, str]:
-    """The API's token for the processes that talk to it (the API itself, the env, the
-    trainer), in their environment: run files never hold it (``launch.configs``), so a token
-    given as ``--api.token`` reaches them only this way; none without one."""
-    return {API_TOKEN_ENV: api.token} if api.token else {}
 
 
 def wait_api(proc: ManagedProcess, url: str, token: str | None, timeout: float) -> None:
@@ -148,57 +79,22 @@ def wait_api(proc: ManagedProcess, url: str, token: str | None, timeout: float) 
         time.sleep(0.2)
 
 
-def trainer_launcher(cfg: RunConfig, environ: dict[str, str] | None = None) -> list[str]:
-    """``python``, or torchrun for ``--trainer-procs N`` / several nodes (launch/trainer_node.py)."""
-    try:
-        return launcher_argv(
-            PY, cfg.launch.trainer_procs, os.environ if environ is None else environ
-        )
-    except ValueError as e:
-        raise ServiceFailed(str(e)) from e
-
-
-def trainer_argv(cfg: RunConfig, config: Path, token: str) -> list[str]:
-    """``python -m trainer grpo --config <run>/config/trainer_grpo.yaml`` (under torchrun for
-    several ranks); the bridge token on the command line, never in the file."""
-    return [
-        *trainer_launcher(cfg),
-        "-m",
-        "trainer",
-        "grpo",
-        "--config",
-        str(config),
-        "--bridge-token",
-        token,
-    ]
-
-
 def start_vllm_servers(
-    cfg: RunConfig,
-    ports: list[int],
-    config: Path,
-    place: Placement,
-    model: str,
-    token: str,
-    stack: Stack,
-    run_dir: Path,
-    threads: ThreadPlan | None = None,
+    cfg: RunConfig, plan: RunPlan, config: Path, stack: Stack
 ) -> list[BridgeServer]:
     """Start every vLLM server side by side (recorded in the stack at once), then wait for
     each health check."""
     from launch.vllm_server import server_env, spawn_bridge_server
 
-    device = "cuda" if place.trainer_device.startswith("cuda") else "cpu"
     servers = []
-    for i, name in enumerate(vllm_names(cfg.launch.num_inference_servers)):
-        port = ports[i]
-        env = server_env(token, device, place.server_gpus[i])
-        env.update(threads.for_server(i) if threads else {})
+    for i, (name, port) in enumerate(zip(plan.vllm_names, plan.vllm_ports, strict=True)):
+        env = server_env(plan.bridge_token, plan.device, plan.place.server_gpus[i])
+        env.update(plan.threads.for_server(i))
         server = spawn_bridge_server(
-            model,
+            str(cfg.model),
             cfg.weight_bridge_mode,
-            run_dir / f"{name}.log",
-            token=token,
+            plan.run_dir / f"{name}.log",
+            token=plan.bridge_token,
             single_copy=cfg.single_copy,
             extra=["--config", str(config), *vllm_extra(cfg)],
             port=port,
@@ -208,7 +104,7 @@ def start_vllm_servers(
         )
         stack.add(server.proc)
         servers.append(server)
-    for server, gpu_ids in zip(servers, place.server_gpus, strict=True):
+    for server, gpu_ids in zip(servers, plan.place.server_gpus, strict=True):
         try:
             server.wait(cfg.launch.health_timeout)
         except (RuntimeError, TimeoutError) as e:
@@ -233,133 +129,155 @@ def weight_versions(servers: list[BridgeServer]) -> dict[str, str | None]:
     return out
 
 
-def launch(argv: list[str], cfg: RunConfig, stack: Stack, run_dir: Path) -> int:
-    lc = cfg.launch
-    place = placement(cfg)
-    device = "cuda" if place.trainer_device.startswith("cuda") else "cpu"
-    threads = plan_threads(available_cores(), lc.num_inference_servers, device)
-    light = {**os.environ, **threads.light_env}
-    api_url = f"http://{api_connect_host(cfg.api.host)}:{lc.api_port or free_port()}"
-    ports = [lc.vllm_port or free_port()]
-    ports += [free_port() for _ in range(lc.num_inference_servers - 1)]
-    urls = [f"http://127.0.0.1:{port}" for port in ports]
-    # the run's config resolved once, with the launcher's decisions, before anything starts
-    cfg = resolve_for_run(argv, api_url, urls, run_dir, place.trainer_device)
-    model, save = str(cfg.model), Path(cfg.trainer.grpo.save_path)
-    env_cfg, steps = cfg.env, cfg.trainer.grpo.training_steps
-    probe = CostProbe(cfg, argv, threads.trainer_env)  # the trainer's threads
+def say(line: str) -> None:
+    print(f"[run_all] {line}", flush=True)
+
+
+def prepare(cfg: RunConfig, plan: RunPlan, probe: CostProbe) -> list[str]:
+    """Build what the run needs and is missing (model, dataset, SFT cold start); the
+    environments it trains on."""
     if prepares_embedded(cfg):
-        prepare_embedded(cfg, run_dir, before_sft=probe.before_sft)
-    budget = (env_cfg.max_prompt_tokens, env_cfg.max_tokens)
-    envs = (["env"] if lc.shop_r1_env else []) + (["verifiers"] if cfg.verifiers else [])
-    if not envs:
-        why = "launch.shop_r1_env is false and the run has no verifiers: section"
-        raise ServiceFailed(f"no environment to train on: {why}")
-    if lc.shop_r1_env and (warning := context_warning(model, *budget)) is not None:
-        print(f"[run_all] WARNING: {warning}", flush=True)
-    if lc.prepare_only:
-        print(f"[run_all] prepared {model}", flush=True)
-        return 0
-    files = write_service_configs(run_dir, cfg)
-    print(
-        f"[run_all] configs: {run_dir / 'config'} (preset {cfg.preset}"
-        f"{f', recipe {cfg.recipe}' if cfg.recipe else ''})",
-        flush=True,
-    )
-    token = secrets.token_hex(16)
-    names = ["api", *vllm_names(lc.num_inference_servers), *envs, "trainer"]
-    logs = " ".join(str(run_dir / f"{n}.log") for n in names)
-    print(f"[run_all] run dir {run_dir}\n[run_all] follow it: tail -f {logs}", flush=True)
-    print(f"[run_all] {threads.describe()} (launch/threads.py)", flush=True)
+        prepare_embedded(cfg, plan.run_dir, before_sft=probe.before_sft)
+    envs = environments(cfg)
+    budget = (cfg.env.max_prompt_tokens, cfg.env.max_tokens)
+    if cfg.launch.shop_r1_env and (warning := context_warning(str(cfg.model), *budget)) is not None:
+        say(f"WARNING: {warning}")
+    return envs
 
-    vllm_log = LogSource(run_dir / "vllm.log")  # what the first server is doing
-    services = progress.phase("start API + vLLM", 1 + lc.num_inference_servers, "up", vllm_log)
-    services.start()
-    light |= api_token_env(cfg.api)  # the API, the env and the trainer: one token
-    api = stack.start("api", [PY, "-m", "api", "--config", str(files["api"])], light)
-    wait_api(api, api_url, cfg.api.token, 60)
+
+def eval_samples(cfg: RunConfig) -> int:
+    """Test rows of the SFT-vs-RL evaluation: Shop-R1's, none without its env."""
+    return cfg.launch.eval_samples if cfg.launch.shop_r1_env else 0
+
+
+def write_configs(cfg: RunConfig, plan: RunPlan, envs: list[str]) -> dict[str, Path]:
+    """Each service's file under ``<run>/config/``; where to follow the run."""
+    files = write_service_configs(plan.run_dir, cfg)
+    recipe = f", recipe {cfg.recipe}" if cfg.recipe else ""
+    say(f"configs: {plan.run_dir / 'config'} (preset {cfg.preset}{recipe})")
+    say(
+        f"run dir {plan.run_dir}\n[run_all] follow it: tail -f {' '.join(map(str, plan.logs(envs)))}"
+    )
+    say(f"{plan.threads.describe()} (launch/threads.py)")
+    return files
+
+
+def start_api(cfg: RunConfig, plan: RunPlan, files: dict[str, Path], stack: Stack) -> None:
+    api_cmd = [PY, "-m", "api", "--config", str(files["api"])]
+    api = stack.start("api", api_cmd, plan.light_env(cfg))
+    wait_api(api, plan.api_url, cfg.api.token, 60)
     where = "" if not cfg.api.token else " (token required; clients without a header: /t/<token>/)"
-    print(f"[run_all] api up at {api_url}{where} (pid {api.pid})", flush=True)
-    services.advance()
+    say(f"api up at {plan.api_url}{where} (pid {api.pid})")
 
-    print(
-        f"[run_all] starting {lc.num_inference_servers} vLLM server(s) "
-        f"({cfg.weight_bridge_mode}{', single copy' if cfg.single_copy else ''}) on {model}...",
-        flush=True,
+
+def start_inference(
+    cfg: RunConfig, plan: RunPlan, files: dict[str, Path], stack: Stack
+) -> tuple[list[BridgeServer], dict[str, Any] | None]:
+    """The vLLM servers, and the SFT model's evaluation on the first one (it loads while
+    vLLM starts, then waits for its /health; ``--resume`` reuses a finished one)."""
+    single = ", single copy" if cfg.single_copy else ""
+    say(
+        f"starting {len(plan.vllm_ports)} vLLM server(s) ({cfg.weight_bridge_mode}{single}) "
+        f"on {cfg.model}..."
     )
-    samples = lc.eval_samples if lc.shop_r1_env else 0  # Shop-R1's test rows
-    done = reused_sft_eval(cfg, run_dir)
+    samples = eval_samples(cfg)
+    done = reused_sft_eval(cfg, plan.run_dir)
     sft_eval = None
-    if samples and done is None:  # it loads while vLLM starts, then waits for its /health
-        sft_eval = start_evaluation(  # the evaluations ask the first server
-            "sft", urls[0], samples, run_dir, files["env"], lc.health_timeout
-        )
+    if samples and done is None:
+        timeout = cfg.launch.health_timeout
+        url, run_dir = plan.vllm_urls[0], plan.run_dir
+        sft_eval = start_evaluation("sft", url, samples, run_dir, files["env"], timeout)
     try:
-        servers = start_vllm_servers(
-            cfg, ports, files["vllm"], place, model, token, stack, run_dir, threads
-        )
+        servers = start_vllm_servers(cfg, plan, files["vllm"], stack)
     except BaseException:
         if sft_eval is not None:
             sft_eval.stop()
         raise
-    services.advance(len(servers))
-    services.finish()
-    server = servers[0]  # the evaluations ask the first one
-
     if done is not None:
-        print(f"[run_all] SFT evaluation: reusing {done} (--resume)", flush=True)
-        sft_metrics = json.loads(done.read_text())
-    else:
-        sft_metrics = finish_evaluation(sft_eval) if sft_eval is not None else None
+        say(f"SFT evaluation: reusing {done} (--resume)")
+        return servers, json.loads(done.read_text())
+    return servers, finish_evaluation(sft_eval) if sft_eval is not None else None
 
-    probe.before_grpo()  # what GRPO's trainer will cost here, while vLLM idles (cost_probe)
-    held_out = verifiers_env.evaluate_before(cfg, urls[0], run_dir, light)
-    if lc.shop_r1_env:
+
+def train(
+    cfg: RunConfig, plan: RunPlan, files: dict[str, Path], envs: list[str], stack: Stack
+) -> None:
+    """The environments and the trainer, until the trainer is done (a service that dies
+    stops the run)."""
+    light = plan.light_env(cfg)
+    if cfg.launch.shop_r1_env:
         stack.start("env", [PY, "-m", "env_server", "--config", str(files["env"])], light)
     if cfg.verifiers is not None:
         stack.start("verifiers", verifiers_env.service_argv(files["verifiers"]), light)
-    argv = trainer_argv(cfg, files["trainer_grpo"], token)
+    trainer_cmd = trainer_argv(cfg, files["trainer_grpo"], plan.bridge_token)
     if int(os.environ.get("NNODES") or 1) > 1:  # the other nodes' ranks (launch/trainer_node.py)
-        publish_trainer_argv(run_dir, argv)
-    trainer_vars = {**trainer_env(place), **threads.trainer_env, **api_token_env(cfg.api)}
-    trainer = stack.start("trainer", argv, env=trainer_vars)
-    where = f" on GPU {','.join(place.trainer_gpus)}" if place.trainer_gpus else ""
-    print(
-        f"[run_all] {' + '.join(envs)} + trainer{where} started; training {steps} steps", flush=True
-    )
+        publish_trainer_argv(plan.run_dir, trainer_cmd)
+    trainer = stack.start("trainer", trainer_cmd, env=plan.trainer_env(cfg))
+    gpus = plan.place.trainer_gpus
+    steps, save = cfg.trainer.grpo.training_steps, Path(cfg.trainer.grpo.save_path)
+    where = f" on GPU {','.join(gpus)}" if gpus else ""
+    say(f"{' + '.join(envs)} + trainer{where} started; training {steps} steps")
     with progress.phase("GRPO", steps, "steps", grpo_source(save, steps)):
         while trainer.alive():
-            stack.check_alive("api", *vllm_names(lc.num_inference_servers), *envs)
+            stack.check_alive("api", *plan.vllm_names, *envs)
             time.sleep(1.0)
     if trainer.popen.returncode != 0:  # why (an OOM kill, a full disk) and the figures
         raise ServiceFailed(stack.died(trainer))
     for name in envs:  # no more rollouts: vLLM now serves the trainer's final weights
         stack.stop(name)
-    versions = weight_versions(servers)
-    (run_dir / "weight_versions.json").write_text(json.dumps(versions, indent=2) + "\n")
-    print(
-        f"[run_all] trainer done; final model in {save}; weight version per server: {versions}",
-        flush=True,
-    )
 
-    reward_curve(save / "metrics.jsonl", run_dir / "reward_curve.png")
-    if sft_metrics is not None:
-        health = httpx.get(f"{server.base_url}/bridge/health", timeout=10).json()
-        rl_metrics = evaluate("rl", server.base_url, samples, run_dir, files["env"])
-        note = (
-            f"{samples} test steps, greedy. SFT = {model}; RL = the trainer's final "
-            f"weights ({save}) as served by vLLM after the last sync "
-            f"(weight version {health.get('weight_version')}, mode {cfg.weight_bridge_mode})."
-        )
-        table = eval_table(sft_metrics, rl_metrics, note)
-        table += "\nPer page kind (`python -m env_server.page_report`):\n\n"
-        table += pages_table(run_dir, samples, env_cfg) + "\n"
-        (run_dir / "eval.md").write_text(table)
-        print(table, flush=True)
+
+def evaluate_rl(
+    cfg: RunConfig, plan: RunPlan, server: BridgeServer, env_file: Path, sft: dict[str, Any]
+) -> None:
+    """The trainer's final weights as vLLM serves them against the SFT model: eval.md."""
+    samples, model, save = eval_samples(cfg), cfg.model, cfg.trainer.grpo.save_path
+    health = httpx.get(f"{server.base_url}/bridge/health", timeout=10).json()
+    rl = evaluate("rl", server.base_url, samples, plan.run_dir, env_file)
+    note = (
+        f"{samples} test steps, greedy. SFT = {model}; RL = the trainer's final "
+        f"weights ({save}) as served by vLLM after the last sync "
+        f"(weight version {health.get('weight_version')}, mode {cfg.weight_bridge_mode})."
+    )
+    table = eval_table(sft, rl, note)
+    table += "\nPer page kind (`python -m env_server.page_report`):\n\n"
+    table += pages_table(plan.run_dir, samples, cfg.env) + "\n"
+    (plan.run_dir / "eval.md").write_text(table)
+    print(table, flush=True)
+
+
+def launch(cfg: RunConfig, plan: RunPlan, stack: Stack, argv: list[str]) -> int:
+    """The run ``cfg`` (resolved with the launcher's decisions, ``plan``), phase by phase;
+    ``argv``: the command line, for the cost probe's advice."""
+    probe = CostProbe(cfg, argv, plan.threads.trainer_env)  # the trainer's threads
+    envs = prepare(cfg, plan, probe)
+    if cfg.launch.prepare_only:
+        say(f"prepared {cfg.model}")
+        return 0
+    files = write_configs(cfg, plan, envs)
+    vllm_log = LogSource(plan.run_dir / "vllm.log")  # what the first server is doing
+    services = progress.phase("start API + vLLM", 1 + len(plan.vllm_ports), "up", vllm_log)
+    services.start()
+    start_api(cfg, plan, files, stack)
+    services.advance()
+    servers, sft_metrics = start_inference(cfg, plan, files, stack)
+    services.advance(len(servers))
+    services.finish()
+    probe.before_grpo()  # what GRPO's trainer will cost here, while vLLM idles (cost_probe)
+    light = plan.light_env(cfg)
+    held_out = verifiers_env.evaluate_before(cfg, plan.vllm_urls[0], plan.run_dir, light)
+    train(cfg, plan, files, envs, stack)
+    versions = weight_versions(servers)
+    (plan.run_dir / "weight_versions.json").write_text(json.dumps(versions, indent=2) + "\n")
+    save = Path(cfg.trainer.grpo.save_path)
+    say(f"trainer done; final model in {save}; weight version per server: {versions}")
+    reward_curve(save / "metrics.jsonl", plan.run_dir / "reward_curve.png")
+    if sft_metrics is not None:  # the evaluations ask the first server
+        evaluate_rl(cfg, plan, servers[0], files["env"], sft_metrics)
     if held_out is not None:
-        verifiers_env.report_after(cfg, server.base_url, run_dir, light, held_out)
-    print(f"[run_all] reward curve: {run_dir / 'reward_curve.png'}", flush=True)
-    print(f"[run_all] the run's page: {build_report(run_dir)} (open it in a browser)", flush=True)
+        verifiers_env.report_after(cfg, servers[0].base_url, plan.run_dir, light, held_out)
+    say(f"reward curve: {plan.run_dir / 'reward_curve.png'}")
+    say(f"the run's page: {build_report(plan.run_dir)} (open it in a browser)")
     return 0
 
 
@@ -387,8 +305,8 @@ def resume_hint(run_dir: Path, argv: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    cfg = parse_args(argv)
-    lc = cfg.launch
+    layers, asked = parse_run(argv)  # the run the user asked for
+    lc = asked.launch
     if lc.resume and (lc.run_dir is None or not lc.run_dir.is_dir()):
         print(
             f"[run_all] FAILED: --resume continues a run: give its --run-dir "
@@ -398,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:  # fail closed before anything starts: an exposed API needs a token (settings/bind.py)
-        insecure = check_exposure(cfg.api)
+        insecure = check_exposure(asked.api)
     except UnsafeBind as e:
         print(f"[run_all] FAILED: {e.code} (--api.token or ${API_TOKEN_ENV})", file=sys.stderr)
         return 2
@@ -407,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = lc.run_dir or RUNS_DIR / datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    hint_argv, hint = argv, False
+    hint = False
     stack = Stack(run_dir)
     # Ctrl-C and SIGTERM stop exactly what was started. SIGINT explicitly too: Python only
     # raises KeyboardInterrupt when SIGINT was not ignored at its start, and a parent that
@@ -416,7 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _raise_interrupt)
     try:
         with progress.session():
-            return launch(argv, cfg, stack, run_dir)
+            plan = plan_run(asked, run_dir)
+            # the run's config, resolved once with the launcher's decisions, before anything starts
+            cfg = launcher_config(
+                layers, asked, plan.api_url, plan.vllm_urls, run_dir, plan.place.trainer_device
+            )
+            return launch(cfg, plan, stack, argv)
     except ServiceFailed as e:
         print(f"[run_all] FAILED: {e}", file=sys.stderr, flush=True)
         hint = not lc.prepare_only
@@ -431,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         stack.stop_all()
         print(f"[run_all] stopped {[p.pid for p in stack.procs]}", flush=True)
         if hint:  # once everything stopped: no trainer writes a checkpoint after it is read
-            print(resume_hint(run_dir, hint_argv), file=sys.stderr, flush=True)
+            print(resume_hint(run_dir, argv), file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -140,12 +140,19 @@ def resolve_run(
     return resolve(RunConfig, run_layers(argv, environ))
 
 
-def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
-    """launch/run_all.sh's command line resolved; a bad ``NUM_INFERENCE_NODES`` exits 2."""
+def parse_run(argv: Sequence[str] | None = None) -> tuple[list[Layer], RunConfig]:
+    """launch/run_all.sh's command line: the run's layers and the run they resolve to; a bad
+    ``NUM_INFERENCE_NODES`` exits 2."""
     from launch.placement import PlacementError
 
     try:
-        return resolve_run(sys.argv[1:] if argv is None else argv)
+        layers = run_layers(sys.argv[1:] if argv is None else argv)
+        return layers, resolve(RunConfig, layers)
     except PlacementError as e:
         print(f"launch/run_all.sh: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
+    """launch/run_all.sh's command line resolved (:func:`parse_run`)."""
+    return parse_run(argv)[1]

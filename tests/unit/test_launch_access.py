@@ -12,7 +12,7 @@ import yaml
 
 from api.config import TOKEN_ENV, check_exposure
 from api.config import parse_config as parse_api
-from launch import run_all
+from launch import run_all, run_plan
 from launch.configs import resolve_for_run, write_service_configs
 from vllm_patching.serve import build
 
@@ -33,8 +33,8 @@ def test_the_default_run_is_loopback_without_a_token(
     cfg, files = _files([], tmp_path, environ={})
     api = parse_api(["--config", str(files["api"])])
     assert (api.host, api.token, api.insecure_no_token) == ("127.0.0.1", None, False)
-    assert check_exposure(api) is None and run_all.api_token_env(cfg.api) == {}
-    assert run_all.api_connect_host(api.host) == "127.0.0.1"
+    assert check_exposure(api) is None and run_plan.api_token_env(cfg.api) == {}
+    assert run_plan.api_connect_host(api.host) == "127.0.0.1"
 
 
 def test_the_opt_outs_reach_the_services_files(
@@ -62,7 +62,7 @@ def test_an_api_token_travels_by_environment_only(
     cfg, files = _files(["--api.host", "0.0.0.0", "--api.token", "t0k3n"], tmp_path, environ={})
     assert "t0k3n" not in "".join(p.read_text() for p in files.values())
     assert cfg.api.token == "t0k3n" and check_exposure(cfg.api) is None
-    assert run_all.api_token_env(cfg.api) == {TOKEN_ENV: "t0k3n"}
+    assert run_plan.api_token_env(cfg.api) == {TOKEN_ENV: "t0k3n"}
     monkeypatch.setenv(TOKEN_ENV, "t0k3n")  # what the launcher puts in the API's environment
     assert parse_api(["--config", str(files["api"])]).token == "t0k3n"
 
@@ -80,7 +80,7 @@ def test_an_api_token_travels_by_environment_only(
     ],
 )
 def test_the_runs_services_reach_the_api_where_it_listens(host: str, connect: str) -> None:
-    assert run_all.api_connect_host(host) == connect
+    assert run_plan.api_connect_host(host) == connect
 
 
 def test_an_exposed_api_without_a_token_stops_the_launcher_before_anything_starts(

@@ -13,8 +13,8 @@ from env_server.inference import InferencePool
 from launch.configs import resolve_for_run, vllm_values
 from launch.placement import PlacementError, num_servers_from_env, plan_placement, visible_gpus
 from launch.prepare import context_warning
-from launch.run_all import placement, trainer_argv, trainer_env, vllm_extra, vllm_names
 from launch.run_config import RunConfig, parse_args
+from launch.run_plan import placement, trainer_argv, trainer_env, vllm_extra, vllm_names
 from launch.supervisor import ServiceFailed
 from launch.vllm_server import server_env
 from trainer.bridge import rendezvous_from_env

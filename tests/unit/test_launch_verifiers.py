@@ -18,7 +18,7 @@ from env_server.verifiers.evaluate import parse as parse_eval
 from launch import verifiers_env
 from launch.configs import resolve_for_run, write_service_configs
 from launch.prepare import prepares_embedded
-from launch.run_all import vllm_extra
+from launch.run_plan import vllm_extra
 from settings.paths import REPO_ROOT, SMOL_MODEL_DIR
 
 pytestmark = pytest.mark.unit

@@ -60,8 +60,8 @@ def test_single_process_optimizer_state_keyed_by_name() -> None:
 
 
 def test_run_all_runs_the_trainer_under_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
-    from launch.run_all import trainer_launcher
     from launch.run_config import parse_args
+    from launch.run_plan import trainer_launcher
     from launch.supervisor import PY, ServiceFailed
 
     one = parse_args([])

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from launch.configs import resolve_for_run, write_service_configs
-from launch.run_all import vllm_extra
 from launch.run_config import resolve_run
+from launch.run_plan import vllm_extra
 from launch.vllm_server import server_argv
 from settings.paths import REPO_ROOT, RUNS_DIR, SFT_MODEL_DIR, SMOL_SFT_MODEL_DIR
 from vllm_patching.config import VllmConfig

@@ -1,0 +1,167 @@
+"""``RunPlan``: what launch/run_all.sh decides once, from the run the user asked for, before
+anything starts: where each process runs (``launch.placement``), the cores each gets
+(``launch.threads``), the API's URL and every vLLM server's port, the bridge token, the
+environments to train on, and each service's command line and environment. The run's config
+is then resolved once with these decisions (``launch.configs``)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from api.config import TOKEN_ENV as API_TOKEN_ENV
+from api.config import ApiConfig
+from launch.placement import Placement, PlacementError, plan_placement, visible_gpus
+from launch.run_config import RunConfig
+from launch.supervisor import PY, ServiceFailed
+from launch.threads import ThreadPlan, available_cores, plan_threads
+from launch.trainer_node import launcher_argv
+from settings.bind import is_loopback
+from settings.ports import free_port
+
+
+def vllm_names(n: int) -> list[str]:
+    """Service names (= log names) of ``n`` vLLM servers: vllm, vllm1, vllm2, ..."""
+    return ["vllm"] + [f"vllm{i}" for i in range(1, n)]
+
+
+def placement(cfg: RunConfig) -> Placement:
+    """Devices of every process (launch/placement.py); fails before anything starts."""
+    lc = cfg.launch
+    gpus = lc.gpus or None
+    if lc.trainer_device == "cuda" and gpus is None:
+        gpus = visible_gpus()
+    try:
+        return plan_placement(
+            lc.trainer_device,
+            cfg.weight_bridge_mode,
+            cfg.single_copy,
+            lc.num_inference_servers,
+            lc.tensor_parallel_size,
+            gpus or [],
+            lc.trainer_procs,
+        )
+    except PlacementError as e:
+        raise ServiceFailed(f"cannot place the processes of preset {cfg.preset}: {e}") from e
+
+
+def api_connect_host(host: str) -> str:
+    """Where the run's own services reach the API bound to ``host``: loopback for a loopback
+    or wildcard bind (``0.0.0.0``, ``::``), that address otherwise (IPv6 in brackets)."""
+    if host in ("", "0.0.0.0", "::", "[::]") or is_loopback(host):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def api_token_env(api: ApiConfig) -> dict[str, str]:
+    """The API's token for the processes that talk to it (the API itself, the env, the
+    trainer), in their environment: run files never hold it (``launch.configs``), so a token
+    given as ``--api.token`` reaches them only this way; none without one."""
+    return {API_TOKEN_ENV: api.token} if api.token else {}
+
+
+def environments(cfg: RunConfig) -> list[str]:
+    """The environment services to train on: ``env`` (Shop-R1's) and/or ``verifiers``."""
+    envs = (["env"] if cfg.launch.shop_r1_env else []) + (["verifiers"] if cfg.verifiers else [])
+    if not envs:
+        why = "launch.shop_r1_env is false and the run has no verifiers: section"
+        raise ServiceFailed(f"no environment to train on: {why}")
+    return envs
+
+
+def vllm_extra(cfg: RunConfig) -> list[str]:
+    """Flags every vLLM server gets after its config file (they win over it)."""
+    extra: list[str] = []
+    if cfg.verifiers is not None:  # verifiers' renderer samples from /inference/v1/generate
+        extra.append("--enable-scale-out")
+    if cfg.launch.tensor_parallel_size > 1:
+        extra += ["--tensor-parallel-size", str(cfg.launch.tensor_parallel_size)]
+    # last: vLLM takes the last value of a flag
+    return extra + shlex.split(cfg.launch.vllm_args or "")
+
+
+def trainer_env(place: Placement) -> dict[str, str]:
+    """The trainer's environment: its own GPU(s) on CUDA; MASTER_ADDR/MASTER_PORT pass
+    through (the broadcast rendezvous, trainer/bridge)."""
+    env = dict(os.environ)
+    if place.trainer_gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(place.trainer_gpus)
+    return env
+
+
+def trainer_launcher(cfg: RunConfig, environ: dict[str, str] | None = None) -> list[str]:
+    """``python``, or torchrun for ``--trainer-procs N`` / several nodes (launch/trainer_node.py)."""
+    try:
+        return launcher_argv(
+            PY, cfg.launch.trainer_procs, os.environ if environ is None else environ
+        )
+    except ValueError as e:
+        raise ServiceFailed(str(e)) from e
+
+
+def trainer_argv(cfg: RunConfig, config: Path, token: str) -> list[str]:
+    """``python -m trainer grpo --config <run>/config/trainer_grpo.yaml`` (under torchrun for
+    several ranks); the bridge token on the command line, never in the file."""
+    cmd = [*trainer_launcher(cfg), "-m", "trainer", "grpo", "--config", str(config)]
+    return [*cmd, "--bridge-token", token]
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The launcher's decisions for one run (:func:`plan_run`)."""
+
+    run_dir: Path
+    place: Placement
+    threads: ThreadPlan
+    api_url: str
+    vllm_ports: tuple[int, ...]
+    bridge_token: str
+    """The trainer's and every vLLM server's shared token for the /bridge routes."""
+
+    @property
+    def device(self) -> str:
+        """``cuda`` or ``cpu``: where the trainer and the servers' workers run."""
+        return "cuda" if self.place.trainer_device.startswith("cuda") else "cpu"
+
+    @property
+    def vllm_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{port}" for port in self.vllm_ports]
+
+    @property
+    def vllm_names(self) -> list[str]:
+        return vllm_names(len(self.vllm_ports))
+
+    def light_env(self, cfg: RunConfig) -> dict[str, str]:
+        """The API's, the environments' and the evaluations' environment: few threads, the
+        API's token."""
+        return {**os.environ, **self.threads.light_env, **api_token_env(cfg.api)}
+
+    def trainer_env(self, cfg: RunConfig) -> dict[str, str]:
+        """The trainer's environment: its GPUs, its threads, the API's token."""
+        return {**trainer_env(self.place), **self.threads.trainer_env, **api_token_env(cfg.api)}
+
+    def logs(self, envs: list[str]) -> list[Path]:
+        """Every service's log, in the order they start."""
+        names = ["api", *self.vllm_names, *envs, "trainer"]
+        return [self.run_dir / f"{n}.log" for n in names]
+
+
+def plan_run(cfg: RunConfig, run_dir: Path) -> RunPlan:
+    """The plan of the run ``cfg`` asks for (fails before anything starts when it cannot be
+    placed)."""
+    lc = cfg.launch
+    place = placement(cfg)
+    device = "cuda" if place.trainer_device.startswith("cuda") else "cpu"
+    ports = [lc.vllm_port or free_port()]
+    ports += [free_port() for _ in range(lc.num_inference_servers - 1)]
+    return RunPlan(
+        run_dir=run_dir,
+        place=place,
+        threads=plan_threads(available_cores(), lc.num_inference_servers, device),
+        api_url=f"http://{api_connect_host(cfg.api.host)}:{lc.api_port or free_port()}",
+        vllm_ports=tuple(ports),
+        bridge_token=secrets.token_hex(16),
+    )
