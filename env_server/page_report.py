@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from env_server.evaluate import reward_components
-from env_server.reward import RewardConfig, parse_output, score
+from env_server.reward import ParsedOutput, RewardConfig, parse_output, score
 
 PAGE_KINDS = ("home", "results", "product", "cart", "checkout", "confirmation", "other")
 """Page kinds in report order (``other``: a page the simulator did not render)."""
@@ -183,6 +183,70 @@ def compare_pages(rows: Sequence[Mapping[str, Any]], runs: Mapping[str, Sequence
         clicks.append(f"{label} {on} of {c['pred_click']} ({share})")
     lines.append("")
     lines.append("Results-page clicks that name an element on the page: " + "; ".join(clicks))
+    return "\n".join(lines)
+
+
+ACTION_TYPES = ("click", "type_and_submit", "terminate")
+
+
+def _predicted_type(text: str) -> str:
+    parsed = parse_output(text)
+    return parsed.action["type"] if isinstance(parsed, ParsedOutput) else "invalid"
+
+
+def what_changed(
+    rows: Sequence[Mapping[str, Any]],
+    before: Sequence[str],
+    after: Sequence[str],
+    labels: tuple[str, str] = ("SFT", "RL"),
+) -> str:
+    """Where the second model gained and lost exact matches against the first on the same
+    rows, per gold action type and page kind (rows gained, lost, net), then what each predicts
+    where the shopper leaves (gold ``terminate``): a markdown table and a line."""
+    if not len(rows) == len(before) == len(after):
+        raise ValueError(f"{len(before)} and {len(after)} completions for {len(rows)} rows")
+    a, b = labels
+    cells: dict[tuple[str, str], Counter[str]] = {}
+    leaves = {a: Counter(), b: Counter()}
+    for row, x, y in zip(rows, before, after, strict=True):
+        gold = json.loads(row["action"])
+        c = cells.setdefault((gold["type"], page_kind(row["pages"][-1])), Counter())
+        ex, ey = (
+            score(x, gold, RewardConfig()).exact_match,
+            score(y, gold, RewardConfig()).exact_match,
+        )
+        c["rows"] += 1
+        c[a] += ex
+        c[b] += ey
+        c["gained"] += ey and not ex
+        c["lost"] += ex and not ey
+        if gold["type"] == "terminate":
+            leaves[a][_predicted_type(x)] += 1
+            leaves[b][_predicted_type(y)] += 1
+    order = {k: i for i, k in enumerate((*ACTION_TYPES, *PAGE_KINDS))}
+    lines = [
+        f"| gold action | page | rows | {a} exact | {b} exact | gained | lost | net |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (kind, page), c in sorted(
+        cells.items(), key=lambda kv: (order.get(kv[0][0], 99), order.get(kv[0][1], 99))
+    ):
+        lines.append(
+            f"| {kind} | {page} | {c['rows']} | {c[a]} | {c[b]} | {c['gained']} | {c['lost']} "
+            f"| {c['gained'] - c['lost']:+d} |"
+        )
+    total = sum(cells.values(), Counter())
+    lines.append(
+        f"| **all** | | {total['rows']} | {total[a]} | {total[b]} | {total['gained']} | "
+        f"{total['lost']} | {total['gained'] - total['lost']:+d} |"
+    )
+    n = sum(leaves[a].values())
+    if n:
+        said = "; ".join(
+            f"{label} " + ", ".join(f"{t} {v[t]}" for t in (*ACTION_TYPES, "invalid") if v[t])
+            for label, v in leaves.items()
+        )
+        lines += ["", f"Where the shopper leaves ({n} rows, gold terminate), predicted: {said}."]
     return "\n".join(lines)
 
 

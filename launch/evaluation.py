@@ -48,11 +48,12 @@ def pages_table(run_dir: Path, samples: int, env_cfg: EnvConfig) -> str:
     the share of results-page clicks that name an element on the page (markdown)."""
     from env_server.data.dataset import load_or_build
     from env_server.evaluate import read_predictions
-    from env_server.page_report import compare_pages
+    from env_server.page_report import compare_pages, what_changed
 
     rows = load_or_build(Path(env_cfg.data_dir))["test"].to_list()[:samples]
     runs = {
         label.upper(): read_predictions(run_dir / f"eval_{label}" / "predictions.jsonl", rows)
         for label in ("sft", "rl")
     }
-    return compare_pages(rows, runs)
+    changed = what_changed(rows, runs["SFT"], runs["RL"])
+    return f"{compare_pages(rows, runs)}\n\nWhat RL changed, per gold action and page:\n\n{changed}"

@@ -243,7 +243,8 @@ def check_two_servers(run_dir: Path, out: str, tmp_path: Path) -> None:
     for label in ("exact match", "type accuracy", "macro-F1", "format rate", "mean reward"):
         assert f"| {label}" in table
     assert f"weight version {STEPS}" in table  # RL = the trainer's final weights
-    pages = table.split("Per page kind", 1)[1]  # the same rows, page by page
+    pages, changed = table.split("Per page kind", 1)[1].split("What RL changed", 1)
+    assert f"| **all** | | {n} |" in changed  # the same rows, per gold action and page
     counts = [
         int(r.split("|")[2]) for r in pages.splitlines() if r.startswith("| ") and "rows" not in r
     ]

@@ -100,3 +100,35 @@ def test_compare_pages_counts_per_page_and_results_clicks(rows: list[dict]) -> N
     assert f"| results | {n} | {n} (100.0%) |" in table  # gold is exact everywhere
     assert f"gold {gold_clicks} of {gold_clicks}" in table  # a gold click is on its page
     assert f"off 0 of {n} (0.0%)" in table
+
+
+def test_what_changed_counts_gains_losses_and_what_is_predicted_where_the_shopper_leaves(
+    rows: list[dict],
+) -> None:
+    from env_server.page_report import what_changed
+
+    rows = rows[:60]
+    gold = [completion(json.loads(r["action"])) for r in rows]
+    wrong = completion({"type": "click", "name": "no_such_element_xyz"})  # never exact
+    leave = [json.loads(r["action"])["type"] == "terminate" for r in rows]
+    # before: gold on the even rows; after: gold except where the shopper leaves (it clicks)
+    before = [g if i % 2 == 0 else wrong for i, g in enumerate(gold)]
+    after = [wrong if stop else g for g, stop in zip(gold, leave, strict=True)]
+    table = what_changed(rows, before, after)
+    even = [i % 2 == 0 for i in range(len(rows))]
+    gained = sum(not e and not s for e, s in zip(even, leave, strict=True))
+    lost = sum(e and s for e, s in zip(even, leave, strict=True))
+    n_leave, kept = sum(leave), sum(e and s for e, s in zip(even, leave, strict=True))
+    assert 0 < n_leave < len(rows) and 0 < kept < n_leave
+    assert (
+        f"| **all** | | 60 | {sum(even)} | {60 - n_leave} | {gained} | {lost} | {gained - lost:+d} |"
+        in table
+    )
+    assert f"Where the shopper leaves ({n_leave} rows, gold terminate), predicted: " in table
+    assert f"SFT click {n_leave - kept}, terminate {kept}; RL click {n_leave}." in table
+    for line in table.splitlines()[2:-3]:  # per cell: net = gained - lost = the exact change
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        n, a, b, g, lo, d = (int(x) for x in cells[2:])
+        assert d == g - lo == b - a and 0 <= a <= n and 0 <= b <= n
+    with pytest.raises(ValueError, match="completions for"):
+        what_changed(rows, before, after[:-1])
