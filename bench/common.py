@@ -13,7 +13,7 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +182,20 @@ def write_child_result(path: Path, result: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(path)
+
+
+def launcher_threads(run_all_argv: list[str], environ: Mapping[str, str] | None = None) -> str:
+    """What ``launch/run_all.sh run_all_argv`` gives each process on this box's cores, as its
+    ``[run_all] threads on ...`` line says: the launcher's own ``plan_threads`` on its
+    resolved ``launch`` section (``environ``: the launcher's environment, default this
+    process's)."""
+    from launch.run_config import parse_args
+    from launch.threads import available_cores, plan_threads
+
+    lc = parse_args(run_all_argv).launch
+    return plan_threads(
+        available_cores(), lc.num_inference_servers, lc.trainer_device, environ
+    ).describe()
 
 
 def parse_list(text: str, cast: type = int) -> list[Any]:

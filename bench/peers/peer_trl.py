@@ -129,8 +129,9 @@ def run_trl(plan: Plan, work: Path, a: argparse.Namespace) -> dict[str, Any]:
 
 
 def side_ours(plan: Plan, work: Path) -> dict[str, Any]:
+    from bench.common import launcher_threads
     from bench.peers.report import OURS_PARTS, breakdown, read_jsonl, steady_rate, timeline
-    from bench.peers.settings import compute_precision, thread_plan
+    from bench.peers.settings import compute_precision
 
     run = work / "ours"
     meta = json.loads((work / "ours_meta.json").read_text())
@@ -145,7 +146,7 @@ def side_ours(plan: Plan, work: Path) -> dict[str, Any]:
         "startup_s": tl[0]["end"] - tl[0]["dur"] - meta["launched"],
         "completion_tokens": round(sum(g["completion_tokens"] for g in groups) / len(groups), 1),
         "precision": f"{'bf16' if bf16 else 'fp32'} ({why})",
-        "threads": thread_plan(plan),
+        "threads": launcher_threads(plan.run_all_argv),
         **{k: meta[k] for k in ("loadavg_before", "loadavg_after")},
     }
     if groups:  # every group the env generated, pushed or dropped as constant

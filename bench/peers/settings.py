@@ -128,18 +128,6 @@ def resolve(argv: list[str], save_every: int) -> Plan:
     return Plan(cfg.preset, model, steps, save_every, argv, env, grpo, cfg.launch.eval_samples)
 
 
-def thread_plan(plan: Plan) -> str:
-    """What ``launch/run_all.sh`` gives each process of our run on this box's cores (the
-    launcher's own ``placement`` and ``plan_threads``; its ``[run_all] threads on ...`` line)."""
-    from launch.run_config import parse_args
-    from launch.run_plan import placement
-    from launch.threads import available_cores, plan_threads
-
-    cfg = parse_args(plan.run_all_argv)
-    device = "cuda" if placement(cfg).trainer_device.startswith("cuda") else "cpu"
-    return plan_threads(available_cores(), cfg.launch.num_inference_servers, device).describe()
-
-
 def compute_precision(plan: Plan) -> tuple[bool, str]:
     """Whether our trainer computes in bf16 here, and why: its own decision procedure
     (``trainer.precision.choose_precision`` on its device), which TRL's side is then given."""

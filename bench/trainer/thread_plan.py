@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, RESULTS, machine, parse_list, write_result
+from bench.common import REPO, RESULTS, launcher_threads, machine, parse_list, write_result
 
 SKIP = 2
 
@@ -82,8 +82,8 @@ def run_point(preset: str, plan: str, steps: int, run_dir: Path) -> dict[str, An
         raise SystemExit(f"{plan}: run_all failed ({out.returncode}):\n{out.stdout[-3000:]}")
     lines = (run_dir / "trainer" / "metrics.jsonl").read_text().splitlines()
     row = summarize([json.loads(x) for x in lines if x.strip()])
-    threads = next((ln for ln in out.stdout.splitlines() if "threads on" in ln), "")
-    return {**row, "run_wall_s": wall, "thread_plan": threads.strip(), "env": plan_env(plan)}
+    threads = "[run_all] " + launcher_threads(argv[2:], env) + " (launch/threads.py)"
+    return {**row, "run_wall_s": wall, "thread_plan": threads, "env": plan_env(plan)}
 
 
 def main() -> None:

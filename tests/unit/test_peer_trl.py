@@ -187,6 +187,33 @@ def test_skipped_updates_are_not_steps() -> None:
     assert [e["step"] for e in timeline(rows, OURS_PARTS)] == [1, 2]
 
 
+def test_our_side_is_read_from_the_runs_files(tmp_path: Path) -> None:
+    """side_ours reads no log: steps from the trainer's metrics.jsonl, groups generated,
+    pushed and dropped from the env's env_metrics.jsonl, start time from ours_meta.json."""
+    import json
+
+    from bench.peers.peer_trl import side_ours
+
+    plan = resolve(run_all_argv("cpu-tiny", tmp_path / "ours", 2, 1, 9), 1)
+    run = tmp_path / "ours"
+    (run / "trainer").mkdir(parents=True)
+    rows = _rows([110.0, 122.0], [0.0, 1.0])
+    (run / "trainer" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    groups = [
+        {"kind": "group", "pushed": i % 3 != 0, "completion_tokens": 10 + i} for i in range(9)
+    ]
+    env_rows = [{"kind": "eval"}, *groups]
+    (run / "env_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in env_rows))
+    meta = {"launched": 90.0, "loadavg_before": [1, 1, 1], "loadavg_after": [2, 2, 2]}
+    (tmp_path / "ours_meta.json").write_text(json.dumps(meta))
+    out = side_ours(plan, tmp_path)
+    trained = 2 * plan.prompts_per_step
+    assert out["groups"] == {"pushed": 6, "dropped_constant": 3, "trained": trained}
+    assert out["generated_per_trained"] == round(9 / trained, 2)
+    assert out["completion_tokens"] == 14.0 and out["startup_s"] == 10.0
+    assert out["precision"].startswith(("fp32 (", "bf16 (")) and "thread" in out["threads"]
+
+
 def test_wall_time_picks_the_latest_checkpoint_written_by_then() -> None:
     times = {0: 0.0, 2: 50.0, 4: 100.0, 6: 150.0}
     assert at_wall_time(times, [2, 4, 6], 120.0) == 4
