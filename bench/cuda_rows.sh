@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 25's CUDA rows (BENCHMARKS 5d) and the GPU check, in one call on a lent GPU machine
+# Issue 25's CUDA rows (docs/results/trainer_packing_cuda.md) and the GPU check, in one call on a lent GPU machine
 # (no dataset and no hub there: the inputs travel, prepared here). On the CPU box first:
 #
 #     mkdir -p .whl/models && cp -r artifacts/models/tiny-qwen2 .whl/models/

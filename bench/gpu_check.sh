@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The sharded trainer's GPU check, for one lent GPU machine (docs/MULTINODE.md, "GPU check";
-# results go to docs/BENCHMARKS.md section 7). Run from the repository root:
+# results go to docs/results/fsdp_scaling.md). Run from the repository root:
 #
 #     bash bench/gpu_check.sh    # carry [".whl"]: the wheels the image lacks + the tiny model
 #

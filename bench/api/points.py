@@ -1,5 +1,5 @@
 """One measured point of ``bench/api/throughput.py``: push the bodies, serve the batches, and
-the ``/status-env`` latency (docs/BENCHMARKS.md).
+the ``/status-env`` latency (docs/results/api_throughput.md).
 """
 
 from __future__ import annotations

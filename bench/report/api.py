@@ -1,4 +1,4 @@
-"""The batching-API tables and plot of docs/BENCHMARKS.md (``bench/report/build.py``; results of
+"""The batching-API tables and plot of docs/results/api_throughput.md (``bench/report/build.py``; results of
 ``bench/api/throughput.py``).
 """
 

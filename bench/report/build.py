@@ -1,10 +1,12 @@
-"""Tables and plots of docs/BENCHMARKS.md from the JSON results under docs/results/.
+"""Tables and plots of the results pages (docs/results/*.md, linked from docs/BENCHMARKS.md)
+from the JSON results under docs/results/.
 
-    .venv/bin/python -m bench.report.build          # no measurement: reads JSON, writes PNG + tables
+    .venv/bin/python -m bench.report.build      # no measurement: reads JSON, writes PNG + tables
 
-Each table is written between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->`` markers
-in docs/BENCHMARKS.md (the prose around them is left alone); plots go to docs/results/*.png.
-A result file that does not exist yet leaves its table with a "not measured" line. The tables
+Each table is written between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->`` markers in
+whichever of those pages holds them (the prose around them is left alone); plots go to
+docs/results/*.png. A result file that does not exist yet leaves its table with a "not
+measured" line. The tables
 and plots: bench/report/api.py, bench/report/rollout.py, bench/report/trainer.py (shared:
 bench/report/shared.py); the bridge summary is here.
 """
@@ -16,10 +18,11 @@ import json
 import re
 import statistics
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, RESULTS
+from bench.common import RESULTS
 from bench.report.api import api_extra_tables, api_plot, api_tables
 from bench.report.rollout import rollout_plot, rollout_table
 from bench.report.trainer import (
@@ -29,8 +32,6 @@ from bench.report.trainer import (
     step_plot,
     step_table,
 )
-
-DOC = REPO / "docs" / "BENCHMARKS.md"
 
 
 def load(name: str) -> dict[str, Any]:
@@ -69,12 +70,34 @@ def bridge_summary(d: dict[str, Any]) -> str:
 # -- document -----------------------------------------------------------------------------
 
 
+def _marker(name: str) -> re.Pattern[str]:
+    return re.compile(rf"(<!-- table:{name} -->\n).*?(<!-- /table:{name} -->)", re.S)
+
+
 def fill(doc: str, name: str, body: str) -> str:
-    pattern = re.compile(rf"(<!-- table:{name} -->\n).*?(<!-- /table:{name} -->)", re.S)
-    if not pattern.search(doc):
-        print(f"warning: no <!-- table:{name} --> marker in {DOC}", file=sys.stderr)
-        return doc
-    return pattern.sub(lambda m: m.group(1) + body.rstrip() + "\n" + m.group(2), doc)
+    """``doc`` with the table between ``name``'s markers replaced by ``body`` (unchanged
+    where it has no such markers)."""
+    return _marker(name).sub(lambda m: m.group(1) + body.rstrip() + "\n" + m.group(2), doc)
+
+
+def fill_pages(pages: Iterable[Path], tables: dict[str, str]) -> list[Path]:
+    """Every table written into the page that holds its markers; the pages changed. A table
+    no page has markers for is named on stderr."""
+    found: set[str] = set()
+    changed = []
+    for page in pages:
+        old = page.read_text()
+        new = old
+        for name, body in tables.items():
+            if _marker(name).search(new):
+                found.add(name)
+                new = fill(new, name, body)
+        if new != old:
+            page.write_text(new)
+            changed.append(page)
+    for name in sorted(set(tables) - found):
+        print(f"warning: no <!-- table:{name} --> markers in any page", file=sys.stderr)
+    return changed
 
 
 def main() -> None:
@@ -83,7 +106,13 @@ def main() -> None:
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )
-    ap.add_argument("--doc", type=Path, default=DOC, help="markdown file with table markers")
+    ap.add_argument(
+        "--pages",
+        type=Path,
+        nargs="*",
+        default=None,
+        help="markdown files with table markers (default: docs/results/*.md)",
+    )
     args = ap.parse_args()
     api, ro = load("api_compare.json"), load("rollout_overhead.json")
     tb, ts = load("trainer_breakdown.json"), load("trainer_step.json")
@@ -104,11 +133,9 @@ def main() -> None:
         "precision": precision_table(load("trainer_precision.json")),
         "bridge": bridge_summary(load("bridge_bench.json")),
     }
-    doc = args.doc.read_text() if args.doc.exists() else ""
-    for name, body in tables.items():
-        doc = fill(doc, name, body)
-    args.doc.write_text(doc)
-    print(f"updated {args.doc} and the plots in {RESULTS}")
+    pages = args.pages if args.pages is not None else sorted(RESULTS.glob("*.md"))
+    changed = fill_pages(pages, tables)
+    print(f"updated {len(changed)} page(s) {[str(p) for p in changed]} and the plots in {RESULTS}")
     if tb:  # the figure the issue sets a target for
         for k, p in sorted(tb.items()):
             print(f"{k}: wait {100 * p['steady']['wait_frac']:.1f}% of trainer wall time")

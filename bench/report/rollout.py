@@ -1,4 +1,4 @@
-"""The rollout-overhead table and plot of docs/BENCHMARKS.md (``bench/report/build.py``; results
+"""The rollout-overhead table and plot of docs/results/rollout_overhead.md (``bench/report/build.py``; results
 of ``bench/rollout/overhead.py``).
 """
 

@@ -1,5 +1,5 @@
 """What every table and plot of ``bench/report/build.py`` shares: the plotting backend and the note
-on the machine the results were measured on (docs/BENCHMARKS.md).
+on the machine the results were measured on (docs/results/*.md).
 """
 
 from __future__ import annotations

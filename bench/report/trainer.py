@@ -1,4 +1,4 @@
-"""The trainer tables and plots of docs/BENCHMARKS.md (``bench/report/build.py``; results of
+"""The trainer tables and plots of docs/results/trainer_*.md (``bench/report/build.py``; results of
 ``bench/trainer/breakdown.py``, ``bench/trainer/step.py`` and ``bench/trainer/precision.py``).
 """
 

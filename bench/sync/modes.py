@@ -1,5 +1,5 @@
 """The modes ``bench/sync/bridge_sync.py`` measures and one mode's rounds on a real patched vLLM
-server (docs/BRIDGE.md, docs/BENCHMARKS.md).
+server (docs/BRIDGE.md, docs/results/weight_sync.md).
 """
 
 from __future__ import annotations

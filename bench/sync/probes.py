@@ -1,6 +1,6 @@
 """What ``bench/sync/bridge_sync.py`` measures around each sync, besides the bridge's own timings:
 the floors (memcpy, the worker's apply), the box (steal time, major faults, freezes) and the
-token stream a client sees. Results: docs/BENCHMARKS.md, docs/BRIDGE.md.
+token stream a client sees. Results: docs/results/weight_sync.md, docs/BRIDGE.md.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ paths move the same weights into the receiver's full tensors:
 Rounds alternate the two paths; each round is timed from a barrier to the receiver holding
 every tensor (plus a closing barrier). The receiver checks both paths' tensors against the
 expected weights once. Bytes moved are counted per path. Results:
-``docs/results/sharded_sync_paths.json``, summarised in docs/BENCHMARKS.md section 7.
+``docs/results/sharded_sync_paths.json``, summarised in docs/results/fsdp_scaling.md (7b).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ shards: what FSDP2 divides), its peak RSS (everything: libraries, activations, t
 reference, rank 0's replica), the median step time, and (N > 1) the median time of
 ``SyncReplica.gather`` (every parameter ``full_tensor()``-ed into rank 0's replica, the step
 before the unchanged bridge sends it). Results: ``docs/results/fsdp_scaling.json`` (key =
-``"<model> threads=<OMP threads per rank>"``, `` cuda`` appended on CUDA), summarised in docs/BENCHMARKS.md. The box is shared: read the load average recorded
+``"<model> threads=<OMP threads per rank>"``, `` cuda`` appended on CUDA), summarised in docs/results/fsdp_scaling.md. The box is shared: read the load average recorded
 with every run.
 """
 

@@ -11,7 +11,7 @@ import pytest
 
 from bench.api.bodies import atropos_group, encode_bodies, native_group
 from bench.common import overhead, parse_list, parse_points, pct, write_result
-from bench.report.build import fill
+from bench.report.build import fill, fill_pages
 from bench.trainer.breakdown import breakdown
 
 pytestmark = pytest.mark.unit
@@ -77,6 +77,18 @@ def test_fill_replaces_only_the_marked_table() -> None:
     assert "| new |" in out and "old" not in out
     assert "keep" in out and out.startswith("intro\n") and "middle" in out
     assert fill(out, "a", "| newer |").count("<!-- table:a -->") == 1
+
+
+def test_each_table_goes_to_the_page_holding_its_markers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = tmp_path / "a.md", tmp_path / "b.md"
+    a.write_text("# A\n<!-- table:x -->\nold\n<!-- /table:x -->\n")
+    b.write_text("# B, no markers\n")
+    assert fill_pages([a, b], {"x": "| x |", "y": "| y |"}) == [a]
+    assert "| x |" in a.read_text() and b.read_text() == "# B, no markers\n"
+    assert "table:y" in capsys.readouterr().err  # no page holds y's markers
+    assert fill_pages([a, b], {"x": "| x |"}) == []  # nothing new: nothing rewritten
 
 
 def test_atropos_and_native_payloads_carry_the_same_content() -> None:
