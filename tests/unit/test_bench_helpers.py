@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.api.bodies import atropos_group, encode_bodies, native_group
-from bench.common import overhead, parse_list, parse_points, pct, write_result
+from bench.common import overhead, parse_list, parse_points, pct, run_child, write_result
 from bench.report.build import fill, fill_pages
 from bench.trainer.breakdown import breakdown
 
@@ -89,6 +89,17 @@ def test_each_table_goes_to_the_page_holding_its_markers(
     assert "| x |" in a.read_text() and b.read_text() == "# B, no markers\n"
     assert "table:y" in capsys.readouterr().err  # no page holds y's markers
     assert fill_pages([a, b], {"x": "| x |"}) == []  # nothing new: nothing rewritten
+
+
+def test_a_childs_result_is_read_from_the_file_it_wrote() -> None:
+    """run_child starts ``python -m MODULE`` and reads the JSON file the child wrote; a child
+    that wrote none fails the point (whatever its stdout said)."""
+    import os
+
+    got = run_child("tests.unit.bench_child", {"point": 3})
+    assert got["point"] == 3 and got["pid"] != os.getpid()
+    with pytest.raises(SystemExit, match="failed"):
+        run_child("tests.unit.bench_child", {"fail": True})
 
 
 def test_atropos_and_native_payloads_carry_the_same_content() -> None:
