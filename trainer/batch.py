@@ -13,6 +13,7 @@ import torch
 
 from api.protocol import ScoredGroup
 from api.protocol_atropos import NATIVE
+from trainer.prefix_tree.build import lcp
 
 log = logging.getLogger(__name__)
 
@@ -145,12 +146,20 @@ def micro_batches(items: list[SeqItem], max_tokens: int) -> list[list[SeqItem]]:
     return batches
 
 
-def _pad(
-    rows: list[list[Any]], length: int, value: Any, dtype: torch.dtype, device: torch.device
+def pad_rows(
+    rows: Sequence[Sequence[Any]],
+    length: int,
+    value: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    left: bool = False,
 ) -> torch.Tensor:
+    """``rows`` as one ``[len(rows), length]`` tensor on ``device``, each row padded with
+    ``value`` on the right (``left``: on the left, as generation wants its prompts)."""
     out = torch.full((len(rows), length), value, dtype=dtype)
     for r, row in enumerate(rows):
-        out[r, : len(row)] = torch.tensor(row, dtype=dtype)
+        at = slice(length - len(row), length) if left else slice(0, len(row))
+        out[r, at] = torch.tensor(row, dtype=dtype)
     return out.to(device)
 
 
@@ -159,7 +168,7 @@ def collate(items: list[SeqItem], pad_id: int, device: torch.device) -> dict[str
     length = max(len(i.tokens) for i in items)
 
     def pad(rows: list[list[Any]], value: Any, dtype: torch.dtype) -> torch.Tensor:
-        return _pad(rows, length, value, dtype, device)
+        return pad_rows(rows, length, value, dtype, device)
 
     return {
         "tokens": pad([i.tokens for i in items], pad_id, torch.long),
@@ -195,11 +204,11 @@ class EnvRows:
             return torch.tensor(values, dtype=torch.bool, device=device)
 
         return cls(
-            advantages=_pad(
+            advantages=pad_rows(
                 [i.advantages or [] for i in items], length, 0.0, torch.float32, device
             ),
             has_advantages=flags([i.advantages is not None for i in items]),
-            ref_logprobs=_pad(
+            ref_logprobs=pad_rows(
                 [i.ref_logprobs or [] for i in items], length, 0.0, torch.float32, device
             ),
             has_ref=flags([i.ref_logprobs is not None for i in items]),
@@ -208,19 +217,11 @@ class EnvRows:
         )
 
 
-def _shared(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for j in range(n):
-        if a[j] != b[j]:
-            return j
-    return n
-
-
 def tree_micro_batches(
     items: list[SeqItem], max_tokens: int, min_shared: int, parts: int = 1
 ) -> list[list[SeqItem]]:
     """Split trainable items so each micro-batch's *packed* size (its prefix tree's tokens,
-    trainer/prefix_tree.py) is at most ``max_tokens`` where it can be.
+    trainer/prefix_tree/build.py) is at most ``max_tokens`` where it can be.
 
     Items are sorted by their token ids, so sequences that share a prefix (a group's rollouts,
     prompts that share a system prompt) sit side by side; in that order a tree's size is the
@@ -233,7 +234,7 @@ def tree_micro_batches(
     order = sorted((i for i in items if i.trainable), key=lambda i: i.tokens)
     if not order:
         return []
-    shared = [0] + [_shared(a.tokens, b.tokens) for a, b in zip(order, order[1:], strict=False)]
+    shared = [0] + [lcp((a.tokens, b.tokens)) for a, b in zip(order, order[1:], strict=False)]
     shared = [k if k >= min_shared else 0 for k in shared]
 
     def cost(lo: int, hi: int) -> int:

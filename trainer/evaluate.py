@@ -19,6 +19,7 @@ def generate_greedy(
     """Greedy completions (left-padded batches), decoded without special tokens."""
     import torch
 
+    from trainer.batch import pad_rows
     from trainer.model import autocast
     from trainer.sft_data import end_of_turn_id
 
@@ -30,15 +31,13 @@ def generate_greedy(
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
         width = max(len(p) for p in chunk)
-        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for r, p in enumerate(chunk):
-            ids[r, width - len(p) :] = torch.tensor(p)
-            attn[r, width - len(p) :] = 1
+        ids = pad_rows(chunk, width, pad, torch.long, lm.device, left=True)
+        ones = [[1] * len(p) for p in chunk]
+        attn = pad_rows(ones, width, 0, torch.long, lm.device, left=True)
         with torch.no_grad(), autocast(lm.device, lm.compute_dtype):
             out = model.generate(
-                input_ids=ids.to(lm.device),
-                attention_mask=attn.to(lm.device),
+                input_ids=ids,
+                attention_mask=attn,
                 max_new_tokens=max_new_tokens,
                 do_sample=False,
                 eos_token_id=stop,

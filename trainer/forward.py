@@ -1,7 +1,7 @@
 """A micro-batch ready for the model, and its per-token statistics: padded rows (one row per
-sequence, as before) or one packed prefix tree (every shared token once;
-trainer/prefix_tree.py, trainer/tree_attention.py). Both give the same ``[B, L-1]`` tensors,
-aligned to ``collate``'s rows, so the loss code does not know which ran."""
+sequence, as before) or one packed prefix tree (every shared token once; trainer/prefix_tree/).
+Both give the same ``[B, L-1]`` tensors, aligned to ``collate``'s rows, from the one
+``trainer.loss.token_stats``, so the loss code does not know which ran."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from typing import Literal
 
 import torch
 
-from trainer.batch import EnvRows, SeqItem, collate
+from trainer.batch import EnvRows, SeqItem, collate, pad_rows
 from trainer.loss import TokenStats, sft_loss, token_stats
-from trainer.prefix_tree import PackedTree, pack
-from trainer.tree_attention import Targets, targets, tree_token_stats
+from trainer.prefix_tree.attention import packed_logits
+from trainer.prefix_tree.build import PackedTree, pack
+from trainer.prefix_tree.targets import Targets, targets
 
 Packing = Literal["prefix_tree", "padded"]
 
@@ -60,7 +61,24 @@ def stats_of(
         logits = model(input_ids=b["tokens"], attention_mask=b["attention"], use_cache=False).logits
         return token_stats(logits, b["tokens"], temperature, with_entropy)
     width = mb.batch["tokens"].shape[1] - 1
-    return tree_token_stats(model, mb.tree, mb.want, width, temperature, with_entropy)
+    return _tree_stats(model, mb.tree, mb.want, width, temperature, with_entropy)
+
+
+def _tree_stats(
+    model: torch.nn.Module,
+    tree: PackedTree,
+    want: Targets,
+    width: int,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+) -> TokenStats:
+    """``token_stats`` of the sequences packed in ``tree`` as ``[B, width]`` tensors (``width``
+    = longest sequence - 1), computed only at ``want``'s predictions (0 elsewhere)."""
+    keep, where = torch.unique(want.packed.to(tree.input_ids.device), return_inverse=True)
+    logits = packed_logits(model, tree, keep)  # [K, V]
+    tokens = want.tokens.to(logits.device)
+    stats = token_stats(logits, tokens, temperature, with_entropy, rows=where)
+    return want.per_sequence(stats, len(tree.lengths), width)
 
 
 def target_nll(
@@ -78,16 +96,11 @@ def target_nll(
         tree = pack(seqs, min_shared)
         want = targets(tree, seqs, loss_masks)
         width = max(len(s) for s in seqs) - 1
-        stats = tree_token_stats(model, tree.to(device), want, width, with_entropy=False)
+        stats = _tree_stats(model, tree.to(device), want, width, with_entropy=False)
         return -stats.logprobs.sum()
     length = max(len(s) for s in seqs)
-    tokens = torch.full((len(seqs), length), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(seqs), length), dtype=torch.long)
-    mask = torch.zeros((len(seqs), length), dtype=torch.float32)
-    for r, (s, m) in enumerate(zip(seqs, loss_masks, strict=True)):
-        tokens[r, : len(s)] = torch.tensor(s)
-        attention[r, : len(s)] = 1
-        mask[r, : len(s)] = torch.tensor(m, dtype=torch.float32)
-    tokens, attention, mask = tokens.to(device), attention.to(device), mask.to(device)
+    tokens = pad_rows(seqs, length, pad_id, torch.long, device)
+    attention = pad_rows([[1] * len(s) for s in seqs], length, 0, torch.long, device)
+    mask = pad_rows(loss_masks, length, 0.0, torch.float32, device)
     logits = model(input_ids=tokens, attention_mask=attention, use_cache=False).logits
     return sft_loss(logits, tokens, mask, normaliser=1.0)[0]

@@ -48,25 +48,41 @@ class TokenStats:
 
 
 def token_stats(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, with_entropy: bool = True
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    rows: torch.Tensor | None = None,
 ) -> TokenStats:
     """Logprobs of the realised next tokens (and entropies) from full-vocabulary logits.
 
-    ``logits`` is ``[B, L, V]`` (any dtype; upcast to fp32 here so bf16 logits do not lose the
-    small logprob differences the importance ratio depends on), ``tokens`` is ``[B, L]``.
-    The temperature divides the logits exactly as vLLM's sampler does, so the trainer's
-    distribution is the one the completions were sampled from (see docs/TRAINER.md for the
-    matching vLLM ``--logprobs-mode``).
+    Padded rows (``rows`` None): ``logits`` is ``[B, L, V]``, ``tokens`` is ``[B, L]``, and the
+    result ``[B, L-1]`` (position ``t`` predicts ``tokens[:, t + 1]``). A packed prefix tree
+    (trainer/prefix_tree/targets.py): ``logits`` is ``[K, V]`` at ``K`` packed positions,
+    ``tokens`` ``[M]`` the predicted tokens and ``rows`` ``[M]`` the row of ``logits`` each is
+    predicted from (a shared prompt's last position predicts every completion's first token);
+    the result is ``[M]``.
+
+    ``logits`` may be any dtype; they are upcast to fp32 here so bf16 logits do not lose the
+    small logprob differences the importance ratio depends on. The temperature divides the
+    logits exactly as vLLM's sampler does, so the trainer's distribution is the one the
+    completions were sampled from (see docs/TRAINER.md for the matching vLLM
+    ``--logprobs-mode``).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (got {temperature}); greedy has no logprobs")
-    scaled = logits[:, :-1, :].float() / temperature
-    logp_all = F.log_softmax(scaled, dim=-1)
-    targets = tokens[:, 1:].long().unsqueeze(-1)
-    logprobs = logp_all.gather(-1, targets).squeeze(-1)
+    if rows is None:
+        logits = logits[:, :-1, :]
+    logp_all = F.log_softmax(logits.float() / temperature, dim=-1)
+    if rows is None:
+        logprobs = logp_all.gather(-1, tokens[:, 1:].long().unsqueeze(-1)).squeeze(-1)
+    else:
+        logprobs = logp_all[rows, tokens]
     if with_entropy:  # a statistic, never differentiated
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)
+        if rows is not None:
+            entropy = entropy[rows]
     else:
         entropy = torch.zeros_like(logprobs)
     return TokenStats(logprobs=logprobs, entropy=entropy)

@@ -23,7 +23,7 @@ from tests.unit.test_prefix_tree import (
 from tests.unit.test_prefix_tree_models import compare
 from tests.unit.test_trainer_core import build_micro_model
 from tests.unit.test_tree_attention_kernels import _tree_with_batched_children
-from trainer.tree_attention import use_cascade
+from trainer.prefix_tree.attention import use_cascade
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""The prefix tree (trainer/prefix_tree.py) and its contract: a packed micro-batch gives the
+"""The prefix tree (trainer/prefix_tree/) and its contract: a packed micro-batch gives the
 same per-token logprobs, loss and gradients as padded rows (trainer/forward.py).
 
 Structure: every sequence is rebuilt from the packed row (tokens and positions), a shared run
@@ -27,7 +27,7 @@ from trainer.forward import prepare, stats_of, target_nll
 from trainer.grpo_step import StepContext, accumulate
 from trainer.model import Reference, autocast, load_model
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.prefix_tree import build_tree, pack
+from trainer.prefix_tree.build import build_tree, pack
 
 pytestmark = pytest.mark.unit
 TOL = 1e-5  # fp32, sums in another order

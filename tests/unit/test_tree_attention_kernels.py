@@ -1,4 +1,4 @@
-"""The CPU kernel for batched children (trainer/tree_attention.py ``_cascade``) against the
+"""The CPU kernel for batched children (trainer/prefix_tree/attention.py ``_cascade``) against the
 SDPA call it replaces, and the packed forward's skipped mask (``_IN_TREE``)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer import tree_attention
-from trainer.prefix_tree import pack
+from trainer.prefix_tree import attention as tree_attention
+from trainer.prefix_tree.build import pack
 
 pytestmark = pytest.mark.unit
 

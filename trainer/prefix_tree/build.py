@@ -11,7 +11,7 @@ their tokens, and every prompt of a batch shares the system prompt.
 
 Every node is laid out once in a single packed row. A token's position id is its index in
 its own sequence, and it attends causally to its node and to all its ancestors
-(``trainer/tree_attention.py``), so each sequence sees exactly the context it has when padded
+(``trainer/prefix_tree/attention.py``), so each sequence sees exactly the context it has when padded
 in a row of its own: per-token logprobs are the same up to float summation order (the tests
 in ``tests/unit/test_prefix_tree.py`` hold it to fp32 tolerance).
 
@@ -124,6 +124,18 @@ class PackedTree:
         )
 
 
+def lcp(seqs: Sequence[Sequence[int]], start: int = 0) -> int:
+    """How many tokens from ``start`` on every one of ``seqs`` has in common (their longest
+    common prefix past ``start``)."""
+    first = seqs[0]
+    n = min(len(s) for s in seqs) - start
+    for j in range(n):
+        tok = first[start + j]
+        if any(s[start + j] != tok for s in seqs[1:]):
+            return j
+    return n
+
+
 def build_tree(seqs: Sequence[Sequence[int]], min_shared: int = MIN_SHARED_TOKENS) -> list[Node]:
     """The radix tree of ``seqs`` as a node list, parents before children (each node names the
     sequences through it: :func:`paths`). Empty sequences are refused."""
@@ -132,15 +144,6 @@ def build_tree(seqs: Sequence[Sequence[int]], min_shared: int = MIN_SHARED_TOKEN
     if min_shared < 1:
         raise ValueError(f"min_shared must be >= 1 (got {min_shared})")
     nodes: list[Node] = []
-
-    def lcp(idx: list[int], d: int) -> int:
-        first = seqs[idx[0]]
-        n = min(len(seqs[r]) for r in idx) - d
-        for j in range(n):
-            tok = first[d + j]
-            if any(seqs[r][d + j] != tok for r in idx[1:]):
-                return j
-        return n
 
     def split(idx: list[int], at: int) -> list[list[int]]:
         """``idx`` partitioned by the token at ``at`` (those that end there: one part)."""
@@ -158,7 +161,7 @@ def build_tree(seqs: Sequence[Sequence[int]], min_shared: int = MIN_SHARED_TOKEN
         if len(idx) == 1:
             nodes.append(Node(parent, idx[0], d, len(seqs[idx[0]]), idx))
             return
-        shared = lcp(idx, d)
+        shared = lcp([seqs[r] for r in idx], d)
         identical = all(len(seqs[r]) == d + shared for r in idx)
         if shared >= min_shared or (identical and shared > 0):
             nodes.append(Node(parent, idx[0], d, d + shared, idx))

@@ -1,12 +1,12 @@
-"""Attention over a packed prefix tree (trainer/prefix_tree.py), as a transformers attention
-function, and the token statistics of a packed micro-batch.
+"""Attention over a packed prefix tree (trainer/prefix_tree/build.py), as a transformers
+attention function, and the packed forward (``packed_logits``).
 
 ``enable(model)`` registers ``prefix_tree:<kernel>`` with transformers' ``AttentionInterface``
 and points the model at it. A forward given ``prefix_tree=<PackedTree>`` (transformers passes
 extra keyword arguments down to the attention function) attends sibling set by sibling set,
 with PyTorch SDPA (its fused CPU flash kernel, or CUDA's memory-efficient kernel with a mask):
 each child's queries see every ancestor token and their own tokens causally, batched with a
-mask or alone as one causal sequence, whichever costs less (trainer/prefix_tree.py
+mask or alone as one causal sequence, whichever costs less (trainer/prefix_tree/build.py
 ``SiblingSet``). On the CPU in bf16, short batched children under shared ancestors (a GRPO
 group's completions) are attended by two matmuls and one softmax instead (``_cascade``), and
 no ``[N, N]`` mask of the packed row is built (``_IN_TREE``). Every other call
@@ -21,21 +21,18 @@ forward.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from trainer.loss import TokenStats
-from trainer.prefix_tree import PackedTree, SiblingSet
+from trainer.prefix_tree.build import PackedTree, SiblingSet
 
 PREFIX = "prefix_tree:"
 SUPPORTED_KERNELS = ("sdpa", "flash_attention_2")
 _IN_TREE: ContextVar[bool] = ContextVar("prefix_tree_forward", default=False)
-"""Set while :func:`tree_token_stats` runs the model: its mask builder then builds nothing
+"""Set while :func:`packed_logits` runs the model: its mask builder then builds nothing
 (the tree's attention ignores ``attention_mask``; transformers would otherwise build a
 ``[N, N]`` mask of the packed row on every forward, ~5% of a tiny-model step)."""
 
@@ -205,72 +202,18 @@ def enable(model: torch.nn.Module) -> bool:
     return True
 
 
-@dataclass
-class Targets:
-    """Which predictions of which sequences to compute, and their next tokens."""
-
-    rows: torch.Tensor
-    """``[M]`` sequence index of each prediction."""
-    cols: torch.Tensor
-    """``[M]`` prediction index ``t`` (predicts token ``t + 1``)."""
-    tokens: torch.Tensor
-    """``[M]`` the token at ``t + 1``."""
-    packed: torch.Tensor
-    """``[M]`` where in the packed row the logits of prediction ``t`` are (token ``t``)."""
-
-
-def targets(
-    tree: PackedTree, seqs: Sequence[Sequence[int]], wanted: Sequence[Sequence[int]]
-) -> Targets:
-    """Predictions ``t`` where ``wanted[r][t + 1]`` is set (a trained or scored token)."""
-    rows, cols, toks, packed = [], [], [], []
-    for r, (s, w) in enumerate(zip(seqs, wanted, strict=True)):
-        index = tree.token_index[r].tolist()
-        for t in range(len(s) - 1):
-            if w[t + 1]:
-                rows.append(r)
-                cols.append(t)
-                toks.append(s[t + 1])
-                packed.append(index[t])
-    as_long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
-    return Targets(as_long(rows), as_long(cols), as_long(toks), as_long(packed))
-
-
-def tree_token_stats(
-    model: torch.nn.Module,
-    tree: PackedTree,
-    want: Targets,
-    width: int,
-    temperature: float = 1.0,
-    with_entropy: bool = True,
-) -> TokenStats:
-    """:func:`trainer.loss.token_stats` of the sequences packed in ``tree``, as ``[B, width]``
-    tensors (``width`` = longest sequence - 1), computed only at ``want``'s predictions (0
-    elsewhere: every consumer masks them out)."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 (got {temperature}); greedy has no logprobs")
-    device = tree.input_ids.device
-    keep, where = torch.unique(want.packed.to(device), return_inverse=True)
+def packed_logits(model: torch.nn.Module, tree: PackedTree, keep: torch.Tensor) -> torch.Tensor:
+    """The logits ``[K, V]`` at the packed positions ``keep`` (``[K]``, on the tree's device)
+    of one forward over ``tree`` of a ``model`` set up by :func:`enable`; the caller picks the
+    autocast. No mask of the packed row is built (``_IN_TREE``)."""
     token = _IN_TREE.set(True)
     try:
-        logits = model(
+        return model(
             input_ids=tree.input_ids,
             position_ids=tree.position_ids,
             logits_to_keep=keep,
             prefix_tree=tree,
             use_cache=False,
-        ).logits[0]  # [K, V]
+        ).logits[0]
     finally:
         _IN_TREE.reset(token)
-    logp_all = F.log_softmax(logits.float() / temperature, dim=-1)
-    rows, cols = want.rows.to(device), want.cols.to(device)
-    shape = (len(tree.lengths), width)
-    logprobs = torch.zeros(shape, device=device).index_put(
-        (rows, cols), logp_all[where, want.tokens.to(device)]
-    )
-    entropy = torch.zeros(shape, device=device)
-    if with_entropy:  # a statistic, never differentiated
-        with torch.no_grad():
-            ent = -(logp_all.exp() * logp_all).sum(-1)
-        entropy = entropy.index_put((rows, cols), ent[where])
-    return TokenStats(logprobs=logprobs, entropy=entropy)
