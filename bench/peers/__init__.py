@@ -1,2 +1,1 @@
-"""This stack against TRL's GRPOTrainer, everything else held equal (``peer_trl``).
-"""
+"""This stack against TRL's GRPOTrainer, everything else held equal (``peer_trl``)."""

@@ -1,2 +1,1 @@
-"""The tables and plots of the results (``python -m bench.report.build``).
-"""
+"""The tables and plots of the results (``python -m bench.report.build``)."""
