@@ -133,7 +133,7 @@ def test_two_ranks_step_like_one_process(runs: dict[str, Any], kind: str) -> Non
 
 @pytest.mark.parametrize("kind", ["full", "lora"])
 def test_two_ranks_packed_like_one_process_padded(runs: dict[str, Any], kind: str) -> None:
-    """Packed prefix trees (trainer/prefix_tree.py) at 2 ranks against padded rows in one
+    """Packed prefix trees (trainer/prefix_tree/) at 2 ranks against padded rows in one
     process, on groups that share their prompts: the loss and every parameter's gradient of
     one step (gathered whole), within fp32 tolerance."""
     one, two = runs[f"grads_{kind}_1"], runs[f"grads_{kind}_2"]
