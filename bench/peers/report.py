@@ -131,7 +131,8 @@ def markdown(res: Mapping[str, Any]) -> str:
     m, s = res["machine"], res["settings"]
     ours, trl = res["ours"], res["trl"]
     lines = [
-        f"# GRPO: this stack vs TRL {res['trl_version']} GRPOTrainer ({res['preset']})",
+        f"# GRPO: this stack vs TRL {res['trl_version']} GRPOTrainer ({res['preset']}"
+        f"{', TRL generating with ' + res['trl_generation'] if 'trl_generation' in res else ''})",
         "",
         f"{'SMOKE TEST, not a measurement. ' if res.get('smoke') else ''}"
         f"Model {Path(s['model']).name}; {s['prompts_per_step']} prompts x {s['group_size']} "

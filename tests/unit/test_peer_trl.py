@@ -25,6 +25,7 @@ from bench.peers.report import (
 from bench.peers.settings import (
     NOT_MATCHED,
     matched,
+    not_matched,
     requirement_problems,
     resolve,
     run_all_argv,
@@ -143,6 +144,29 @@ def test_trl_config_holds_the_presets_settings(
     m = matched(plan)
     assert m["samples_per_step"] == plan.batch_size and m["reward"] == reward
     assert "self_certainty" in NOT_MATCHED and "loss_normaliser" in NOT_MATCHED
+
+
+def test_trl_vllm_colocate_adds_only_its_generation_keywords(tmp_path: Path) -> None:
+    plan = resolve(run_all_argv("cpu-tiny", tmp_path / "ours", 2, 1, 9), 1)
+    plain = trl_args(plan, tmp_path / "trl", bf16=False)
+    assert plain == trl_args(plan, tmp_path / "trl", bf16=False, generation="transformers")
+    assert not any(k.startswith(("use_vllm", "vllm_")) for k in plain)  # TRL's generate path
+    vllm = trl_args(plan, tmp_path / "trl", bf16=False, generation="vllm-colocate")
+    added = {k: v for k, v in vllm.items() if k not in plain}
+    assert {k: vllm[k] for k in plain} == plain  # every held-equal setting as it was
+    assert added == {
+        "use_vllm": True,
+        "vllm_mode": "colocate",
+        "vllm_max_model_length": plan.env.max_prompt_tokens + plan.env.max_tokens,
+    }
+    with pytest.raises(ValueError, match="one of"):
+        trl_args(plan, tmp_path / "trl", bf16=False, generation="vllm-server")
+    assert not_matched() == NOT_MATCHED
+    colocate = not_matched("vllm-colocate")
+    assert colocate.keys() == NOT_MATCHED.keys()
+    changed = {k for k in NOT_MATCHED if colocate[k] != NOT_MATCHED[k]}
+    assert changed == {"importance_ratio", "generation"}
+    assert "bf16" in colocate["generation"] and "colocate" in colocate["generation"]
 
 
 def test_requirements_are_checked_against_the_venv() -> None:
