@@ -18,7 +18,7 @@ from api.config import ApiConfig
 from env_server.config import EnvConfig
 from env_server.verifiers.config import VerifiersConfig
 from launch.launch_config import LaunchConfig
-from settings.cli import add_config_flags, flag_values
+from settings.cli import add_config_flags, cli_shortcuts, flag_values
 from settings.layers import Layer, RecipeError, env_layer, expand, file_layers, read_recipe, resolve
 from settings.paths import PRESETS_DIR
 from trainer.config import GrpoConfig, SftConfig
@@ -43,7 +43,8 @@ class RunConfig(_Keys):
 
     model_config = SettingsConfigDict(  # the launcher's options also without launch.: --run-dir
         cli_shortcuts={
-            f"launch.{n}": n for n in (f.replace("_", "-") for f in LaunchConfig.model_fields)
+            **{f"launch.{n}": n for n in (f.replace("_", "-") for f in LaunchConfig.model_fields)},
+            **cli_shortcuts(GrpoConfig.old_keys, "trainer.grpo."),  # --trainer-args='--clip-low 1'
         }
     )
 

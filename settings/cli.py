@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel
@@ -28,6 +28,13 @@ CLI |= {"cli_hide_none_type": True, "cli_parse_none_str": "null"}
 FILES = "YAML run files (recipes/, presets, <run>/config/*.yaml), in order; env and flags win"
 
 
+def cli_shortcuts(old_keys: Mapping[str, str], prefix: str = "") -> dict[str, str]:
+    """The flags of a model's old keys (``old_keys``: old key -> new dotted path) as
+    pydantic-settings' ``cli_shortcuts``: ``{"loss.clip-low": "clip-low"}``."""
+    kebab = {new.replace("_", "-"): old.replace("_", "-") for old, new in old_keys.items()}
+    return {f"{prefix}{new}": f"{prefix}{old}" for new, old in kebab.items()}
+
+
 def add_config_flags(
     parser: argparse.ArgumentParser, cls: type[BaseModel], *, files: bool = True
 ) -> None:
@@ -40,11 +47,47 @@ def add_config_flags(
     before = {a.dest for a in parser._actions}
     source = CliSettingsSource(cls, root_parser=parser, **CLI)
     dests = {a.dest for a in parser._actions} - before
+    tags = union_tags(cls)
     for action in parser._actions:
+        if action.dest in dests and (choices := tags.get(action.dest)):  # {ppo,gspo,cispo}
+            action.metavar = "{" + ",".join(choices) + "}"
         const = OPTIONAL_VALUE.get(action.dest.rsplit(".", 1)[-1])
         if action.dest in dests and const and action.nargs is None:
             action.nargs, action.const = "?", const
     parser.set_defaults(_settings_cli=(source, dests))
+
+
+def union_tags(cls: type[BaseModel], prefix: str = "") -> dict[str, list[str]]:
+    """The tag field's values of every union of models in ``cls`` (``loss.type``: ``ppo``,
+    ``gspo``, ``cispo``), by flag destination: pydantic-settings shows the first member's."""
+    out: dict[str, list[str]] = {}
+    for name, field in cls.model_fields.items():
+        members = [m for m in _flat_args(field.annotation) if _is_model(m)]
+        if len(members) == 1:
+            out |= union_tags(members[0], f"{prefix}{name}.")
+        elif len(members) > 1:
+            for key in set.intersection(*(set(m.model_fields) for m in members)):
+                values = [get_args(m.model_fields[key].annotation) for m in members]
+                if all(
+                    len(v) == 1 and get_origin(m.model_fields[key].annotation) is Literal
+                    for v, m in zip(values, members, strict=True)
+                ):
+                    out[f"{prefix}{name}.{key}"] = [v[0] for v in values]
+    return out
+
+
+def _flat_args(annotation: Any) -> list[Any]:
+    """``annotation`` and its arguments, through ``Annotated`` and unions."""
+    args = get_args(annotation)
+    if not args:
+        return [annotation]
+    if get_origin(annotation) is Annotated:
+        return _flat_args(args[0])
+    return [a for arg in args for a in _flat_args(arg)]
+
+
+def _is_model(value: Any) -> bool:
+    return isinstance(value, type) and issubclass(value, BaseModel)
 
 
 def flag_values(ns: argparse.Namespace) -> dict[str, Any]:

@@ -9,8 +9,9 @@ import copy
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
+from functools import cache
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -147,6 +148,40 @@ def merge(base: dict[str, Any], over: Mapping[str, Any], path: str = "") -> dict
     return base
 
 
+Moves = dict[tuple[str, ...], tuple[str, ...]]
+
+
+@cache
+def moved_keys(cls: type[BaseModel]) -> Moves:
+    """The old key paths of ``cls`` and of the models in its fields -> their new paths. A
+    model declares its own as ``old_keys: ClassVar[dict[str, str]]`` (old key -> new dotted
+    path, relative to it): a file, a variable or a flag may still use the old key."""
+    out = {(old,): tuple(new.split(".")) for old, new in getattr(cls, "old_keys", {}).items()}
+    for name, field in cls.model_fields.items():
+        for sub in (field.annotation, *get_args(field.annotation)):
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                out |= {(name, *o): (name, *n) for o, n in moved_keys(sub).items()}
+    return out
+
+
+def renamed(layer: Mapping[str, Any], moves: Moves, label: str) -> dict[str, Any]:
+    """One layer with its old keys (``moves``) at their new paths; one setting given both
+    ways in one layer is refused, naming both keys."""
+    out = copy.deepcopy(dict(layer))
+    for old, new in moves.items():
+        parent: Any = out
+        for part in old[:-1]:
+            parent = parent.get(part) if isinstance(parent, Mapping) else None
+        if not isinstance(parent, dict) or old[-1] not in parent:
+            continue
+        value = parent.pop(old[-1])
+        if has_path(out, new):
+            names = f"{'.'.join(old)} and {'.'.join(new)}"
+            raise RecipeError(f"{label}: {names} are one setting: give it once ({'.'.join(new)})")
+        merge(out, nest(".".join(new), value))
+    return out
+
+
 def env_layer(
     cls: type[BaseModel], section: str = "", environ: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
@@ -156,7 +191,12 @@ def env_layer(
     source = EnvSettingsSource(cls, env_prefix=prefix, env_nested_delimiter="__")
     if environ is not None:
         source.env_vars = {k.lower(): v for k, v in environ.items()}
-    return nest(section, values) if (values := source()) else {}
+    values = source()
+    for old in moved_keys(cls):  # a variable of an old key still sets it (``renamed``)
+        raw = source.env_vars.get(f"{prefix}{'__'.join(old)}".lower())
+        if raw is not None and not has_path(values, old):
+            merge(values, nest(".".join(old), raw))
+    return nest(section, values) if values else {}
 
 
 def has_path(layer: Any, path: Sequence[Any]) -> bool:
@@ -168,9 +208,23 @@ def has_path(layer: Any, path: Sequence[Any]) -> bool:
     return layer != {}
 
 
+def _untagged(loc: tuple[Any, ...], layers: Sequence[Layer]) -> tuple[Any, ...]:
+    """An error's location without the union member names pydantic adds to it
+    (``trainer.grpo.loss.ppo.x`` -> ``trainer.grpo.loss.x``), where a layer sets the key."""
+    for i in range(len(loc) - 1):
+        here, skip = loc[: i + 1], (*loc[:i], *loc[i + 1 :])
+        if not any(has_path(layer, here) for _, layer in layers):
+            if any(has_path(layer, skip) for _, layer in layers):
+                return skip
+    return loc
+
+
 def resolve(cls: type[M], layers: Sequence[Layer], section: str = "") -> M:
     """``(label, values)`` run layers merged, lowest first, and their ``section`` (all: ``""``)
     validated as ``cls``; an error names each wrong key and the highest layer setting it."""
+    parts = tuple(section.split(".")) if section else ()
+    moves = {(*parts, *o): (*parts, *n) for o, n in moved_keys(cls).items()}
+    layers = [(label, renamed(layer, moves, label)) for label, layer in layers]
     values: Any = {}
     for _, layer in layers:
         merge(values, layer)
@@ -181,7 +235,7 @@ def resolve(cls: type[M], layers: Sequence[Layer], section: str = "") -> M:
     except ValidationError as e:
         lines = []
         for err in e.errors():  # the key a layer sets (a union adds its member's name)
-            loc, origin = (*(section.split(".") if section else []), *err["loc"]), []
+            loc, origin = _untagged((*parts, *err["loc"]), layers), []
             while loc and not (origin := [n for n, layer in layers if has_path(layer, loc)]):
                 loc = loc[:-1]
             where = ".".join(map(str, loc or err["loc"]))

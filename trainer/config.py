@@ -8,16 +8,18 @@ This module imports no torch, so ``python -m trainer ... --help`` and config err
 from __future__ import annotations
 
 import argparse
-from typing import Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_settings import SettingsConfigDict
 
-from settings.cli import add_config_flags, resolve_args
+from settings.cli import add_config_flags, cli_shortcuts, resolve_args
 from settings.layers import env_default
 from settings.lists import CommaList
 from settings.paths import DATA_DIR, RUNS_DIR, SFT_MODEL_DIR, TINY_MODEL_DIR
 from settings.ports import API_URL, HOST, VLLM_PORT
 from trainer.gail import GailConfig
+from trainer.loss_config import OLD_KEYS, PolicyLoss, PpoLoss, with_old_keys
 
 
 class _Config(BaseModel):
@@ -242,6 +244,10 @@ class SyncDeadlines(BaseModel):
 class GrpoConfig(CommonConfig):
     """GRPO on scored groups leased from the batching API, weights synced into vLLM."""
 
+    model_config = SettingsConfigDict(cli_shortcuts=cli_shortcuts(OLD_KEYS))
+    old_keys: ClassVar[dict[str, str]] = OLD_KEYS
+    """Keys of the loss before it was a section (``settings.layers.moved_keys``)."""
+
     model_name: str = str(SFT_MODEL_DIR)
     """Model to start from (default: the embedded SFT cold-start checkpoint)."""
     save_path: str = str(RUNS_DIR / "grpo")
@@ -301,29 +307,12 @@ class GrpoConfig(CommonConfig):
     phase, the server and the deadline (docs/FAULT_TOLERANCE.md)."""
     temperature: float = 1.0
     """Sampling temperature the completions were drawn with; divides the trainer's logits."""
-    clip_low: float = Field(0.2, gt=0)
-    """PPO clip: ratio lower bound is 1 - clip_low."""
-    clip_high: float = Field(0.2, gt=0)
-    """PPO clip: ratio upper bound is 1 + clip_high (0.28 = DAPO's clip-higher)."""
-    tis_cap: float | None = None
-    """Truncated importance weight cap for the inference/trainer mismatch; None = ratio taken
-    directly against the inference logprobs."""
-    tis_level: Literal["token", "sequence"] = "token"
-    """With ``tis_cap``: truncate each token's trainer/inference weight (``token``) or one
-    weight per sequence, the product of its tokens' weights (``sequence``, TRL's
-    ``sequence_truncate``)."""
-    mismatch_mask_low: float | None = Field(None, gt=0, lt=1)
-    """ICEPOP / MIS masking: a token whose trainer/inference probability ratio is below this
-    (e.g. 0.5) gets no policy-gradient term (None: no lower bound)."""
-    mismatch_mask_high: float | None = Field(None, gt=1)
-    """ICEPOP / MIS masking: a token whose trainer/inference probability ratio is above this
-    (e.g. 2 or 5) gets no policy-gradient term (None: no upper bound)."""
-    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
-    """``ppo``: the token-level clipped surrogate (GRPO, DAPO, Dr. GRPO). ``gspo``: one
-    importance ratio per sequence (geometric mean of its tokens' ratios), clipped (the paper:
-    ``clip_low 3e-4``, ``clip_high 4e-4``, ``loss_aggregation sequence``). ``cispo``: the
-    clipped, detached IS weight times A times log pi: no token's gradient is dropped
-    (MiniMax-M1; ScaleRL: ``clip_high`` up to 5, ``clip_low 1`` = no lower bound)."""
+    loss: PolicyLoss = Field(default_factory=PpoLoss)
+    """The policy loss, chosen by its ``type`` (trainer/loss_config.py): ``ppo`` (the
+    token-level clipped surrogate: GRPO, DAPO, Dr. GRPO), ``gspo`` (one clipped ratio per
+    sequence) or ``cispo`` (the clipped, detached IS weight times A times log pi), with its
+    clip range, importance weights and aggregation (``--loss.clip-low``; the old flat keys
+    ``policy_loss``, ``clip_low``, ... and ``--policy-loss``, ``--clip-low``, ... still set it)."""
     kl_beta: float = Field(0.001, validation_alias=AliasChoices("kl_beta", "kl_coef"))
     """Weight of the KL to the reference (frozen initial model, or the base under LoRA; or an
     environment's ``ref_logprobs``, see ``kl_reference``)."""
@@ -350,8 +339,6 @@ class GrpoConfig(CommonConfig):
     rewards differ. With Shop-R1's DARS, a group with one hard-attribute hit (~1000) then
     outweighs the many groups whose rewards differ only by format/type credits (< 1); scaled,
     each counts the same and those credits steer the policy (docs/results/learning_cpu.md)."""
-    loss_aggregation: Literal["token", "sequence"] = "token"
-    """Average the loss over all tokens of the step, or per sequence then over sequences."""
     rollout_samples: int = Field(4, ge=0)
     """Completions per step kept in ``<save_path>/rollouts.jsonl``, TensorBoard text and a W&B
     table: prompt end, completion, parsed and gold action, reward terms (0: none)."""
@@ -359,14 +346,16 @@ class GrpoConfig(CommonConfig):
     """Optional discriminator reward (GRAIL; trainer/gail/, docs/GAIL.md): off unless
     ``GAIL_USE=1``, ``gail: {use: true}`` in the recipe, or ``--gail.use``."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_keys(cls, data: Any) -> Any:
+        """The loss's old flat keys (``policy_loss``, ``clip_low``, ...) set ``loss``."""
+        return with_old_keys(data)
+
     @model_validator(mode="after")
     def _check_grpo(self) -> GrpoConfig:
         if self.temperature <= 0:
             raise ValueError("temperature must be > 0")
-        if self.tis_cap is not None and self.tis_cap < 1.0:
-            raise ValueError("tis_cap must be >= 1 (a cap below 1 down-weights every token)")
-        if self.tis_level == "sequence" and self.tis_cap is None:
-            raise ValueError("tis_level sequence needs tis_cap (the truncation of its weight)")
         return self
 
     def inference_urls(self) -> list[str]:

@@ -1,12 +1,13 @@
 """The GRPO policy losses as choices: one function per ``--policy-loss`` behind a registry.
 
 A loss is ``fn(inp: LossInput, s: LossSettings) -> LossOutput``, registered under its
-``policy_loss`` name with :func:`register`; :func:`compute_loss` runs the one that ``s``
-names. The parts every loss shares are functions here, not copies: :func:`importance` (the
-ratio and the truncated / masked importance weights), :func:`finish` (the KL term, the
-aggregation and the token statistics) and :func:`clipped_surrogate` (PPO's min, which GSPO
-reuses). To add a loss: write its function, ``@register("name")`` it, add the name to
-``GrpoConfig.policy_loss`` and pin its values in a test (docs/TRAINER.md, "The maths").
+name (``trainer.grpo.loss.type``) with :func:`register`; :func:`compute_loss` runs the one
+that ``s`` names. The parts every loss shares are functions here, not copies:
+:func:`importance` (the ratio and the truncated / masked importance weights), :func:`finish`
+(the KL term, the aggregation and the token statistics) and :func:`clipped_surrogate` (PPO's
+min, which GSPO reuses). To add a loss: write its function, ``@register("name")`` it, add its
+member to ``PolicyLoss`` (trainer/loss_config.py) and pin its values in a test
+(docs/TRAINER.md, "The maths").
 
 Importance ratios, with ``pi_old`` the trainer's own (detached) logprobs:
 
@@ -93,17 +94,18 @@ class LossSettings:
     @classmethod
     def from_config(cls, cfg: GrpoConfig) -> LossSettings:
         """The settings of a GRPO run's config."""
+        loss = cfg.loss
         return cls(
-            loss_type=cfg.policy_loss,
-            clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high,
-            tis_cap=cfg.tis_cap,
-            tis_level=cfg.tis_level,
-            mask_low=cfg.mismatch_mask_low,
-            mask_high=cfg.mismatch_mask_high,
+            loss_type=loss.type,
+            clip_low=loss.clip_low,
+            clip_high=loss.clip_high,
+            tis_cap=loss.tis_cap,
+            tis_level=loss.tis_level,
+            mask_low=loss.mismatch_mask_low,
+            mask_high=loss.mismatch_mask_high,
             kl_beta=cfg.kl_beta,
             kl_estimator=cfg.kl_estimator,
-            aggregation=cfg.loss_aggregation,
+            aggregation=loss.loss_aggregation,
         )
 
     @property

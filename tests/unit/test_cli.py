@@ -49,7 +49,7 @@ def test_flags_follow_field_types(capsys: pytest.CaptureFixture[str]) -> None:
         ]
     )
     assert (
-        not cfg.tensorboard and cfg.tis_cap is None and cfg.lr == 0.5 and cfg.policy_loss == "gspo"
+        not cfg.tensorboard and cfg.loss.tis_cap is None and cfg.lr == 0.5 and cfg.loss.type == "gspo"
     )
     assert cfg.gail.use and cfg.gail.weight == 0.25 and cfg.resume == "latest"
     assert cfg.kl_beta == 0.3  # an Atropos alias
@@ -87,7 +87,7 @@ trainer:
     environ = {"SHOP_R1_TRAINER__GRPO__GAIL__WEIGHT": "0.7", "SHOP_R1_TRAINER__GRPO__SEED": "5"}
     cfg = _grpo(["--recipe", str(recipe), "--config", str(config), "--seed", "7"], environ)
     assert cfg.model_name == "from-recipe-shared"  # shared key 'model' -> model_name
-    assert cfg.policy_loss == "gspo" and cfg.tis_cap == 2.0  # the recipe's
+    assert cfg.loss.type == "gspo" and cfg.loss.tis_cap == 2.0  # the recipe's
     assert cfg.lr == 0.2  # files apply in order: the later one wins
     assert cfg.gail.weight == 0.7  # the environment beats the files
     assert cfg.gail.use  # nested: the recipe's other keys survive the environment layer
@@ -148,7 +148,7 @@ def test_recipe_base_variables_and_loops(tmp_path: Path, monkeypatch: pytest.Mon
     assert lower["model"] == "/data/x/m" and (lower["seed"], upper["seed"]) == (1, 2)
     assert upper["trainer"] == {"grpo": {"tis_cap": 1.5}} and upper["name"] == "fallback"
     cfg = _grpo(["--recipe", str(child)])
-    assert (cfg.model_name, cfg.seed, cfg.lr, cfg.policy_loss, cfg.tis_cap) == (
+    assert (cfg.model_name, cfg.seed, cfg.lr, cfg.loss.type, cfg.loss.tis_cap) == (
         "/data/x/m",
         2,
         0.1,

@@ -53,6 +53,16 @@ LISTS["trainer.grpo"] += LISTS["trainer.sft"]
 """Fields that held one comma-joined string before the rework."""
 
 
+def _flat_loss(grpo: dict[str, Any]) -> dict[str, Any]:
+    """``trainer.grpo`` with its ``loss:`` section as the flat keys it was (``policy_loss``)."""
+    out = dict(grpo)
+    if isinstance(loss := out.pop("loss", None), dict):
+        loss = dict(loss)
+        out["policy_loss"] = loss.pop("type")
+        out |= loss
+    return out
+
+
 def _joined(section: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
     """``section``'s list fields ``names`` as the comma-joined strings they were."""
     out = dict(section)
@@ -66,6 +76,7 @@ def old_spelling(cfg: RunConfig) -> dict[str, Any]:
     """``cfg`` dumped with the keys and values the code before the rework had."""
     data = cfg.model_dump(mode="json", exclude={"recipe"})
     data["launch"] = _joined(data["launch"], LISTS["launch"])
+    data["trainer"]["grpo"] = _flat_loss(data["trainer"]["grpo"])
     for name in ("sft", "grpo"):
         data["trainer"][name] = _joined(data["trainer"][name], LISTS[f"trainer.{name}"])
     return data
@@ -74,7 +85,8 @@ def old_spelling(cfg: RunConfig) -> dict[str, Any]:
 def old_file(name: str, data: dict[str, Any]) -> dict[str, Any]:
     """A written service file (``<run>/config/<name>.yaml``) in the old spelling."""
     if name == "trainer_grpo":
-        return {"trainer": {"grpo": _joined(data["trainer"]["grpo"], LISTS["trainer.grpo"])}}
+        grpo = _flat_loss(data["trainer"]["grpo"])
+        return {"trainer": {"grpo": _joined(grpo, LISTS["trainer.grpo"])}}
     return data
 
 

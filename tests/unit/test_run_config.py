@@ -190,7 +190,7 @@ def test_each_file_of_a_base_chain_is_a_layer(tmp_path: Path) -> None:
     )
     cfg = resolve_run(["--recipe", str(child)], environ={})
     grpo = cfg.trainer.grpo
-    assert (grpo.clip_low, grpo.clip_high, grpo.model_name) == (0.3, 0.2, "/m")
+    assert (grpo.loss.clip_low, grpo.loss.clip_high, grpo.model_name) == (0.3, 0.2, "/m")
     assert grpo.lr == 1e-4  # the base's
     assert cfg.env.reward_variant == "binary" and cfg.env.rewards is None
     # a service started on its own reads the chain the same way

@@ -42,7 +42,7 @@ def test_yaml_then_flags(tmp_path: Path) -> None:
         ]
     )
     assert cfg.lr == 1e-7 and cfg.kl_beta == 0.01  # from the recipe
-    assert cfg.batch_size == 64 and cfg.tis_cap is None  # flags win
+    assert cfg.batch_size == 64 and cfg.loss.tis_cap is None  # flags win
     assert cfg.weight_bridge_mode == "lora_only" and cfg.lora_r == 8 and cfg.single_copy
     assert cfg.inference_urls() == ["http://a:1", "http://b:2"]
     assert _parse(["--vllm-port", "9100"]).inference_urls() == ["http://127.0.0.1:9100"]
@@ -125,7 +125,44 @@ def test_clip_eps_is_gone_the_two_bounds_stay(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="trainer.grpo.clip_eps"):
         _parse(["--config", str(conf)])
     cfg = _parse(["--clip-low", "0.1", "--clip-high", "0.3"])
-    assert (cfg.clip_low, cfg.clip_high) == (0.1, 0.3)
+    assert (cfg.loss.clip_low, cfg.loss.clip_high) == (0.1, 0.3)
     for kwargs in ({"clip_low": 0.0}, {"clip_high": -0.1}):
         with pytest.raises(ValidationError):
             GrpoConfig(**kwargs)
+
+
+def test_the_loss_is_a_union_chosen_by_its_type_and_the_old_keys_still_set_it(
+    tmp_path: Path,
+) -> None:
+    """trainer/loss_config.py: ``loss: {type: ...}``; a key the member lacks is refused naming
+    it; ``policy_loss``/``clip_low``/... (file, flag, variable, Python) set the same values."""
+    from launch.run_config import resolve_run
+    from settings.cli import resolve_section
+    from trainer.loss_config import GspoLoss
+
+    new = _parse(["--loss.type", "gspo", "--loss.clip-low", "3e-4"]).loss
+    assert new == GspoLoss(clip_low=3e-4)
+    assert _parse(["--policy-loss", "gspo", "--clip-low", "3e-4"]).loss == new
+    assert GrpoConfig(policy_loss="gspo", clip_low=3e-4).loss == new
+    environ = {
+        "SHOP_R1_TRAINER__GRPO__POLICY_LOSS": "gspo",
+        "SHOP_R1_TRAINER__GRPO__CLIP_LOW": "3e-4",
+    }
+    assert resolve_section(GrpoConfig, "trainer.grpo", environ=environ).loss == new
+    run = resolve_run(["--trainer-args=--policy-loss gspo --clip-low 3e-4"], environ={})
+    assert run.trainer.grpo.loss == new
+    old = tmp_path / "old.yaml"
+    old.write_text("trainer: {grpo: {policy_loss: gspo, clip_low: 0.1}}\n")
+    # each layer is renamed before they merge: a flag in the new spelling beats the file's old
+    assert _parse(["--config", str(old), "--loss.clip-low", "3e-4"]).loss == new
+    assert _parse(["--config", str(old)]).loss == GspoLoss(clip_low=0.1)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: {grpo: {loss: {type: cispo, clip_low: 1.0, only_gspo: 1}}}\n")
+    with pytest.raises(SystemExit, match=r"trainer\.grpo\.loss\.only_gspo \(set by file"):
+        _parse(["--config", str(bad)])
+    both = tmp_path / "both.yaml"
+    both.write_text("trainer: {grpo: {clip_low: 0.1, loss: {clip_low: 0.2}}}\n")
+    with pytest.raises(SystemExit, match="clip_low and trainer.grpo.loss.clip_low are one"):
+        _parse(["--config", str(both)])
+    with pytest.raises(SystemExit, match=r"loss.type \(old key: policy_loss\) is one of ppo"):
+        _parse(["--policy-loss", "grpo"])

@@ -223,7 +223,7 @@ def test_config_values_and_their_checks() -> None:
         mismatch_mask_low=0.5,
         mismatch_mask_high=5.0,
     )
-    assert (cfg.policy_loss, cfg.kl_estimator, cfg.tis_level) == ("gspo", "k2", "sequence")
+    assert (cfg.loss.type, cfg.kl_estimator, cfg.loss.tis_level) == ("gspo", "k2", "sequence")
     with pytest.raises(ValidationError, match="tis_level sequence needs tis_cap"):
         GrpoConfig(tis_level="sequence")
     with pytest.raises(ValidationError, match="mismatch_mask_low"):

@@ -80,7 +80,7 @@ def test_grpo_step_with_a_minus_1e4_inference_logprob_trains(
 ) -> None:
     """The same reproduction through a real GRPO step (TIS off): the update is applied."""
     cfg = _grpo_cfg(micro_model_dir, tmp_path)
-    assert cfg.tis_cap is None
+    assert cfg.loss.tis_cap is None
     lm = load_model(cfg)
     opt = build_optimizer(lm.model, cfg)
     ctx = StepContext(lm, Reference(lm), opt, build_scheduler(opt, cfg), cfg)
