@@ -26,13 +26,18 @@ phase of ``MIN_STEPS`` steps or fewer, or a step under ``MIN_STEP_FLOP`` (the ti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import platform
 import shlex
+import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +93,8 @@ class Estimate:
     timed_steps: int = 1
     share: float = 1.0
     """CPU time the probe's process got / (wall time x threads): < 1 where others ran."""
+    native_bf16: bool = False
+    """Whether the CPU runs bf16 matmuls natively (trainer/precision.py)."""
 
     @property
     def total_s(self) -> float:
@@ -103,10 +110,14 @@ def _duration(s: float) -> str:
 
 
 def cpu_words(precision: str, native_bf16: bool) -> str:
-    """``AMD EPYC, fp32, no bf16``: the CPU's name, the precision, whether bf16 is native."""
-    import torch
-
-    name = str(torch.cpu.get_capabilities().get("cpu_name") or "CPU")
+    """``AMD EPYC 7B13, fp32, no bf16``: the CPU's name (/proc/cpuinfo), the precision,
+    whether bf16 is native."""
+    name = platform.processor() or "CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
     return f"{name}, {precision}, {'native bf16' if native_bf16 else 'no bf16'}"
 
 
@@ -164,14 +175,13 @@ def long_run_lines(estimates: Sequence[Estimate], preset: str, argv: Sequence[st
 
 
 def param_count(model_dir: str | Path) -> int:
-    """Parameters in ``model_dir``'s safetensors files, read from their headers (0 if none)."""
-    from safetensors import safe_open
-
+    """Parameters in ``model_dir``'s safetensors files, read from their JSON headers (0 if
+    none): no tensor library is imported."""
     total = 0
     for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 -- safe_open is not a dict
-                total += math.prod(f.get_slice(key).get_shape())
+        with path.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
     return total
 
 
@@ -200,92 +210,34 @@ def grpo_shape(grpo: Any, group_size: int, prompt: int, completion: int, steps: 
     return PhaseShape("GRPO", steps, prompt, completion, probed, groups, extra, group_size / probed)
 
 
-Rows = list[tuple[list[int], list[int]]]
-"""Sequences of one pass with their loss masks (1 = a target token)."""
-
-
-def measure_step(
-    cfg: Any,
-    model_dir: str | Path,
-    shape: PhaseShape,
-    threads: int | None,
-    examples: Rows | None = None,
-    timed: int = 1,
+def measure_in_child(
+    phase_cfg: Any, model_dir: str | Path, shape: PhaseShape, threads: int | None, log: Path
 ) -> Estimate:
-    """Seconds of one optimizer step of ``shape`` on this machine: the model loaded with the
-    trainer's loader from the phase's config ``cfg`` (``SftConfig``/``GrpoConfig``) on the CPU,
-    ``threads`` torch threads, a small warm-up step, then ``timed`` steps (the best is kept),
-    each pass on ``examples`` (else random rows of ``shape``)."""
-    import torch
+    """:func:`launch.cost_measure.measure_phase` in a child process (``python -m
+    launch.cost_measure``): the launcher never imports torch nor holds the model it probed.
+    The child dies with the launcher (``launch.procs``) and logs to ``log``."""
+    from launch.procs import ManagedProcess, tail
 
-    from trainer.forward import target_nll
-    from trainer.model import autocast, load_model
-    from trainer.optim import build_optimizer, build_scheduler, clip_and_step
-
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        lm = load_model(cfg.model_copy(update={"model_name": str(model_dir), "device": "cpu"}))
-        lm.model.train()
-        optimizer = build_optimizer(lm.model, cfg)
-        scheduler = build_scheduler(optimizer, cfg)
-        vocab = int(lm.model.get_input_embeddings().weight.shape[0])
-        gen = torch.Generator().manual_seed(0)
-
-        def rows(n: int, prompt: int, completion: int) -> Rows:
-            shared = torch.randint(3, vocab, (prompt,), generator=gen).tolist()
-            tail = torch.randint(3, vocab, (n, completion), generator=gen).tolist()
-            return [(shared + t, [0] * prompt + [1] * completion) for t in tail]
-
-        def nll(batch: Rows) -> torch.Tensor:
-            seqs, masks = [s for s, _ in batch], [m for _, m in batch]
-            pad = lm.tokenizer.pad_token_id or 0
-            with autocast(lm.device, lm.compute_dtype):
-                return target_nll(
-                    lm.model, seqs, masks, lm.device, lm.tree_attention, cfg.min_shared_prefix, pad
-                )
-
-        def step(batch: Rows) -> tuple[float, float, float]:
-            t0 = time.perf_counter()
-            (nll(batch) / sum(len(s) for s, _ in batch)).backward()
-            t1 = time.perf_counter()
-            with torch.no_grad():
-                for _ in range(min(1, shape.scoring_forwards)):  # one timed, the others alike
-                    nll(batch)
-            t2 = time.perf_counter()
-            clip_and_step(lm.model, optimizer, scheduler, cfg.max_grad_norm)
-            return t1 - t0, t2 - t1, time.perf_counter() - t2
-
-        step(rows(1, min(shape.prompt, 64), min(shape.completion, 128)))  # kernels, AdamW
-        best, wall0, cpu0 = math.inf, time.perf_counter(), time.process_time()
-        for _ in range(max(1, timed)):
-            fb, fwd, opt = step(examples or rows(shape.rows, shape.prompt, shape.completion))
-            per_pass = (fb + fwd * shape.scoring_forwards) * shape.scale
-            best = min(best, per_pass * shape.passes + opt)
-        wall = (time.perf_counter() - wall0) * torch.get_num_threads()
-        share = min(1.0, (time.process_time() - cpu0) / wall) if wall > 0 else 1.0
-        precision = "bf16" if lm.compute_dtype == torch.bfloat16 else "fp32"
-        return Estimate(shape, best, precision, max(1, timed), share)
-    finally:
-        torch.set_num_threads(before)
-
-
-def sft_examples(sft: Any, model_dir: str | Path, n: int) -> Rows | None:
-    """The first ``n`` examples the SFT will train on (epoch 0's order, as trainer/sft.py
-    draws them), tokenized with ``model_dir``'s tokenizer; None without a dataset."""
-    if not (Path(sft.data_dir) / "train.jsonl").exists():
-        return None
-    from trainer.model import load_tokenizer
-    from trainer.sft_data import LazySplit, epoch_order, load_or_build_dataset
-
-    data = load_or_build_dataset(sft.data_dir, sft.num_sessions, sft.seed)
-    split = LazySplit(
-        data["train"], load_tokenizer(str(model_dir)), sft.max_seq_len, sft.latest_only
-    )
-    order = epoch_order(len(split), sft.seed, 0)
-    found = split.take(order[: 4 * n])[:n]
-    return [(e.tokens, e.loss_mask) for e in found] or None
+    with tempfile.TemporaryDirectory(prefix="cost_probe-") as tmp:
+        request, result = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        kind = "sft" if shape.name == "SFT" else "grpo"
+        request.write_text(
+            json.dumps(
+                {
+                    "kind": kind,
+                    "config": phase_cfg.model_dump(mode="json"),
+                    "model_dir": str(model_dir),
+                    "shape": asdict(shape),
+                    "threads": threads,
+                }
+            )
+        )
+        argv = [sys.executable, "-m", "launch.cost_measure", str(request), str(result)]
+        rc = ManagedProcess("cost_probe", argv, log).run_to_exit(stall=1800, limit=3600)
+        if rc != 0 or not result.exists():
+            raise RuntimeError(f"the probe process exited {rc}: {tail(log, 5).strip()}")
+        out = json.loads(result.read_text())
+    return Estimate(**{**out, "shape": PhaseShape(**out["shape"])})
 
 
 def steps_left(cfg: Any) -> int:
@@ -318,10 +270,12 @@ class CostProbe:
         cfg: Any,
         argv: Sequence[str],
         trainer_env: Mapping[str, str] | None = None,
-        measure: Any = measure_step,
+        measure: Any = None,
     ) -> None:
         lc = cfg.launch
-        self.cfg, self.argv, self.measure = cfg, list(argv), measure
+        self.cfg, self.argv = cfg, list(argv)
+        log = Path(lc.run_dir or tempfile.gettempdir()) / "cost_probe.log"
+        self.measure = measure or partial(measure_in_child, log=log)
         omp = (trainer_env or {}).get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
         self.threads = int(omp) if omp and omp.isdigit() else None
         self.enabled = lc.cost_probe and lc.trainer_device == "cpu" and lc.trainer_procs == 1
@@ -345,19 +299,10 @@ class CostProbe:
         shape = self._shape(name, steps)
         if step_flop(shape, param_count(model_dir)) < MIN_STEP_FLOP:
             return None  # seconds a step: not worth a probe
-        examples = sft_examples(phase_cfg, model_dir, shape.rows) if name == "SFT" else None
-        if examples:
-            longest = max(len(t) for t, _ in examples)
-            source = "the first training examples; the longest shown"
-            shape = replace(shape, rows=len(examples), completion=longest, source=source)
-            shape = replace(shape, scale=phase_cfg.micro_batch_size / len(examples))
         threads = f"{self.threads} thread(s)" if self.threads else "torch's threads"
         print(f"[run_all] cost probe: timing a {name} step on this CPU ({threads})...", flush=True)
-        est = self.measure(phase_cfg, model_dir, shape, self.threads, examples)
-        if not self.cpu:
-            from trainer.precision import cpu_native_bf16
-
-            self.cpu = cpu_words(est.precision, cpu_native_bf16()[0])
+        est = self.measure(phase_cfg, model_dir, shape, self.threads)
+        self.cpu = self.cpu or cpu_words(est.precision, est.native_bf16)
         return est
 
     def _run(self, phases: list[tuple[str, Any, str]]) -> list[str]:

@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 
 from launch import cost_probe
+from launch.cost_measure import measure_step, sft_examples
 from launch.cost_probe import (
     CostProbe,
     Estimate,
     PhaseShape,
     grpo_shape,
     long_run_lines,
-    measure_step,
+    measure_in_child,
     phase_line,
     sft_shape,
     tiny_command,
@@ -123,7 +124,7 @@ def test_the_launcher_probe_prints_both_phases_and_the_tiny_command(
     argv, cfg = _smol_like(tmp_path, tiny_model_dir)
     calls: list[tuple[str, int]] = []
 
-    def measured(phase_cfg, model_dir, shape, threads, examples=None):
+    def measured(phase_cfg, model_dir, shape, threads):
         calls.append((shape.name, threads))
         return Estimate(shape, 120.0, "fp32")
 
@@ -167,4 +168,20 @@ def test_a_failing_probe_says_so_and_the_run_goes_on(
 
 def test_without_a_dataset_sft_is_probed_on_random_tokens(tmp_path: Path) -> None:
     sft = SftConfig(data_dir=str(tmp_path / "none"))
-    assert cost_probe.sft_examples(sft, tmp_path, 2) is None
+    assert sft_examples(sft, tmp_path, 2) is None
+
+
+def test_the_probe_runs_in_a_child_process_that_reads_the_phase_config(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The launcher's default: the measurement in ``python -m launch.cost_measure`` (the
+    launcher imports no torch); the GRPO config, its loss union included, crosses as JSON."""
+    grpo = GrpoConfig(
+        model_name=str(tiny_model_dir), precision="fp32", batch_size=4, training_steps=10
+    )
+    shape = grpo_shape(grpo, group_size=2, prompt=16, completion=8, steps=10)
+    est = measure_in_child(grpo, tiny_model_dir, shape, 1, tmp_path / "cost_probe.log")
+    assert est.shape == shape and est.step_s > 0 and est.precision == "fp32"
+    assert est.total_s == pytest.approx(10 * est.step_s)
+    with pytest.raises(RuntimeError, match="the probe process exited 1"):
+        measure_in_child(grpo, tmp_path / "no-model", shape, 1, tmp_path / "bad.log")
