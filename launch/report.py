@@ -82,7 +82,8 @@ def summary(run_dir: Path, steps: list[dict[str, Any]]) -> str:
         ("model", cfg.get("model_name", "n/a")),
         (
             "weight bridge",
-            cfg.get("weight_bridge_mode", "n/a")
+            (cfg.get("weights") or {}).get("type")  # a run before issue 47: the old pair
+            or cfg.get("weight_bridge_mode", "n/a")
             + (" (single copy)" if cfg.get("single_copy") else ""),
         ),
         ("GRPO steps", f"{len(steps)} of {cfg.get('training_steps', '?')}"),

@@ -28,11 +28,15 @@ CLI |= {"cli_hide_none_type": True, "cli_parse_none_str": "null"}
 FILES = "YAML run files (recipes/, presets, <run>/config/*.yaml), in order; env and flags win"
 
 
-def cli_shortcuts(old_keys: Mapping[str, str], prefix: str = "") -> dict[str, str]:
+def cli_shortcuts(old_keys: Mapping[str, str], prefix: str = "") -> dict[str, str | list[str]]:
     """The flags of a model's old keys (``old_keys``: old key -> new dotted path) as
-    pydantic-settings' ``cli_shortcuts``: ``{"loss.clip-low": "clip-low"}``."""
-    kebab = {new.replace("_", "-"): old.replace("_", "-") for old, new in old_keys.items()}
-    return {f"{prefix}{new}": f"{prefix}{old}" for new, old in kebab.items()}
+    pydantic-settings' ``cli_shortcuts``: ``{"loss.clip-low": "clip-low"}`` (several old keys of
+    one field: a list)."""
+    out: dict[str, list[str]] = {}
+    for old, new in old_keys.items():
+        kebab = f"{prefix}{new.replace('_', '-')}"
+        out.setdefault(kebab, []).append(f"{prefix}{old.replace('_', '-')}")
+    return {new: olds[0] if len(olds) == 1 else olds for new, olds in out.items()}
 
 
 def add_config_flags(

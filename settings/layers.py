@@ -164,6 +164,24 @@ def moved_keys(cls: type[BaseModel]) -> Moves:
     return out
 
 
+Fold = Callable[[Sequence[Layer], Sequence[str]], list[Layer]]
+
+
+@cache
+def layer_folds(cls: type[BaseModel]) -> tuple[tuple[tuple[str, ...], Fold], ...]:
+    """Where ``cls`` and the models in its fields declare ``fold_old_keys`` (``(layers,
+    path) -> layers``): old keys that together become one new setting, rewritten layer by
+    layer in order, each completed by the layers below (``trainer.weights_config``)."""
+    out: list[tuple[tuple[str, ...], Fold]] = []
+    if (fold := getattr(cls, "fold_old_keys", None)) is not None:
+        out.append(((), fold))
+    for name, field in cls.model_fields.items():
+        for sub in (field.annotation, *get_args(field.annotation)):
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                out += [((name, *path), f) for path, f in layer_folds(sub)]
+    return tuple(out)
+
+
 def renamed(layer: Mapping[str, Any], moves: Moves, label: str) -> dict[str, Any]:
     """One layer with its old keys (``moves``) at their new paths; one setting given both
     ways in one layer is refused, naming both keys."""
@@ -225,6 +243,8 @@ def resolve(cls: type[M], layers: Sequence[Layer], section: str = "") -> M:
     parts = tuple(section.split(".")) if section else ()
     moves = {(*parts, *o): (*parts, *n) for o, n in moved_keys(cls).items()}
     layers = [(label, renamed(layer, moves, label)) for label, layer in layers]
+    for path, fold in layer_folds(cls):
+        layers = fold(layers, (*parts, *path))
     values: Any = {}
     for _, layer in layers:
         merge(values, layer)

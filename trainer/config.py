@@ -18,8 +18,10 @@ from settings.layers import env_default
 from settings.lists import CommaList
 from settings.paths import DATA_DIR, RUNS_DIR, SFT_MODEL_DIR, TINY_MODEL_DIR
 from settings.ports import API_URL, HOST, VLLM_PORT
+from trainer import loss_config, weights_config
 from trainer.gail import GailConfig
-from trainer.loss_config import OLD_KEYS, PolicyLoss, PpoLoss, with_old_keys
+from trainer.loss_config import PolicyLoss, PpoLoss
+from trainer.weights_config import BroadcastWeights, Mode, WeightTransport
 
 
 class _Config(BaseModel):
@@ -244,9 +246,13 @@ class SyncDeadlines(BaseModel):
 class GrpoConfig(CommonConfig):
     """GRPO on scored groups leased from the batching API, weights synced into vLLM."""
 
-    model_config = SettingsConfigDict(cli_shortcuts=cli_shortcuts(OLD_KEYS))
-    old_keys: ClassVar[dict[str, str]] = OLD_KEYS
-    """Keys of the loss before it was a section (``settings.layers.moved_keys``)."""
+    old_keys: ClassVar[dict[str, str]] = {**loss_config.OLD_KEYS, **weights_config.OLD_KEYS}
+    """Keys of the loss and of the ``reload`` transport before they were sections
+    (``settings.layers.moved_keys``)."""
+    model_config = SettingsConfigDict(cli_shortcuts=cli_shortcuts(old_keys))
+    fold_old_keys: ClassVar = staticmethod(weights_config.fold_old_keys)
+    """The old ``weight_bridge_mode`` + ``single_copy`` pair -> ``weights.type``, layer by
+    layer (``settings.layers.resolve``)."""
 
     model_name: str = str(SFT_MODEL_DIR)
     """Model to start from (default: the embedded SFT cold-start checkpoint)."""
@@ -279,10 +285,18 @@ class GrpoConfig(CommonConfig):
     be reached (a restart), logging every retry, before giving up (exit non-zero)."""
     poll_interval: float = 1.0
     """Seconds between lease attempts while the API has not enough data."""
-    weight_bridge_mode: Literal["shared_vllm", "lora_only", "none"] = "shared_vllm"
-    """How new weights reach vLLM after each step (docs/BRIDGE.md)."""
-    single_copy: bool = False
-    """shared_vllm on the same device: share one copy of the weights (IPC / shared memory)."""
+    weights: WeightTransport = Field(default_factory=BroadcastWeights)
+    """How new weights reach vLLM after each step, chosen by its ``type``
+    (trainer/weights_config.py, docs/BRIDGE.md): ``broadcast`` (pack and send to every
+    worker), ``single_copy`` (share one copy on one device), ``lora`` (only the adapter moves)
+    or ``reload`` (save, vLLM reloads; its ``reload_every``)."""
+    weight_bridge_mode: Mode | None = Field(None, exclude=True)
+    """Old spelling, with ``single_copy``, of ``weights.type``: ``shared_vllm`` (``broadcast``,
+    with ``single_copy`` ``single_copy``), ``lora_only`` (``lora``), ``none`` (``reload``).
+    Read back, the chosen transport's (what the vLLM server is started with); never written."""
+    single_copy: bool | None = Field(None, exclude=True)
+    """Old spelling of ``weights.type: single_copy`` (with ``weight_bridge_mode shared_vllm``).
+    Read back, whether the chosen transport is ``single_copy``; never written."""
     vllm_host: str = HOST
     """Host of the patched vLLM server (ignored when ``inference_url`` is given)."""
     vllm_port: int = VLLM_PORT
@@ -296,11 +310,6 @@ class GrpoConfig(CommonConfig):
         default_factory=env_default("SHOP_R1_BRIDGE_TOKEN"), exclude=True
     )
     """Shared token for the vLLM server's /bridge routes (default: $SHOP_R1_BRIDGE_TOKEN)."""
-    reload_every: int = Field(
-        1, ge=1, validation_alias=AliasChoices("reload_every", "vllm_restart_interval")
-    )
-    """Mode ``none``: reload weights from the saved checkpoint every N steps (Atropos:
-    ``--vllm-restart-interval``)."""
     sync_deadline: SyncDeadlines = Field(default_factory=SyncDeadlines)
     """Seconds each phase of a weight sync may wait on an inference server
     (``--sync-deadline.apply 60``); one that misses it stops the trainer (exit 75) with the
@@ -349,14 +358,22 @@ class GrpoConfig(CommonConfig):
     @model_validator(mode="before")
     @classmethod
     def _old_keys(cls, data: Any) -> Any:
-        """The loss's old flat keys (``policy_loss``, ``clip_low``, ...) set ``loss``."""
-        return with_old_keys(data)
+        """The loss's old flat keys (``policy_loss``, ``clip_low``, ...) set ``loss``; the
+        old ``weight_bridge_mode``/``single_copy``/``reload_every`` set ``weights``."""
+        return weights_config.with_old_keys(loss_config.with_old_keys(data))
 
     @model_validator(mode="after")
     def _check_grpo(self) -> GrpoConfig:
         if self.temperature <= 0:
             raise ValueError("temperature must be > 0")
+        self.weight_bridge_mode = self.weights.mode
+        self.single_copy = self.weights.single_copy
         return self
+
+    @property
+    def reload_every(self) -> int:
+        """The ``reload`` transport's ``reload_every`` (1 for the others: every sync)."""
+        return getattr(self.weights, "reload_every", 1)
 
     def inference_urls(self) -> list[str]:
         return self.inference_url or [f"http://{self.vllm_host}:{self.vllm_port}"]

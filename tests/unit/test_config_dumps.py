@@ -21,6 +21,7 @@ from launch.configs import resolve_for_run, write_service_configs
 from launch.run_config import RunConfig, resolve_run
 from settings import paths
 from settings.paths import REPO_ROOT
+from trainer.weights_config import BY_TYPE
 
 pytestmark = pytest.mark.unit
 RECIPES = sorted((REPO_ROOT / "recipes").rglob("*.yaml"))
@@ -63,6 +64,17 @@ def _flat_loss(grpo: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _flat_weights(grpo: dict[str, Any]) -> dict[str, Any]:
+    """``trainer.grpo`` with its ``weights:`` section as the keys it was: the pair
+    ``weight_bridge_mode`` + ``single_copy`` and ``reload_every`` (1 where unused)."""
+    out = dict(grpo)
+    if isinstance(weights := out.pop("weights", None), dict):
+        member = BY_TYPE[weights["type"]]
+        out |= {"weight_bridge_mode": member.mode, "single_copy": member.single_copy}
+        out["reload_every"] = weights.get("reload_every", 1)
+    return out
+
+
 def _joined(section: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
     """``section``'s list fields ``names`` as the comma-joined strings they were."""
     out = dict(section)
@@ -76,7 +88,7 @@ def old_spelling(cfg: RunConfig) -> dict[str, Any]:
     """``cfg`` dumped with the keys and values the code before the rework had."""
     data = cfg.model_dump(mode="json", exclude={"recipe"})
     data["launch"] = _joined(data["launch"], LISTS["launch"])
-    data["trainer"]["grpo"] = _flat_loss(data["trainer"]["grpo"])
+    data["trainer"]["grpo"] = _flat_weights(_flat_loss(data["trainer"]["grpo"]))
     for name in ("sft", "grpo"):
         data["trainer"][name] = _joined(data["trainer"][name], LISTS[f"trainer.{name}"])
     return data
@@ -85,7 +97,7 @@ def old_spelling(cfg: RunConfig) -> dict[str, Any]:
 def old_file(name: str, data: dict[str, Any]) -> dict[str, Any]:
     """A written service file (``<run>/config/<name>.yaml``) in the old spelling."""
     if name == "trainer_grpo":
-        grpo = _flat_loss(data["trainer"]["grpo"])
+        grpo = _flat_weights(_flat_loss(data["trainer"]["grpo"]))
         return {"trainer": {"grpo": _joined(grpo, LISTS["trainer.grpo"])}}
     return data
 

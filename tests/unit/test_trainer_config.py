@@ -36,14 +36,14 @@ def test_yaml_then_flags(tmp_path: Path) -> None:
             "lora_only",
             "--lora-r",
             "8",
-            "--single-copy",
             "--inference-url",
             "http://a:1,http://b:2",
         ]
     )
     assert cfg.lr == 1e-7 and cfg.kl_beta == 0.01  # from the recipe
     assert cfg.batch_size == 64 and cfg.loss.tis_cap is None  # flags win
-    assert cfg.weight_bridge_mode == "lora_only" and cfg.lora_r == 8 and cfg.single_copy
+    assert cfg.weight_bridge_mode == "lora_only" and cfg.lora_r == 8 and not cfg.single_copy
+    assert cfg.weights.type == "lora"  # with --single-copy: refused (test_weights_config)
     assert cfg.inference_urls() == ["http://a:1", "http://b:2"]
     assert _parse(["--vllm-port", "9100"]).inference_urls() == ["http://127.0.0.1:9100"]
 
