@@ -47,7 +47,7 @@ RECENT_BATCHES = 64  # more than could ever be leased-but-unacked at once
 
 def train(cfg: GrpoConfig) -> Run:
     from api.client import ApiClient  # after config parsing: keeps --help fast
-    from trainer.bridge import make_bridge
+    from trainer.bridge import bridge_for
 
     if cfg.gail.use and launched_by_torchrun():
         raise SystemExit(
@@ -78,8 +78,8 @@ def train(cfg: GrpoConfig) -> Run:
         bridge = _retrying(
             cfg,
             "connect to the inference servers",
-            lambda: make_bridge(
-                cfg.weight_bridge_mode,
+            lambda: bridge_for(
+                cfg.weights,
                 cfg.inference_urls(),
                 **_bridge_kwargs(cfg, str(run.loaded.device), sharded=d is not None),
             ),
@@ -404,13 +404,11 @@ def _bridge_kwargs(cfg: GrpoConfig, trainer_device: str, sharded: bool = False) 
     kwargs: dict[str, Any] = {
         **extra,
         "device": device,
-        "single_copy": cfg.single_copy,
         "token": cfg.bridge_token,
-        "reload_every": cfg.reload_every,
         "save_dir": f"{cfg.save_path}/bridge",
         "deadlines": cfg.sync_deadline,
     }
-    if sharded and cfg.weight_bridge_mode == "shared_vllm" and not cfg.single_copy:
+    if sharded and cfg.weights.type == "broadcast":
         # Under torchrun MASTER_ADDR/MASTER_PORT are the trainer's own rendezvous: the
         # broadcast group takes a free port on rank 0's host, reached at MASTER_ADDR when the
         # trainer spans nodes (rank 0 runs on node 0, the rendezvous host).

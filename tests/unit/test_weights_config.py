@@ -125,3 +125,16 @@ def test_the_written_config_names_the_member_only() -> None:
     assert dumped["weights"] == {"type": "reload", "reload_every": 2}
     assert not {"weight_bridge_mode", "single_copy", "reload_every"} & dumped.keys()
     assert GrpoConfig.model_validate(dumped).weights == ReloadWeights(reload_every=2)
+
+
+def test_every_member_has_its_bridge_and_make_bridge_refuses_what_none_has() -> None:
+    """trainer/bridge/: one builder per ``weights.type``; the old spelling's impossible
+    combinations are refused before a server is asked anything."""
+    from trainer.bridge import TRANSPORTS, make_bridge
+    from trainer.weights_config import BY_TYPE
+
+    assert TRANSPORTS.keys() == BY_TYPE.keys()
+    with pytest.raises(ValueError, match="single_copy: true only applies"):
+        make_bridge("lora_only", ["http://127.0.0.1:1"], single_copy=True, save_dir="s")
+    with pytest.raises(ValidationError, match="reload_every"):
+        make_bridge("shared_vllm", ["http://127.0.0.1:1"], reload_every=3)

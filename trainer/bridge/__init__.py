@@ -1,22 +1,36 @@
-"""Trainer side of the weight bridge: ``make_bridge(mode, server_urls, ...)`` -> ``WeightBridge``.
+"""Trainer side of the weight bridge: ``bridge_for(cfg.weights, server_urls, ...)`` ->
+``WeightBridge``, the class of the config's transport (``trainer.grpo.weights``,
+trainer/weights_config.py) from :data:`TRANSPORTS`:
 
-| mode | CPU | CUDA |
+| ``weights.type`` (old mode) | CPU | CUDA |
 |---|---|---|
-| shared_vllm | ``GlooBroadcastBridge`` (gloo) | ``NativeCudaBridge`` (vLLM ``nccl``) |
-| shared_vllm + single_copy | ``SharedMemoryBridge`` (/dev/shm) | ``NativeCudaBridge`` (vLLM ``ipc``) |
-| lora_only | ``LoraBridge`` (peft adapter per version) | same |
-| none | ``CheckpointReloadBridge`` (safetensors + in-place reload) | same |
+| broadcast (shared_vllm) | ``GlooBroadcastBridge`` (gloo) | ``NativeCudaBridge`` (vLLM ``nccl``) |
+| single_copy (shared_vllm + single_copy) | ``SharedMemoryBridge`` (/dev/shm) | ``NativeCudaBridge`` (vLLM ``ipc``) |
+| lora (lora_only) | ``LoraBridge`` (peft adapter per version) | same |
+| reload (none) | ``CheckpointReloadBridge`` (safetensors + in-place reload) | same |
+
+``make_bridge(mode, server_urls, single_copy=..., reload_every=...)`` is the same with the old
+spelling (benchmarks, tests).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from trainer.bridge.base import SyncStats, WeightBridge
+from trainer.weights_config import (
+    BY_TYPE,
+    BroadcastWeights,
+    LoraWeights,
+    ReloadWeights,
+    SingleCopyWeights,
+    WeightTransport,
+    old_pair_tag,
+)
 
-__all__ = ["WeightBridge", "SyncStats", "make_bridge", "rendezvous_from_env"]
+__all__ = ["WeightBridge", "SyncStats", "bridge_for", "make_bridge", "rendezvous_from_env"]
 
 
 def rendezvous_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -40,64 +54,104 @@ def rendezvous_from_env(environ: Mapping[str, str] | None = None) -> dict[str, A
     return out
 
 
+def _broadcast(
+    weights: BroadcastWeights, urls: Sequence[str], device: str, **kwargs: Any
+) -> WeightBridge:
+    kwargs = {**rendezvous_from_env(), **kwargs}  # its rendezvous may be pinned, as in Atropos
+    if device == "cuda":
+        from trainer.bridge.cuda import NativeCudaBridge
+
+        return NativeCudaBridge(urls, single_copy=False, **kwargs)
+    from trainer.bridge.gloo_broadcast import GlooBroadcastBridge
+
+    kwargs.pop("trainer_device", None)
+    return GlooBroadcastBridge(urls, **kwargs)
+
+
+def _single_copy(
+    weights: SingleCopyWeights, urls: Sequence[str], device: str, **kwargs: Any
+) -> WeightBridge:
+    if device == "cuda":
+        from trainer.bridge.cuda import NativeCudaBridge
+
+        return NativeCudaBridge(urls, single_copy=True, **kwargs)
+    from trainer.bridge.shared_memory import SharedMemoryBridge
+
+    kwargs.pop("trainer_device", None)
+    return SharedMemoryBridge(urls, **kwargs)
+
+
+def _lora(weights: LoraWeights, urls: Sequence[str], device: str, **kwargs: Any) -> WeightBridge:
+    from trainer.bridge.lora import LoraBridge
+
+    kwargs.pop("trainer_device", None)
+    return LoraBridge(urls, **kwargs)
+
+
+def _reload(
+    weights: ReloadWeights, urls: Sequence[str], device: str, **kwargs: Any
+) -> WeightBridge:
+    from trainer.bridge.reload import CheckpointReloadBridge
+
+    kwargs.pop("trainer_device", None)
+    return CheckpointReloadBridge(urls, reload_every=weights.reload_every, **kwargs)
+
+
+TRANSPORTS: dict[str, Callable[..., WeightBridge]] = {
+    "broadcast": _broadcast,
+    "single_copy": _single_copy,
+    "lora": _lora,
+    "reload": _reload,
+}
+"""``weights.type`` -> what builds its bridge class (for the servers' ``device``)."""
+
+
+def bridge_for(
+    weights: WeightTransport,
+    server_urls: Sequence[str],
+    *,
+    save_dir: str,
+    token: str | None = None,
+    device: str = "cpu",
+    trainer_device: str | None = None,
+    **kwargs: Any,
+) -> WeightBridge:
+    """The bridge client of the transport ``weights`` (``GrpoConfig.weights``).
+
+    ``device`` is where the *servers'* workers run (``cpu`` or ``cuda``); ``save_dir`` is where
+    ``lora``/``reload`` write adapters/checkpoints. ``trainer_device`` (CUDA only) is the
+    trainer's own GPU, made current before the native engine is built (NCCL joins from it,
+    IPC keys its handles by it). ``kwargs`` go to the transport's class (e.g.
+    ``bucket_bytes`` for the broadcast; ``deadlines``, a ``trainer.config.SyncDeadlines``,
+    for every transport: how long each phase of a sync may wait on a server,
+    trainer/bridge/deadline.py). The broadcast's rendezvous comes from
+    ``MASTER_ADDR``/``MASTER_PORT`` when they are set (``rendezvous_from_env``) unless
+    ``kwargs`` name it.
+    """
+    if weights.type in ("lora", "reload"):
+        kwargs["save_dir"] = save_dir
+    if device == "cuda":
+        kwargs["trainer_device"] = trainer_device
+    return TRANSPORTS[weights.type](weights, server_urls, device, token=token, **kwargs)
+
+
 def make_bridge(
     mode: str,
     server_urls: Sequence[str],
     *,
     single_copy: bool = False,
-    token: str | None = None,
-    device: str = "cpu",
     save_dir: str | None = None,
     reload_every: int = 1,
-    trainer_device: str | None = None,
     **kwargs: Any,
 ) -> WeightBridge:
-    """Build the bridge client for ``mode`` (``shared_vllm``, ``lora_only``, ``none``).
-
-    ``device`` is where the *servers'* workers run (``cpu`` or ``cuda``); ``save_dir`` is where
-    lora_only/none write adapters/checkpoints; ``reload_every`` (mode none) applies the
-    weights every N-th sync. ``trainer_device`` (CUDA only) is the trainer's own GPU, made
-    current before the native engine is built (NCCL joins from it, IPC keys its handles by
-    it). ``kwargs`` go to the mode's class (e.g. ``bucket_bytes`` for the
-    broadcast; ``deadlines``, a ``trainer.config.SyncDeadlines``, for every mode: how long
-    each phase of a sync may wait on a server, trainer/bridge/deadline.py). The
-    broadcast's rendezvous comes from ``MASTER_ADDR``/``MASTER_PORT`` when they are set
-    (``rendezvous_from_env``) unless ``kwargs`` name it.
-    """
-    if single_copy and mode != "shared_vllm":
-        raise ValueError("single_copy only applies to mode shared_vllm")
-    if reload_every != 1 and mode != "none":
-        raise ValueError("reload_every only applies to mode none")
-    if mode in ("lora_only", "none") and save_dir is None:
+    """:func:`bridge_for` in the old spelling: ``mode`` (``shared_vllm``, ``lora_only``,
+    ``none``) with ``single_copy`` and ``reload_every`` (mode none: apply every N-th sync).
+    A combination no transport has is refused (``ValueError``, naming the key)."""
+    if mode not in ("shared_vllm", "lora_only", "none"):
+        raise ValueError(f"unknown bridge mode {mode!r} (shared_vllm, lora_only, none)")
+    tag = old_pair_tag(mode, single_copy)
+    fields = {"reload_every": reload_every} if reload_every != 1 or tag == "reload" else {}
+    weights = BY_TYPE[tag].model_validate({"type": tag, **fields})  # refuses reload_every
+    if tag in ("lora", "reload") and save_dir is None:
         raise ValueError(f"mode {mode} needs save_dir (adapters/checkpoints are written there)")
-    if mode == "shared_vllm":
-        if not single_copy:  # a broadcast: its rendezvous may be pinned, as in Atropos
-            kwargs = {**rendezvous_from_env(), **kwargs}
-        if device == "cuda":
-            from trainer.bridge.cuda import NativeCudaBridge
-
-            return NativeCudaBridge(
-                server_urls,
-                token=token,
-                single_copy=single_copy,
-                trainer_device=trainer_device,
-                **kwargs,
-            )
-        if single_copy:
-            from trainer.bridge.shared_memory import SharedMemoryBridge
-
-            return SharedMemoryBridge(server_urls, token=token, **kwargs)
-        from trainer.bridge.gloo_broadcast import GlooBroadcastBridge
-
-        return GlooBroadcastBridge(server_urls, token=token, **kwargs)
-    if mode == "lora_only":
-        from trainer.bridge.lora import LoraBridge
-
-        return LoraBridge(server_urls, save_dir=save_dir, token=token, **kwargs)
-    if mode == "none":
-        from trainer.bridge.reload import CheckpointReloadBridge
-
-        return CheckpointReloadBridge(
-            server_urls, save_dir=save_dir, token=token, reload_every=reload_every, **kwargs
-        )
-    raise ValueError(f"unknown bridge mode {mode!r} (shared_vllm, lora_only, none)")
+    return bridge_for(weights, server_urls, save_dir=save_dir or "", **kwargs)
