@@ -181,7 +181,8 @@ def side_trl(plan: Plan, work: Path) -> dict[str, Any]:
         "startup_s": tl[0]["end"] - tl[0]["dur"] - meta["launched"],
         "completion_tokens": round(sum(lens) / len(lens), 1) if lens else None,
         "precision": f"bf16={summary['bf16']} ({summary['precision_why']}); accelerate "
-        f"mixed_precision {summary['mixed_precision']}; computed in {summary['observed_dtype']}",
+        f"mixed_precision {summary['mixed_precision']}; computed in {summary['observed_dtype']}"
+        + (f"; vLLM in {summary['vllm_dtype']}" if "vllm_dtype" in summary else ""),
         "threads": summary["threads"],
         "summary": summary,
         **{k: meta[k] for k in ("loadavg_before", "loadavg_after")},

@@ -41,15 +41,16 @@ def _timed(owner: Any, name: str, clock: dict[str, float]) -> None:
     setattr(owner, name, wrapper)
 
 
-def _dtype_probe(model: Any, seen: dict[str, str]) -> Any:
-    """A forward hook on the first decoder layer's MLP: the dtype of its output while
-    generating (no grad) and while training (grad), i.e. what TRL's precision really is."""
+def _dtype_probe(model: Any, seen: dict[str, str], no_grad: str = "generation") -> Any:
+    """A forward hook on the first decoder layer's MLP: the dtype of its output without grad
+    (``no_grad``: generating, or with vLLM generating, scoring) and while training (grad), i.e.
+    what TRL's precision really is."""
     import torch
 
     layers = model.model.layers if hasattr(model, "model") else model.base_model.model.layers
 
     def hook(_m: Any, _i: Any, out: Any) -> None:
-        seen.setdefault("training" if torch.is_grad_enabled() else "generation", str(out.dtype))
+        seen.setdefault("training" if torch.is_grad_enabled() else no_grad, str(out.dtype))
 
     return layers[0].mlp.register_forward_hook(hook)
 
@@ -120,7 +121,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         _timed(trainer, name, clock)
     if use_vllm:
         _timed(trainer.vllm_generation, "sync_weights", clock)
-    state["probe"] = _dtype_probe(trainer.model, seen)
+    state["probe"] = _dtype_probe(trainer.model, seen, "scoring" if use_vllm else "generation")
 
     def write_row(step: int) -> None:
         gen_score = clock.get("_generate_and_score_completions", 0.0)
