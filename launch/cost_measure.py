@@ -11,6 +11,7 @@ the dataset is there, else random tokens).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -129,15 +130,19 @@ def measure_phase(
 
 
 def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser("python -m launch.cost_measure", description=__doc__)
+    ap.add_argument("request", type=Path, help="the JSON request the launcher wrote")
+    ap.add_argument("result", type=Path, help="where the Estimate goes (JSON)")
+    args = ap.parse_args(argv)
+
     from trainer.config import GrpoConfig, SftConfig
 
-    request_path, result_path = (argv or sys.argv[1:])[:2]
-    request = json.loads(Path(request_path).read_text())
+    request = json.loads(args.request.read_text())
     kind = {"sft": SftConfig, "grpo": GrpoConfig}[request["kind"]]
     cfg = kind.model_validate(request["config"])
     shape = PhaseShape(**request["shape"])
     est = measure_phase(cfg, request["model_dir"], shape, request["threads"])
-    Path(result_path).write_text(json.dumps(asdict(est)))
+    args.result.write_text(json.dumps(asdict(est)))
     return 0
 
 
