@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 setup: $(STAMP)
 
 # The install runs with uv (https://docs.astral.sh/uv/), which installs the same set as pip
-# several times faster (docs/results/suite_timings.md); pip does it where uv cannot be
+# faster (measured in docs/results/suite_timings.md); pip does it where uv cannot be
 # installed. uv reads no pip configuration, so PIP_CONFIG_TO_UV turns pip's settings (pip.conf
 # and PIP_* variables, ranked as pip ranks them: :env: over install over global) into uv's
 # flags. pip takes the best file of the best version across all indexes; uv, with
@@ -70,7 +70,7 @@ $(STAMP): $(REQS) requirements-nodeps.txt pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-# Chromium for the screenshot test of the run's page (tests/integration/test_report_page.py);
+# Chromium for the screenshot test of the run's page (tests/integration/launch/test_report_page.py);
 # a no-op when it is installed, apt-get (as root or with sudo) otherwise.
 browser:
 	bash tests/install_chromium.sh
