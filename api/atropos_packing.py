@@ -3,7 +3,7 @@
 The functions take group sizes (and env ids) instead of the groups themselves and return
 indices, so the store can run them on its queue without loading payloads; otherwise they
 follow atroposlib's code step by step (same passes, same tie-breaks, same failure cases).
-``tests/integration/test_atropos_compat.py`` runs atroposlib's own functions on random
+``tests/integration/api/test_atropos_compat.py`` runs atroposlib's own functions on random
 queues and checks that these pick the same groups.
 """
 

@@ -101,7 +101,7 @@ class EnvConfig(BaseModel):
     """Testing only: add ``i x score_ramp`` to the score of each group's i-th completion
     (recorded as its ``score_ramp`` reward term), so no group's scores are all equal whatever
     the model samples: a GRPO signal by construction, for tests whose weights must move on a
-    model whose rollouts all score 0 (tests/integration/test_launch_fsdp.py). 0: the reward."""
+    model whose rollouts all score 0 (tests/integration/launch/test_launch_fsdp.py). 0: the reward."""
     poll_interval_s: float = Field(1.0, gt=0.0)
     """Wait between backpressure checks while the API wants nothing."""
     request_timeout_s: float = Field(300.0, gt=0.0)

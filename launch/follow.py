@@ -153,7 +153,7 @@ class LogSource:
 
 
 EVAL_ROWS = re.compile(r"rows done (\d+)/(\d+)")
-"""``env_server.evaluate.PROGRESS_LINE`` as logged (tests/unit/test_progress.py ties them)."""
+"""``env_server.evaluate.PROGRESS_LINE`` as logged (tests/unit/launch/test_progress.py ties them)."""
 SFT_FIELDS = [("loss", "loss", "{:.3f}"), ("val_loss", "val", "{:.3f}")]
 GRPO_FIELDS = [
     ("score_mean", "reward", "{:.2f}"),

@@ -7,7 +7,7 @@ first (detached), then the loss is formed from them and backpropagated. With mor
 a no-grad scoring pass over all of them comes first and the loss pass computes each again,
 since holding every micro-batch's graph until the advantages are known would multiply the
 activation memory. Either way the reference logprobs for the KL are computed while scoring.
-The two orders give the same loss and gradients (tests/unit/test_fused_step.py).
+The two orders give the same loss and gradients (tests/unit/trainer/test_fused_step.py).
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def encode_split(
 
     Rows are encoded on as many threads as torch may use: the fast tokenizer releases the GIL
     while it encodes, which is most of the time here (1.9x on 2 cores; the examples are the
-    same as one thread's, tests/unit/test_sft_data.py)."""
+    same as one thread's, tests/unit/trainer/test_sft_data.py)."""
     encode = partial(
         encode_example, tokenizer=tokenizer, max_seq_len=max_seq_len, latest_only=latest_only
     )

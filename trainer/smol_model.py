@@ -152,7 +152,7 @@ def _one_gguf_parse() -> Iterator[None]:
     tensor-name map once per module of the model (~400 times). Both are only read: within
     this block one reader per file and one map per (architecture, layers) serve every call
     (both cached by their arguments). The conversion's bytes are the same
-    (tests/integration/test_smol_model.py); it took 30 s before, 20 s after, on a 2-vCPU
+    (tests/integration/trainer/test_smol_model.py); it took 30 s before, 20 s after, on a 2-vCPU
     Intel Xeon."""
     import gguf
 

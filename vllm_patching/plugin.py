@@ -27,7 +27,7 @@ def keep_fork_on_cpu() -> None:
     engine core is forked from the server, as vLLM does on CUDA before CUDA is initialised.
     Only at world size 1 (one worker, inside the engine core; tensor or pipeline parallel
     workers on the CPU keep vLLM's spawn). Not applied on other platforms. The forked engine
-    core says so in the server's log (tests/integration/test_bridge_modes.py checks it)."""
+    core says so in the server's log (tests/integration/vllm_patching/test_bridge_modes.py checks it)."""
     from vllm.platforms import current_platform
 
     cls = type(current_platform)

@@ -90,7 +90,7 @@ deny: every other route -- vLLM's dev-mode routes (collective_rpc, pause/resume,
 weight-transfer routes, cache resets, server_info...), its LoRA loading, /bridge/stage, apply,
 reload, lora/load, and any route a future vLLM adds, whatever its method, websockets
 included -- needs the token. The table in docs/BRIDGE.md lists every route of a server;
-tests/integration/test_vllm_routes_auth.py checks it against this set and the app."""
+tests/integration/vllm_patching/test_vllm_routes_auth.py checks it against this set and the app."""
 VERSIONED_PATHS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/inference/v1/generate", "/generate"}
 )

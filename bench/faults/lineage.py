@@ -1,4 +1,4 @@
-"""The parts of bench/faults/torn_checkpoint.py and tests/integration/test_checkpoint_faults.py: the
+"""The parts of bench/faults/torn_checkpoint.py and tests/integration/trainer/test_checkpoint_faults.py: the
 real trainer (``python -m trainer grpo``, one process or 2 ranks under torchrun) against a real
 API and a real patched vLLM server (bridge mode ``none``), killed at random points inside its
 checkpoint writes (``kill_inside_write``) or run to the end uninterrupted (the reference).

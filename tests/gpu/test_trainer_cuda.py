@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.test_trainer_core import build_micro_model, make_groups
+from tests.unit.trainer.test_trainer_core import build_micro_model, make_groups
 from trainer.batch import collate, flatten_groups
 from trainer.config import GrpoConfig
 from trainer.grpo_step import StepContext, grpo_step

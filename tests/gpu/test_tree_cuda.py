@@ -1,5 +1,5 @@
 """The packed prefix tree's contract on CUDA (issue 25): the same per-token logprobs, loss and
-gradients as padded rows, as tests/unit/test_prefix_tree.py checks on the CPU.
+gradients as padded rows, as tests/unit/trainer/test_prefix_tree.py checks on the CPU.
 
 On CUDA the tree's batched children go through torch's SDPA with a block mask (the CPU-only
 ``_cascade`` kernel is never chosen there), so these run the CUDA kernels of that path: fp32
@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.unit.test_prefix_tree import (
+from tests.unit.trainer.test_prefix_tree import (
     CASES,
     check_bf16_packed_step_is_close,
     check_packed_sft_loss_equals_padded,
     check_packed_step_equals_padded,
 )
-from tests.unit.test_prefix_tree_models import compare
-from tests.unit.test_trainer_core import build_micro_model
-from tests.unit.test_tree_attention_kernels import _tree_with_batched_children
+from tests.unit.trainer.test_prefix_tree_models import compare
+from tests.unit.trainer.test_trainer_core import build_micro_model
+from tests.unit.trainer.test_tree_attention_kernels import _tree_with_batched_children
 from trainer.prefix_tree.attention import use_cascade
 
 pytestmark = pytest.mark.gpu

@@ -1,7 +1,7 @@
 """A toy atroposlib ``BaseEnv`` and the small OpenAI-compatible server it samples from.
 
 Runs in the atroposlib virtualenv (``bench/api/servers.py``'s ``ensure_atropos``),
-never in the project's; ``tests/integration/test_atropos_compat.py`` starts it three ways:
+never in the project's; ``tests/integration/api/test_atropos_compat.py`` starts it three ways:
 
     python atropos_toy_env.py make-tokenizer DIR      # a word-level tokenizer for BaseEnv
     python atropos_toy_env.py openai-server PORT      # /v1/completions, /v1/chat/completions

@@ -1,6 +1,6 @@
 """The bridge tests' checks on the tiny model: a real optimizer step, transformers' greedy
 reference, vLLM's greedy completion, and a request in flight during a sync
-(tests/integration/test_bridge_modes.py; test_bridge_modes_smol.py reuses some)."""
+(tests/integration/vllm_patching/test_bridge_modes.py; test_bridge_modes_smol.py reuses some)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Run by tests/integration/test_forked.py as ``python -m tests.integration.forked_probe``
+"""Run by tests/integration/launch/test_forked.py as ``python -m tests.integration.forked_probe``
 (forked, ``launch.forked``): prints what a ``python -m`` process would see, then sleeps
 ``argv[1]`` seconds and exits with ``argv[2]``."""
 

@@ -1,4 +1,4 @@
-"""Fuzzing a running HTTP server (tests/integration/test_fuzz_{api,bridge}_server.py):
+"""Fuzzing a running HTTP server (tests/integration/**/test_fuzz_{api,bridge}_server.py):
 schemathesis over its OpenAPI operations, hypothesis over hand-written strategies, malformed
 bodies on every route, and a tally of the replies per route and status class.
 

@@ -1,6 +1,6 @@
 """``python -m tests.unit.console_entry MODULE:FUNC PROG ARGS...``: calls ``FUNC`` as the
 console script ``PROG`` that pyproject.toml installs for it would (``sys.argv[0]`` is
-``PROG``); tests/unit/test_help.py runs every console script through it."""
+``PROG``); tests/unit/launch/test_help.py runs every console script through it."""
 
 import importlib
 import sys

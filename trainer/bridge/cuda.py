@@ -31,7 +31,7 @@ pause(keep) -> start -> update (NCCL broadcast / IPC handles) -> finish(version)
   device is per thread): NCCL joins from, and IPC keys handles by, the current device.
 
 Every vLLM name used is imported when the bridge is built (``vllm_compat.load``), and only
-vLLM 0.32.0 is accepted. Proven without a GPU by tests/unit/test_bridge_cuda.py (docs/BRIDGE.md).
+vLLM 0.32.0 is accepted. Proven without a GPU by tests/unit/trainer/test_bridge_cuda.py (docs/BRIDGE.md).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ __all__ = ["SyncDeadlines", "SyncTimeout", "bounded", "fault_point", "spawn"]
 FAULT_ENV = "SHOP_R1_TEST_SYNC_FAULT"
 """Test-only: ``<phase>:<pid>[,<pid>...]`` makes the trainer SIGSTOP those processes (a
 vLLM server's API server and engine core) just before the first call of that phase, so the
-phase meets a frozen server every time (tests/integration/test_sync_deadlines.py)."""
+phase meets a frozen server every time (tests/integration/trainer/test_sync_deadlines.py)."""
 
 
 class SyncTimeout(TimeoutError):

@@ -84,7 +84,7 @@ def check_version(installed: str, checked: str = CHECKED_VERSION) -> None:
             f"the GPU weight bridge (trainer/bridge/cuda.py) drives vLLM {checked}'s native "
             f"nccl/ipc weight-transfer engines, but vLLM {installed} is installed. Install "
             f"vllm=={checked} (requirements-gpu.txt), or re-check trainer/bridge/vllm_compat.py "
-            "and tests/unit/test_bridge_cuda.py against the new release first."
+            "and tests/unit/trainer/test_bridge_cuda.py against the new release first."
         )
 
 

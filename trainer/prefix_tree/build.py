@@ -13,7 +13,7 @@ Every node is laid out once in a single packed row. A token's position id is its
 its own sequence, and it attends causally to its node and to all its ancestors
 (``trainer/prefix_tree/attention.py``), so each sequence sees exactly the context it has when padded
 in a row of its own: per-token logprobs are the same up to float summation order (the tests
-in ``tests/unit/test_prefix_tree.py`` hold it to fp32 tolerance).
+in ``tests/unit/trainer/test_prefix_tree.py`` hold it to fp32 tolerance).
 
 A run of shared tokens shorter than ``min_shared`` is not split out (a node costs one more
 attention call per layer, which a handful of tokens does not pay for): its tokens are then
