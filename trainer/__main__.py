@@ -7,7 +7,9 @@ config errors are instant), log the resolved config, then import the trainer and
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
+import signal
 import sys
 
 from settings.cli import report, resolve_args
@@ -28,6 +30,9 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     die_with_agent(PARENT_AT_START)  # a torchrun rank dies with torchrun (agent_death.py)
+    # `kill -USR1 PID` writes every thread's Python stack to the log: where a trainer that
+    # stopped making progress is waiting (the tests ask for it before they give up on one)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (cls, help_text) in COMMANDS.items():

@@ -421,11 +421,19 @@ def test_kill9_each_service_in_turn(tiny_model_dir: Path, tmp_path: Path) -> Non
             stack.check_alive()
 
         trainer = stack.procs["trainer"]
-        _wait(
-            lambda: not trainer.alive(),
-            f"the trainer to finish {STEPS} steps",
-            *[stack.procs[n] for n in ("api", "vllm", "env")],
-        )
+        try:
+            _wait(
+                lambda: not trainer.alive(),
+                f"the trainer to finish {STEPS} steps",
+                *[stack.procs[n] for n in ("api", "vllm", "env")],
+            )
+        except AssertionError as e:  # where the trainer waits: its stacks (SIGUSR1) and log
+            if trainer.alive():
+                os.kill(trainer.pid, signal.SIGUSR1)
+                time.sleep(2)
+            raise AssertionError(
+                f"{e}\n--- trainer: {trainer.log_path}\n{tail(trainer.log_path, 80)}"
+            ) from None
         assert trainer.popen.returncode == 0, tail(trainer.log_path, 60)
         stack.procs["env"].stop()  # no more pushes: the accounting below is final
 
