@@ -20,7 +20,7 @@ import torch
 
 # Rollouts and SFT must tokenize prompts identically: one function serves both.
 from env_server.rollout import prompt_ids
-from env_server.sessions import NotAppendOnly
+from env_server.sessions import NotAppendOnly, end_of_turn
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +41,9 @@ def load_or_build_dataset(data_dir: str | Path, num_sessions: int | None, seed: 
 
 
 def end_of_turn_id(tokenizer: Any) -> int:
-    """The token that closes the assistant turn (``<|im_end|>`` for ChatML), i.e. the EOS."""
-    tok_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(tok_id, int) and tok_id != tokenizer.unk_token_id:
-        return tok_id
-    return int(tokenizer.eos_token_id)
+    """The token that closes the assistant turn (``<|im_end|>`` for ChatML), i.e. the EOS:
+    the one the session form ends its turns with (``env_server.sessions.end_of_turn``)."""
+    return end_of_turn(tokenizer)[0]
 
 
 def encode_example(
