@@ -20,7 +20,7 @@ from launch.supervisor import PY, ServiceFailed
 from launch.threads import ThreadPlan, available_cores, plan_threads
 from launch.trainer_node import launcher_argv
 from settings.bind import is_loopback
-from settings.ports import free_port
+from settings.ports import free_ports
 
 
 def vllm_names(n: int) -> list[str]:
@@ -155,13 +155,15 @@ def plan_run(cfg: RunConfig, run_dir: Path) -> RunPlan:
     lc = cfg.launch
     place = placement(cfg)
     device = "cuda" if place.trainer_device.startswith("cuda") else "cpu"
-    ports = [lc.vllm_port or free_port()]
-    ports += [free_port() for _ in range(lc.num_inference_servers - 1)]
+    asked = [p for p in (lc.vllm_port, lc.api_port) if p]
+    picked = iter(free_ports(1 + lc.num_inference_servers, exclude=asked))  # all distinct
+    ports = [lc.vllm_port or next(picked)]
+    ports += [next(picked) for _ in range(lc.num_inference_servers - 1)]
     return RunPlan(
         run_dir=run_dir,
         place=place,
         threads=plan_threads(available_cores(), lc.num_inference_servers, device),
-        api_url=f"http://{api_connect_host(cfg.api.host)}:{lc.api_port or free_port()}",
+        api_url=f"http://{api_connect_host(cfg.api.host)}:{lc.api_port or next(picked)}",
         vllm_ports=tuple(ports),
         bridge_token=secrets.token_hex(16),
     )

@@ -24,7 +24,7 @@ from launch.configs import resolve_for_run, write_service_configs
 from launch.procs import ManagedProcess
 from launch.threads import available_cores, plan_threads
 from launch.vllm_server import BridgeServer, server_env, spawn_bridge_server
-from settings.ports import free_port
+from settings.ports import free_ports
 
 SERVICES = ("api", "vllm", "env", "trainer")
 PY = sys.executable
@@ -38,8 +38,8 @@ class SoakStack:
         self.data.mkdir(parents=True, exist_ok=True)
         if self.disk is not None:
             self.disk.__enter__()
-        self.api_url = f"http://127.0.0.1:{free_port()}"
-        self.vllm_port = free_port()
+        api_port, self.vllm_port = free_ports(2)  # distinct: neither is bound yet
+        self.api_url = f"http://127.0.0.1:{api_port}"
         self.vllm_url = f"http://127.0.0.1:{self.vllm_port}"
         self.save = self.data / "trainer"
         argv = ["--preset", preset, "--run-dir", str(run_dir)]
