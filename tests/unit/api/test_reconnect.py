@@ -183,9 +183,9 @@ def _lease_cfg(url: str, wait_timeout: float) -> SimpleNamespace:
 
 
 def test_the_trainers_lease_rides_out_a_cut_off_lease(caplog: pytest.LogCaptureFixture) -> None:
-    """``trainer.grpo._lease`` waits out a transient lease failure under ``api.retry`` (the
+    """``trainer.leasing.lease`` waits out a transient lease failure under ``api.retry`` (the
     retry logged as "lease failed"), and raises a refused request at once."""
-    from trainer.grpo import _lease
+    from trainer.leasing import lease
 
     _HangUpOnce.posts = []
     port = free_port()
@@ -195,11 +195,11 @@ def test_the_trainers_lease_rides_out_a_cut_off_lease(caplog: pytest.LogCaptureF
     try:
         client = ApiClient(url, retries=3, backoff=0.01)
         with caplog.at_level(logging.WARNING, logger="trainer.grpo"):
-            batch_id, groups = _lease(client, _lease_cfg(url, 30.0), None, 0)
+            batch_id, groups = lease(client, _lease_cfg(url, 30.0), None, 0)
         assert (batch_id, groups) == ("b1", []) and len(_HangUpOnce.posts) == 2
         assert any("lease failed" in r.getMessage() for r in caplog.records)
         with pytest.raises(ApiError) as e:
-            _lease(client, _lease_cfg(url, 30.0), None, 0)
+            lease(client, _lease_cfg(url, 30.0), None, 0)
         assert e.value.status_code == 400 and not e.value.transient
         assert len(_HangUpOnce.posts) == 3, "a refused request is not retried"
     finally:
@@ -208,13 +208,13 @@ def test_the_trainers_lease_rides_out_a_cut_off_lease(caplog: pytest.LogCaptureF
 
 
 def test_the_trainers_lease_gives_up_after_wait_timeout() -> None:
-    from trainer.grpo import _lease
+    from trainer.leasing import lease
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     client = ApiClient(url, retries=0, backoff=0.05, connect_timeout=0.5)
     t0 = time.monotonic()
     with pytest.raises(ApiError) as e:
-        _lease(client, _lease_cfg(url, 1.0), None, 0)
+        lease(client, _lease_cfg(url, 1.0), None, 0)
     assert e.value.transient and 1.0 <= time.monotonic() - t0 < 15.0
 
 

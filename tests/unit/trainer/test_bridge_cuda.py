@@ -212,7 +212,7 @@ def test_set_device_binds_the_trainers_gpu(servers) -> None:
 def test_server_restart_sets_the_nccl_engine_up_again(servers, fabric: Fabric) -> None:
     """The trainer's wait loop (``WeightSync.resync_if_restarted``) sees the restart in the
     bridge's one run_id record (``bridge.runs``) and re-syncs; the bridge sets up anew."""
-    from trainer.grpo import WeightSync
+    from trainer.weight_sync import WeightSync
 
     model = tiny_model()
     (srv,) = servers("nccl", [2], model)
@@ -253,7 +253,7 @@ def _inject(server: StandInServer, fail: Exception | None = None) -> threading.E
 @pytest.mark.parametrize("backend", ["nccl", "ipc"])
 def test_failed_update_resumes_raises_the_error_and_resets(servers, fabric, backend) -> None:
     from trainer.bridge.http import BridgeHTTPError
-    from trainer.grpo import WeightSync
+    from trainer.weight_sync import WeightSync
 
     model = tiny_model()
     (srv,) = servers(backend, [1], model)
@@ -396,7 +396,7 @@ def _raiser(message: str):
 
 
 def test_grpo_hands_the_trainers_gpu_to_the_cuda_bridge_only() -> None:
-    from trainer.grpo import _bridge_kwargs
+    from trainer.weight_sync import bridge_kwargs
 
     cfg = SimpleNamespace(
         inference_device="auto",
@@ -406,8 +406,8 @@ def test_grpo_hands_the_trainers_gpu_to_the_cuda_bridge_only() -> None:
         save_path="s",
         sync_deadline=None,
     )
-    kw = _bridge_kwargs(cfg, "cuda:1")
+    kw = bridge_kwargs(cfg, "cuda:1")
     assert kw["device"] == "cuda" and kw["trainer_device"] == "cuda:1"
-    assert "trainer_device" not in _bridge_kwargs(cfg, "cpu")  # the CPU bridges take none
+    assert "trainer_device" not in bridge_kwargs(cfg, "cpu")  # the CPU bridges take none
     cfg.inference_device = "cuda"  # a CPU trainer feeding CUDA servers
-    assert _bridge_kwargs(cfg, "cpu")["trainer_device"] == "cpu"
+    assert bridge_kwargs(cfg, "cpu")["trainer_device"] == "cpu"

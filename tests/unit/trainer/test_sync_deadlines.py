@@ -92,7 +92,7 @@ def test_an_error_is_raised_as_is_and_the_first_late_server_is_named() -> None:
 def test_a_sync_timeout_is_not_retried_by_the_trainer() -> None:
     """``WeightSync`` retries a sync while a server is down or restarted; a server that hangs
     is neither: the first ``SyncTimeout`` stops the trainer."""
-    from trainer.grpo import WeightSync
+    from trainer.weight_sync import WeightSync
 
     ws = WeightSync.__new__(WeightSync)
     ws.runs = None  # never asked: the type decides
@@ -101,11 +101,11 @@ def test_a_sync_timeout_is_not_retried_by_the_trainer() -> None:
 
 def test_the_deadlines_are_typed_config_fields_that_reach_the_bridge() -> None:
     from trainer.config import config_from_args
-    from trainer.grpo import _bridge_kwargs
+    from trainer.weight_sync import bridge_kwargs
 
     cfg = GrpoConfig.model_validate({"sync_deadline": {"apply": 7, "connect": 9}})
     assert cfg.sync_deadline == SyncDeadlines(apply=7, connect=9)
-    assert _bridge_kwargs(cfg, "cpu")["deadlines"] is cfg.sync_deadline
+    assert bridge_kwargs(cfg, "cpu")["deadlines"] is cfg.sync_deadline
     assert SyncDeadlines().model_dump() == {
         "check": 30.0,
         "connect": 120.0,

@@ -217,17 +217,17 @@ def test_lora_reference_is_the_base_without_a_copy(micro_model_dir: Path, tmp_pa
 
 
 def test_relased_groups_are_not_trained_twice() -> None:
-    from trainer.grpo import RECENT_BATCHES, _remember, _untrained
+    from trainer.leasing import RECENT_BATCHES, remember, untrained
 
     state = TrainerState()
     trained = make_groups(seed=1)
-    _remember(state, "batch-1", trained)
+    remember(state, "batch-1", trained)
     # After a crash between checkpoint and ack the API re-leases the groups (maybe re-batched).
     fresh = make_groups(seed=2)
-    assert _untrained(trained, state.recent_batches) == []
-    assert _untrained([trained[1], *fresh], state.recent_batches) == fresh
+    assert untrained(trained, state.recent_batches) == []
+    assert untrained([trained[1], *fresh], state.recent_batches) == fresh
     for i in range(RECENT_BATCHES + 5):
-        _remember(state, f"b{i}", [])
+        remember(state, f"b{i}", [])
     assert len(state.recent_batches) == RECENT_BATCHES  # bounded in the checkpoint
 
 
