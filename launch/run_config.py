@@ -22,7 +22,8 @@ from settings.cli import add_config_flags, cli_shortcuts, flag_values
 from settings.layers import Layer, RecipeError, env_layer, expand, file_layers, read_recipe, resolve
 from settings.paths import PRESETS_DIR
 from trainer.config import GrpoConfig, SftConfig
-from vllm_patching.config import Mode, VllmConfig
+from vllm_patching.config import VllmConfig
+from vllm_patching.protocol import BridgeMode
 
 
 class _Keys(BaseModel):
@@ -61,7 +62,7 @@ class RunConfig(_Keys):
     """What vLLM serves and GRPO starts from (also the env's tokenizer)."""
     seed: int | None = None
     """Every service's seed."""
-    weight_bridge_mode: Mode = "shared_vllm"
+    weight_bridge_mode: BridgeMode = "shared_vllm"
     """How trainer weights reach vLLM (docs/BRIDGE.md)."""
     single_copy: bool = False
     """shared_vllm: one weight copy in shared memory."""

@@ -21,7 +21,8 @@ from settings.ports import API_URL, HOST, VLLM_PORT
 from trainer import loss_config, weights_config
 from trainer.gail import GailConfig
 from trainer.loss_config import PolicyLoss, PpoLoss
-from trainer.weights_config import BroadcastWeights, Mode, WeightTransport
+from trainer.weights_config import BroadcastWeights, WeightTransport
+from vllm_patching.protocol import BridgeMode
 
 
 class _Config(BaseModel):
@@ -290,7 +291,7 @@ class GrpoConfig(CommonConfig):
     (trainer/weights_config.py, docs/BRIDGE.md): ``broadcast`` (pack and send to every
     worker), ``single_copy`` (share one copy on one device), ``lora`` (only the adapter moves)
     or ``reload`` (save, vLLM reloads; its ``reload_every``)."""
-    weight_bridge_mode: Mode | None = Field(None, exclude=True)
+    weight_bridge_mode: BridgeMode | None = Field(None, exclude=True)
     """Old spelling, with ``single_copy``, of ``weights.type``: ``shared_vllm`` (``broadcast``,
     with ``single_copy`` ``single_copy``), ``lora_only`` (``lora``), ``none`` (``reload``).
     Read back, the chosen transport's (what the vLLM server is started with); never written."""

@@ -14,15 +14,13 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError
 
 from settings.layers import RecipeError
-
-Mode = Literal["shared_vllm", "lora_only", "none"]
-"""The old ``weight_bridge_mode`` values (also the vLLM server's ``--weight-bridge-mode``)."""
+from vllm_patching.protocol import BridgeMode
 
 
 class _Weights(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    mode: ClassVar[Mode] = "shared_vllm"
+    mode: ClassVar[BridgeMode] = "shared_vllm"
     """The old ``weight_bridge_mode`` of this transport (what the vLLM server is started with)."""
     single_copy: ClassVar[bool] = False
     """The old ``single_copy`` of this transport."""
@@ -48,7 +46,7 @@ class SingleCopyWeights(_Weights):
 class LoraWeights(_Weights):
     """Only a LoRA adapter moves: saved each step, loaded by vLLM as a new adapter version."""
 
-    mode: ClassVar[Mode] = "lora_only"
+    mode: ClassVar[BridgeMode] = "lora_only"
     type: Literal["lora"] = "lora"
     """Which transport."""
 
@@ -56,7 +54,7 @@ class LoraWeights(_Weights):
 class ReloadWeights(_Weights):
     """The full model is saved (safetensors) and vLLM reloads it in place."""
 
-    mode: ClassVar[Mode] = "none"
+    mode: ClassVar[BridgeMode] = "none"
     type: Literal["reload"] = "reload"
     """Which transport."""
     reload_every: int = Field(1, ge=1)
@@ -108,7 +106,7 @@ def old_pair_tag(mode: Any, single_copy: Any, where: str = "") -> str:
     """``weights.type`` of the old pair; an impossible pair (``single_copy`` with another
     mode than ``shared_vllm``) or a wrong value is refused, naming the key."""
     try:
-        mode = TypeAdapter(Mode).validate_python(mode)
+        mode = TypeAdapter(BridgeMode).validate_python(mode)
     except ValidationError:
         raise ValueError(
             f"{where}weight_bridge_mode is one of shared_vllm, lora_only, none, got {mode!r}"

@@ -12,8 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Mode = Literal["shared_vllm", "lora_only", "none"]
-"""How trainer weights reach the vLLM servers (docs/BRIDGE.md)."""
+from vllm_patching.protocol import BridgeMode
+
 HumanInt = Annotated[str, Field(pattern=r"^\s*(auto|-1|\d+(\.\d+)?[kKmMgGtT])\s*$")]
 """vLLM's way of writing a length: ``4k`` (4000), ``4K`` (4096), ``auto`` / ``-1``."""
 
@@ -28,7 +28,7 @@ class VllmConfig(BaseModel):
     """Model directory or hub id vLLM serves."""
     seed: int | None = None
     """vLLM's seed."""
-    weight_bridge_mode: Mode | None = None
+    weight_bridge_mode: BridgeMode | None = None
     """How trainer weights reach this server (docs/BRIDGE.md)."""
     single_copy: bool | None = None
     """shared_vllm: one weight copy in shared memory (CPU) / CUDA IPC (GPU)."""

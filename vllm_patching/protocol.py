@@ -7,6 +7,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 BridgeMode = Literal["shared_vllm", "lora_only", "none"]
+"""How trainer weights reach a vLLM server (docs/BRIDGE.md): the server's
+``--weight-bridge-mode``, the trainer's old ``weight_bridge_mode`` (its transports,
+trainer/weights_config.py, each name one); the one definition of these values."""
 TOKEN_ENV = "SHOP_R1_BRIDGE_TOKEN"
 """Environment variable holding the shared token (never written to disk by the bridge)."""
 SETTINGS_ENV = "SHOP_R1_BRIDGE_SETTINGS"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, get_args
 
 from trainer.bridge.base import SyncStats, WeightBridge
 from trainer.weights_config import (
@@ -29,6 +29,7 @@ from trainer.weights_config import (
     WeightTransport,
     old_pair_tag,
 )
+from vllm_patching.protocol import BridgeMode
 
 __all__ = ["WeightBridge", "SyncStats", "bridge_for", "make_bridge", "rendezvous_from_env"]
 
@@ -147,8 +148,8 @@ def make_bridge(
     """:func:`bridge_for` in the old spelling: ``mode`` (``shared_vllm``, ``lora_only``,
     ``none``) with ``single_copy`` and ``reload_every`` (mode none: apply every N-th sync).
     A combination no transport has is refused (``ValueError``, naming the key)."""
-    if mode not in ("shared_vllm", "lora_only", "none"):
-        raise ValueError(f"unknown bridge mode {mode!r} (shared_vllm, lora_only, none)")
+    if mode not in (modes := get_args(BridgeMode)):
+        raise ValueError(f"unknown bridge mode {mode!r} ({', '.join(modes)})")
     tag = old_pair_tag(mode, single_copy)
     fields = {"reload_every": reload_every} if reload_every != 1 or tag == "reload" else {}
     weights = BY_TYPE[tag].model_validate({"type": tag, **fields})  # refuses reload_every
