@@ -24,6 +24,15 @@ LAUNCHER_VLLM_KEYS |= {"bridge_config", "served_model_name"}
 """vLLM options the launcher sets for every server itself (the run file's are not used)."""
 
 
+SAME_SETTING = {
+    ("trainer", "grpo", key): ("trainer", "grpo", "weights", "type")
+    for key in ("weight_bridge_mode", "single_copy")
+}
+"""Keys the launcher owns in their old spelling -> the one setting they make (the weight
+transport, trainer/weights_config.py): a flag or variable that gives it either way and does
+not get it is told so, once."""
+
+
 def preset_model(cfg: RunConfig) -> str:
     """The model the preset names: what its SFT cold start writes (``build_embedded``)."""
     return str(read_recipe(PRESETS_DIR / f"{cfg.preset}.yaml")["model"])
@@ -85,12 +94,16 @@ def launcher_config(
     user asked for)."""
     defaults, owned = launcher_values(first, api_url, vllm_urls, run_dir, device)
     cfg = resolve(RunConfig, [("launcher", defaults), *layers, ("launcher", owned)])
+    said: set[tuple[str, ...]] = set()
     for path in _paths(owned) if warn else []:
-        given = [n for n, layer in layers[-2:] if has_path(layer, path)]
-        asked, value = (reduce(getattr, path, c) for c in (first, cfg))
-        if given and asked != value:
+        shown = SAME_SETTING.get(path, path)  # the key the check compares and names
+        spellings = {path, shown} | {old for old, new in SAME_SETTING.items() if new == shown}
+        given = [n for n, layer in layers[-2:] if any(has_path(layer, p) for p in spellings)]
+        asked, value = (reduce(getattr, shown, c) for c in (first, cfg))
+        if given and asked != value and shown not in said:
+            said.add(shown)
             why = "it wires the run; set it with the launcher's own options (--api-port, ...)"
-            warn = f"{'.'.join(path)} = {asked!r} ({given[-1]}) is replaced by {value!r}: {why}"
+            warn = f"{'.'.join(shown)} = {asked!r} ({given[-1]}) is replaced by {value!r}: {why}"
             print(f"[run_all] WARNING: {warn}", file=sys.stderr, flush=True)
     return cfg
 

@@ -176,6 +176,30 @@ def test_the_launcher_owns_the_runs_wiring_over_every_layer(
     assert "/elsewhere" not in err and "model_name" not in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "environ"),
+    [
+        (["--trainer.grpo.weights.type", "lora"], {}),
+        (["--trainer.grpo.weight-bridge-mode", "lora_only"], {}),
+        ([], {"SHOP_R1_TRAINER__GRPO__WEIGHTS__TYPE": "lora"}),
+    ],
+)
+def test_a_transport_the_launcher_replaces_is_said_whichever_spelling(
+    argv: list[str], environ: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The weight transport is the run's (``--weight-bridge-mode``, what vLLM is started
+    with): a trainer-level choice that differs, in the new key or the old one, is replaced
+    and said once, naming the setting and where it was asked."""
+    cfg = _run(argv, tmp_path, environ)
+    assert cfg.trainer.grpo.weights.type == "broadcast" and cfg.weight_bridge_mode == "shared_vllm"
+    err = capsys.readouterr().err
+    where = "(environment)" if environ else "(command line)"
+    said = f"WARNING: trainer.grpo.weights.type = 'lora' {where} is replaced by 'broadcast'"
+    assert said in err and err.count("WARNING") == 1, err
+    _run(["--weight-bridge-mode", "lora_only", *argv], tmp_path, environ)  # the run's own: silent
+    assert "WARNING" not in capsys.readouterr().err
+
+
 def test_the_resolved_files_are_what_the_services_parse(tmp_path: Path) -> None:
     confs = _resolve(
         ["--recipe", str(GRPO), "--training-steps", "5", "--trainer-args=--kl-coef 0.02"], tmp_path
