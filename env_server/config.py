@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from env_server.reward import RewardConfig, RewardSpec
 from settings import cli
-from settings.layers import env_default
+from settings.layers import Negated, env_default
 from settings.paths import DATA_DIR
 from settings.ports import API_URL, VLLM_URL
 
@@ -33,8 +33,21 @@ class EnvConfig(BaseModel):
     """The Shop-R1 environment service."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-    # three ways to give the reward: a layer that uses one of them drops what a lower layer
-    # gave through another (settings.layers.REWARD_KEYS)
+    shortcuts: ClassVar[dict[str, str | Negated]] = {
+        "model": "tokenizer",
+        "seed": "seed",
+        "num_sessions": "num_sessions",
+        "episode": "episode",
+        "keep_constant_groups": Negated("drop_constant_groups"),
+    }
+    """A run's top-level keys that fill these fields (``settings.layers.Rules``)."""
+    one_of: ClassVar[tuple[frozenset[str], ...]] = (
+        frozenset({"rewards", "reward", "reward_variant"}),
+    )
+    """The three ways to give the reward: a layer that uses one of them drops what a lower
+    layer gave through another."""
+    whole: ClassVar[frozenset[str]] = frozenset({"rewards"})
+    """A layer's ``rewards:`` replaces a lower layer's whole (entries are not merged)."""
 
     api_url: str = API_URL
     """Batching API the scored groups go to."""

@@ -1,7 +1,11 @@
 """A run's config, ``launch.run_config.RunConfig``, from layers, lowest first (docs/RECIPES.md):
 field defaults < YAML run files (``base:`` chains, ``${VAR}``) < environment < command line.
-A shortcut (``model``, ``seed``, ...) fills its fields inside its own layer, where that layer
-does not set them itself. Imports no service package."""
+Imports no service package: what is particular to a service's fields its config model
+declares, and :func:`resolve` reads it from the model it validates (:class:`Rules`): old keys
+(``old_keys``, ``fold_old_keys``), the run-level shortcuts that fill its fields
+(``shortcuts``: ``model`` fills ``trainer.grpo.model_name`` and ``env.tokenizer``; a shortcut
+fills inside its own layer, where that layer does not set the field itself), keys of which a
+layer gives one (``one_of``) and mappings a layer replaces whole (``whole``)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import copy
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar, get_args
@@ -21,23 +26,57 @@ from settings import paths
 
 M = TypeVar("M", bound=BaseModel)
 Layer = tuple[str, Mapping[str, Any]]
-SHORTCUTS: dict[str, tuple[str, ...]] = {
-    "model": ("trainer.grpo.model_name", "env.tokenizer", "vllm.model"),
-    "seed": ("trainer.sft.seed", "trainer.grpo.seed", "env.seed", "vllm.seed"),
-    "weight_bridge_mode": ("trainer.grpo.weight_bridge_mode", "vllm.weight_bridge_mode"),
-    "single_copy": ("trainer.grpo.single_copy", "vllm.single_copy"),
-    "training_steps": ("trainer.grpo.training_steps",),
-    "sft_steps": ("trainer.sft.training_steps",),
-    "num_sessions": ("trainer.sft.num_sessions", "env.num_sessions"),
-    "episode": ("trainer.sft.episode", "env.episode"),
-    "keep_constant_groups": ("env.drop_constant_groups",),  # negated
-}
-"""Top-level keys of a run and the fields they fill."""
-RUN_KEYS = {"name", "description", "preset", "recipe", "env_args", "trainer_args", *SHORTCUTS}
+RUN_KEYS = {"name", "description", "preset", "recipe", "env_args", "trainer_args"}
+RUN_KEYS |= {"model", "seed", "weight_bridge_mode", "single_copy", "training_steps", "sft_steps"}
+RUN_KEYS |= {"num_sessions", "episode", "keep_constant_groups"}
 RUN_KEYS |= {"base", "launch", "api", "env", "trainer", "vllm", "verifiers"}
-"""A run file's top-level keys (``RunConfig``'s fields and ``base``)."""
-REWARD_KEYS = {"rewards", "reward", "reward_variant"}
-"""``env``'s three ways to give the reward: a layer giving one drops the lower layers' others."""
+"""A run file's top-level keys (``RunConfig``'s fields and ``base``): what a service checks a
+file against without importing the other services."""
+Path_ = tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Negated:
+    """A shortcut that fills a boolean field with its negation (``shortcuts``:
+    ``{"keep_constant_groups": Negated("drop_constant_groups")}``)."""
+
+    field: str
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What a config model and the models in its fields declare about combining layers,
+    each at its path from the root of the run (:func:`rules`)."""
+
+    fills: tuple[tuple[str, Path_, bool], ...] = ()
+    """(run-level shortcut, the field it fills, negated)."""
+    one_of: tuple[tuple[Path_, frozenset[str]], ...] = ()
+    """(path, keys there of which a layer gives one: giving one drops the lower layers'
+    others; ``env``'s three ways to give the reward)."""
+    whole: frozenset[Path_] = frozenset()
+    """Mappings a layer replaces whole rather than key by key (``env.rewards``)."""
+
+
+@cache
+def rules(cls: type[BaseModel], at: Path_ = ()) -> Rules:
+    """The :class:`Rules` that ``cls`` (placed at ``at``) and the models in its fields
+    declare as ``shortcuts``, ``one_of`` and ``whole`` (ClassVars)."""
+    fills = []
+    for key, fill in getattr(cls, "shortcuts", {}).items():
+        name = fill.field if isinstance(fill, Negated) else fill
+        fills.append((key, (*at, *name.split(".")), isinstance(fill, Negated)))
+    one_of = [(at, frozenset(group)) for group in getattr(cls, "one_of", ())]
+    whole = {(*at, key) for key in getattr(cls, "whole", ())}
+    for name, field in cls.model_fields.items():
+        for sub in (field.annotation, *get_args(field.annotation)):
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                inner = rules(sub, (*at, name))
+                fills += inner.fills
+                one_of += inner.one_of
+                whole |= inner.whole
+    return Rules(tuple(fills), tuple(one_of), frozenset(whole))
+
+
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
@@ -114,18 +153,22 @@ def file_layers(path: Path) -> list[Layer]:
 
 
 def expand(layer: Mapping[str, Any]) -> dict[str, Any]:
-    """``layer`` with its ``trainer:`` keys beside ``sft:``/``grpo:`` moved into both, over
-    what its shortcuts fill."""
-    out, fill = copy.deepcopy(dict(layer)), {}
+    """``layer`` with its ``trainer:`` keys beside ``sft:``/``grpo:`` moved into both."""
+    out = copy.deepcopy(dict(layer))
     if isinstance(trainer := out.get("trainer"), dict):
         common = {k: v for k, v in trainer.items() if k not in ("sft", "grpo")}
         sub = {c: trainer.get(c) or {} for c in ("sft", "grpo")}
         out["trainer"] = {c: {**common, **v} if isinstance(v, dict) else v for c, v in sub.items()}
-    for key, targets in SHORTCUTS.items():
-        value = not out.get(key) if key == "keep_constant_groups" else out.get(key)
-        for target in targets if key in out else ():
-            merge(fill, nest(target, value))
-    return merge(fill, out)
+    return out
+
+
+def filled(layer: Mapping[str, Any], fills: Sequence[tuple[str, Path_, bool]]) -> dict[str, Any]:
+    """``layer`` over what its run-level shortcuts fill (``Rules.fills``)."""
+    fill: dict[str, Any] = {}
+    for key, path, negate in fills:
+        if key in layer:
+            merge(fill, nest(".".join(path), not layer[key] if negate else layer[key]))
+    return merge(fill, layer)
 
 
 def nest(section: str, values: Any) -> Any:
@@ -135,14 +178,19 @@ def nest(section: str, values: Any) -> Any:
     return values
 
 
-def merge(base: dict[str, Any], over: Mapping[str, Any], path: str = "") -> dict[str, Any]:
-    """``over`` onto ``base``, mappings key by key (``rewards`` whole; see ``REWARD_KEYS``)."""
-    if path == "env" and REWARD_KEYS & over.keys():
-        for key in REWARD_KEYS - over.keys():
-            base.pop(key, None)
+def merge(
+    base: dict[str, Any], over: Mapping[str, Any], how: Rules | None = None, at: Path_ = ()
+) -> dict[str, Any]:
+    """``over`` onto ``base``, mappings key by key, save what ``how`` says (``one_of``,
+    ``whole``); ``at``: where ``base`` lies in the run."""
+    for path, group in how.one_of if how else ():
+        if path == at and group & over.keys():
+            for key in group - over.keys():
+                base.pop(key, None)
     for key, value in over.items():
-        if isinstance(value, Mapping) and isinstance(base.get(key), dict) and key != "rewards":
-            merge(base[key], value, f"{path}.{key}".lstrip("."))
+        whole = how is not None and (*at, key) in how.whole
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict) and not whole:
+            merge(base[key], value, how, (*at, key))
         else:
             base[key] = copy.deepcopy(value)
     return base
@@ -241,13 +289,14 @@ def resolve(cls: type[M], layers: Sequence[Layer], section: str = "") -> M:
     """``(label, values)`` run layers merged, lowest first, and their ``section`` (all: ``""``)
     validated as ``cls``; an error names each wrong key and the highest layer setting it."""
     parts = tuple(section.split(".")) if section else ()
+    how = rules(cls, parts)
     moves = {(*parts, *o): (*parts, *n) for o, n in moved_keys(cls).items()}
-    layers = [(label, renamed(layer, moves, label)) for label, layer in layers]
+    layers = [(label, renamed(filled(layer, how.fills), moves, label)) for label, layer in layers]
     for path, fold in layer_folds(cls):
         layers = fold(layers, (*parts, *path))
     values: Any = {}
     for _, layer in layers:
-        merge(values, layer)
+        merge(values, layer, how)
     for part in section.split(".") if section else []:
         values = values.get(part, {}) if isinstance(values, Mapping) else values
     try:

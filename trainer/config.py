@@ -158,6 +158,14 @@ class CommonConfig(_Config):
 class SftConfig(CommonConfig):
     """Supervised cold start on the Shop-R1 dataset: rationale + action JSON as the target."""
 
+    shortcuts: ClassVar[dict[str, str]] = {
+        "seed": "seed",
+        "sft_steps": "training_steps",
+        "num_sessions": "num_sessions",
+        "episode": "episode",
+    }
+    """A run's top-level keys that fill these fields (``settings.layers.Rules``)."""
+
     save_path: str = str(SFT_MODEL_DIR)
     """Output directory of the SFT model (default: the embedded SFT checkpoint location)."""
     data_dir: str = str(DATA_DIR)
@@ -254,6 +262,14 @@ class GrpoConfig(CommonConfig):
     fold_old_keys: ClassVar = staticmethod(weights_config.fold_old_keys)
     """The old ``weight_bridge_mode`` + ``single_copy`` pair -> ``weights.type``, layer by
     layer (``settings.layers.resolve``)."""
+    shortcuts: ClassVar[dict[str, str]] = {
+        "model": "model_name",
+        "seed": "seed",
+        "weight_bridge_mode": "weight_bridge_mode",
+        "single_copy": "single_copy",
+        "training_steps": "training_steps",
+    }
+    """A run's top-level keys that fill these fields (``settings.layers.Rules``)."""
 
     model_name: str = str(SFT_MODEL_DIR)
     """Model to start from (default: the embedded SFT cold-start checkpoint)."""

@@ -8,7 +8,7 @@ Imports neither vLLM nor torch (the launcher reads it).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,6 +23,13 @@ class VllmConfig(BaseModel):
     argument passed on untyped (vLLM's own parser checks it)."""
 
     model_config = ConfigDict(extra="allow", use_attribute_docstrings=True)
+    shortcuts: ClassVar[dict[str, str]] = {
+        "model": "model",
+        "seed": "seed",
+        "weight_bridge_mode": "weight_bridge_mode",
+        "single_copy": "single_copy",
+    }
+    """A run's top-level keys that fill these fields (``settings.layers.Rules``)."""
 
     model: str | None = None
     """Model directory or hub id vLLM serves."""

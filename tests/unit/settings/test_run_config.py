@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from functools import reduce
 from pathlib import Path
 
 import pytest
@@ -237,8 +238,23 @@ def test_one_file_flag_takes_run_files_in_order(tmp_path: Path) -> None:
 
 def test_a_run_files_top_level_keys_are_the_run_configs_fields() -> None:
     """``settings.layers.RUN_KEYS`` (what a service checks a file's top level against, without
-    importing every section) is ``RunConfig``'s fields and ``base``."""
-    from settings.layers import RUN_KEYS, SHORTCUTS
+    importing every section) is ``RunConfig``'s fields and ``base``; every shortcut a
+    section declares is one of them, and fills a field its section has."""
+    from settings.layers import RUN_KEYS, rules
 
     assert {*RunConfig.model_fields, "base"} == RUN_KEYS
-    assert set(SHORTCUTS) <= set(RunConfig.model_fields)
+    fills = rules(RunConfig).fills
+    assert {key for key, _, _ in fills} == {
+        "model",
+        "seed",
+        "weight_bridge_mode",
+        "single_copy",
+        "training_steps",
+        "sft_steps",
+        "num_sessions",
+        "episode",
+        "keep_constant_groups",
+    }
+    for key, path, _ in fills:
+        section = reduce(getattr, path[:-1], RunConfig())
+        assert key in RunConfig.model_fields and path[-1] in type(section).model_fields, path
