@@ -38,6 +38,7 @@ from collections import Counter
 from pathlib import Path
 
 from bench.common import machine
+from launch.exits import EXIT_CHECKPOINT_WRITE
 
 
 def wait_healthy(stack, name: str, timeout: float = 900.0) -> float:
@@ -51,6 +52,50 @@ def wait_healthy(stack, name: str, timeout: float = 900.0) -> float:
             raise TimeoutError(f"{name} did not come up in {timeout:.0f}s; read {proc.log_path}")
         time.sleep(1.0)
     return time.monotonic() - t0
+
+
+class Watch:
+    """What the services say about themselves, asked once a second (never their logs): the
+    API's ``/status`` (``storage_refusals``: pushes refused for lack of space, counted by each
+    API process since it started) and vLLM's ``/bridge/health`` (the weight version it serves:
+    a restarted server is back on the trainer's weights once it serves at least the version
+    the trainer had checkpointed when the server was killed)."""
+
+    def __init__(self) -> None:
+        self.refusals: dict[int, int] = {}  # API start number -> the most it reported
+        self.refusing_seen = False  # /status said storage_low at least once
+        self.waiting: list[tuple[float, int]] = []  # (restart time, version it must reach)
+        self.resync_s: list[float] = []
+
+    def poll(self, stack) -> None:
+        import httpx
+
+        try:
+            status = httpx.get(f"{stack.api_url}/status", timeout=2).json()
+            n = stack.starts["api"]
+            self.refusals[n] = max(self.refusals.get(n, 0), int(status["storage_refusals"]))
+            self.refusing_seen |= bool(status["storage_low"])
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass  # down (being killed or restarted): the next poll asks again
+        if self.waiting:
+            headers = {"Authorization": f"Bearer {stack.token}"}
+            try:
+                health = httpx.get(f"{stack.vllm_url}/bridge/health", timeout=2, headers=headers)
+                version = int(health.json()["weight_version"])
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                return
+            now = time.monotonic()
+            self.resync_s += [round(now - t, 1) for t, v in self.waiting if version >= v]
+            self.waiting = [(t, v) for t, v in self.waiting if version < v]
+
+    def report(self) -> dict:
+        return {
+            "api_storage_refusals": sum(self.refusals.values()),
+            "api_reported_storage_low": self.refusing_seen,
+            "vllm_restarts_resynced": len(self.resync_s),
+            "vllm_resync_s": self.resync_s,
+            "vllm_restarts_not_resynced_by_the_end": len(self.waiting),
+        }
 
 
 class Lineage:
@@ -82,7 +127,14 @@ def run(a: argparse.Namespace) -> dict:
     report: dict = {"machine": machine(), "preset": a.preset, "minutes": a.minutes, "events": []}
     kills: Counter[str] = Counter()
     unplanned: list[dict] = []
-    lineage = Lineage()
+    lineage, watch = Lineage(), Watch()
+    from_checkpoint = 0  # trainer restarts with a checkpoint to resume from
+
+    def restart(name: str) -> None:
+        nonlocal from_checkpoint
+        from_checkpoint += name == "trainer" and stack.latest_state() is not None
+        stack.start(name)
+
     t0 = time.monotonic()
 
     def event(what: str, **kw: object) -> None:
@@ -111,6 +163,7 @@ def run(a: argparse.Namespace) -> dict:
         while time.monotonic() < deadline:
             time.sleep(1.0)
             lineage.snapshot(stack)
+            watch.poll(stack)
             if len(loads) < (time.monotonic() - t1) / 60:  # one sample a minute
                 loads.append(machine()["loadavg"][0])
             if not report.get("others_midway") and time.monotonic() > (t1 + deadline) / 2:
@@ -122,7 +175,7 @@ def run(a: argparse.Namespace) -> dict:
                     unplanned.append({"service": name, "exit": rc, "log": str(proc.log_path)})
                     event("exited by itself", service=name, exit=rc)
                     proc.stop()
-                    stack.start(name)
+                    restart(name)
             now = time.monotonic()
             if disk_at is not None and now >= disk_at and disk_until is None:
                 free = stack.disk.fill(leave=a.disk_leave_mb << 20)
@@ -137,7 +190,9 @@ def run(a: argparse.Namespace) -> dict:
                 stack.procs[name].kill9()
                 kills[name] += 1
                 time.sleep(1.0)
-                stack.start(name)
+                restart(name)
+                if name == "vllm":  # it serves the start weights until the trainer re-syncs
+                    watch.waiting.append((time.monotonic(), max(step, 1)))
                 up = wait_healthy(stack, name) if name in ("api", "vllm") else 0.0
                 event("killed and restarted", service=name, step=step, up_s=round(up, 1))
                 next_kill = time.monotonic() + rng.uniform(*a.kill_every)
@@ -153,6 +208,10 @@ def run(a: argparse.Namespace) -> dict:
         event("final trainer run (acks the last checkpoint)", exit=rc, step=final_step)
         lineage.snapshot(stack)
         report.update(audit(stack, lineage, final_step))
+        report.update(watch.report(), trainer_restarts_from_a_checkpoint=from_checkpoint)
+        report["trainer_checkpoint_write_stops"] = sum(
+            u["service"] == "trainer" and u["exit"] == EXIT_CHECKPOINT_WRITE for u in unplanned
+        )
         report["loadavg_1min_per_minute"] = loads
     finally:
         stack.stop_all()
@@ -189,7 +248,6 @@ def audit(stack, lineage: Lineage, final_step: int) -> dict:
     weights = {}
     for f in final.glob("*.safetensors"):
         weights.update(load_file(f))
-    trainer_log = stack.logs("trainer")
     return {
         "steps": final_step,
         "lineage_steps_seen": len(steps),
@@ -211,11 +269,6 @@ def audit(stack, lineage: Lineage, final_step: int) -> dict:
         "db_integrity": ok,
         "final_weights_finite": bool(weights)
         and all(torch.isfinite(t).all() for t in weights.values()),
-        "api_507_lines": stack.logs("api").count("refusing pushes (HTTP 507)"),
-        "env_retry_lines": stack.logs("env").count("retry"),
-        "trainer_checkpoint_stops": trainer_log.count("STOPPED: checkpoint"),
-        "trainer_resumes": trainer_log.count("resumed from"),
-        "trainer_resyncs": trainer_log.count("re-syncing version"),
     }
 
 

@@ -132,9 +132,3 @@ class SoakStack:
                 continue
             return int(state["step"]), state["recent_batches"]
         return None
-
-    def logs(self, name: str) -> str:
-        return "".join(
-            (self.run_dir / f"{name}.{i}.log").read_text(errors="replace")
-            for i in range(1, self.starts[name] + 1)
-        )
