@@ -7,9 +7,12 @@ resumes from a sharded or a single-process checkpoint; only rank 0 writes metric
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
+import os
 import random
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,6 +96,20 @@ def setup_logging() -> None:
     )
 
 
+STARTS = "starts.jsonl"
+"""One line per start of a trainer in its ``save_path``: when, its PID, the checkpoint it
+resumed from (null: a fresh start) and the step it starts from; a supervisor or a benchmark
+reads a restart's outcome here, not in the log."""
+
+
+def record_start(save_path: Path, resumed_from: Path | None, step: int) -> None:
+    """Append this start to ``save_path/starts.jsonl`` (:data:`STARTS`)."""
+    row = {"time": time.time(), "pid": os.getpid(), "step": step}
+    row["resumed_from"] = None if resumed_from is None else str(resumed_from)
+    with (save_path / STARTS).open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def start_run(cfg: CommonConfig, before_resume=None) -> Run:
     """Seed, load the model and optimizer, and (``--resume``) restore the latest checkpoint.
 
@@ -129,6 +146,7 @@ def start_run(cfg: CommonConfig, before_resume=None) -> Run:
             run_config=cfg.model_dump(),
         )
         (save_path / "trainer_config.json").write_text(cfg.model_dump_json(indent=1))
+        record_start(save_path, resumed_from, state.step)
     else:
         metrics = MetricsLogger(None)
     return Run(cfg, loaded, optimizer, scheduler, state, metrics, resumed_from, dist=d)

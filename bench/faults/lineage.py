@@ -33,12 +33,12 @@ from launch.lifeline import ProcInfo, descendants, group_members, is_running, si
 from launch.procs import ManagedProcess, tail
 from settings.ports import free_port
 from trainer.checkpoint import list_checkpoints, missing_parts
+from trainer.run import STARTS
 
 TOKEN = "trainer-faults-token"
 GROUP = 4
 WAIT_S = 900.0
 """Longest wait for any one thing (a trainer start on a loaded 2-core box takes ~20-60 s)."""
-RESUMED = re.compile(r"resumed from (\S+) at step (\d+)")
 ORPHAN_S = 30.0
 """How long the processes below a killed trainer may outlive it (a torchrun rank dies with
 torchrun at once: trainer/agent_death.py; torchrun stops the other rank within its grace)."""
@@ -173,14 +173,14 @@ class Lineage:
         return rc, proc.log_path.read_text(errors="replace")
 
     def resumed_step(self, proc: ManagedProcess) -> int:
-        """The step ``proc`` resumed at (waits for its log line)."""
-        deadline = time.monotonic() + WAIT_S
+        """The step ``proc`` resumed at, 0 for a fresh start (waits for its line in the
+        trainer's ``starts.jsonl``, trainer.run.STARTS)."""
+        deadline, path = time.monotonic() + WAIT_S, self.save / STARTS
         while time.monotonic() < deadline:
-            text = proc.log_path.read_text(errors="replace")
-            if m := RESUMED.search(text):
-                return int(m.group(2))
-            if "starting fresh" in text:
-                return 0
+            lines = path.read_text().splitlines() if path.exists() else []
+            for row in map(json.loads, filter(None, lines)):
+                if row["pid"] == proc.pid:
+                    return int(row["step"]) if row["resumed_from"] else 0
             assert proc.alive(), f"{proc.name} died before resuming:\n{tail(proc.log_path)}"
             time.sleep(0.2)
         raise TimeoutError(f"{proc.name} did not resume: {tail(proc.log_path)}")

@@ -128,12 +128,6 @@ def run(a: argparse.Namespace) -> dict:
     kills: Counter[str] = Counter()
     unplanned: list[dict] = []
     lineage, watch = Lineage(), Watch()
-    from_checkpoint = 0  # trainer restarts with a checkpoint to resume from
-
-    def restart(name: str) -> None:
-        nonlocal from_checkpoint
-        from_checkpoint += name == "trainer" and stack.latest_state() is not None
-        stack.start(name)
 
     t0 = time.monotonic()
 
@@ -175,7 +169,7 @@ def run(a: argparse.Namespace) -> dict:
                     unplanned.append({"service": name, "exit": rc, "log": str(proc.log_path)})
                     event("exited by itself", service=name, exit=rc)
                     proc.stop()
-                    restart(name)
+                    stack.start(name)
             now = time.monotonic()
             if disk_at is not None and now >= disk_at and disk_until is None:
                 free = stack.disk.fill(leave=a.disk_leave_mb << 20)
@@ -190,7 +184,7 @@ def run(a: argparse.Namespace) -> dict:
                 stack.procs[name].kill9()
                 kills[name] += 1
                 time.sleep(1.0)
-                restart(name)
+                stack.start(name)
                 if name == "vllm":  # it serves the start weights until the trainer re-syncs
                     watch.waiting.append((time.monotonic(), max(step, 1)))
                 up = wait_healthy(stack, name) if name in ("api", "vllm") else 0.0
@@ -208,7 +202,7 @@ def run(a: argparse.Namespace) -> dict:
         event("final trainer run (acks the last checkpoint)", exit=rc, step=final_step)
         lineage.snapshot(stack)
         report.update(audit(stack, lineage, final_step))
-        report.update(watch.report(), trainer_restarts_from_a_checkpoint=from_checkpoint)
+        report.update(watch.report(), trainer_resumes=resumes(stack.save))
         report["trainer_checkpoint_write_stops"] = sum(
             u["service"] == "trainer" and u["exit"] == EXIT_CHECKPOINT_WRITE for u in unplanned
         )
@@ -270,6 +264,14 @@ def audit(stack, lineage: Lineage, final_step: int) -> dict:
         "final_weights_finite": bool(weights)
         and all(torch.isfinite(t).all() for t in weights.values()),
     }
+
+
+def resumes(save: Path) -> int:
+    """Trainer starts that resumed from a checkpoint (the trainer's ``starts.jsonl``)."""
+    from trainer.run import STARTS
+
+    rows = [json.loads(x) for x in (save / STARTS).read_text().splitlines() if x.strip()]
+    return sum(r["resumed_from"] is not None for r in rows)
 
 
 def others(n: int = 6) -> list[str]:
