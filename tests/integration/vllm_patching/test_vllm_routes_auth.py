@@ -23,8 +23,8 @@ from starlette.routing import Mount
 
 from launch.vllm_server import BridgeServer
 from tests.route_table import concrete, documented
+from vllm_patching.middleware import OPEN_ROUTES
 from vllm_patching.protocol import SETTINGS_ENV, TOKEN_ENV, TOKEN_HEADER, BridgeSettings
-from vllm_patching.routes import OPEN_ROUTES
 
 pytestmark = pytest.mark.integration
 BRIDGE_MD = Path(__file__).parent.resolve().parents[2] / "docs" / "BRIDGE.md"

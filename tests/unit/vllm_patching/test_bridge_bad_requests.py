@@ -15,8 +15,9 @@ from fastapi import FastAPI, HTTPException, Request
 
 from vllm_patching.generate import check_plain, sampling_params
 from vllm_patching.generate import router as generate_router
+from vllm_patching.middleware import BridgeMiddleware, BridgeState, header_value
 from vllm_patching.protocol import TOKEN_HEADER, VERSION_HEADER, BridgeSettings
-from vllm_patching.routes import BridgeMiddleware, BridgeState, header_value, router
+from vllm_patching.routes import router
 
 pytestmark = pytest.mark.unit
 TOKEN = "t0ken"

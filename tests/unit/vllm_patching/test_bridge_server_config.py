@@ -9,8 +9,8 @@ import torch
 
 from trainer.bridge import make_bridge
 from trainer.bridge.params import check_against_server, hf_tensors
+from vllm_patching.middleware import requires_token, token_ok
 from vllm_patching.protocol import SETTINGS_ENV, TOKEN_ENV, TOKEN_HEADER, BridgeSettings
-from vllm_patching.routes import requires_token, token_ok
 from vllm_patching.serve import build, check_access, write_config_file
 
 pytestmark = pytest.mark.unit
@@ -212,8 +212,9 @@ def test_stage_and_apply_refuse_another_server_run_and_other_modes() -> None:
     gets 409 before anything is staged; the trainer then sets the transfer up again."""
     from fastapi import HTTPException
 
+    from vllm_patching.middleware import BridgeState
     from vllm_patching.protocol import ApplyRequest, StageRequest
-    from vllm_patching.routes import BridgeState, _check_run
+    from vllm_patching.routes import _check_run
 
     assert requires_token("POST", "/bridge/stage") and requires_token("POST", "/bridge/apply")
     settings = BridgeSettings(run_id="run-a", config_path="/x", served_model_name="tiny")
