@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from env_server.evaluate import reward_components
+from env_server.eval_stats import reward_components
 from env_server.reward import ParsedOutput, RewardConfig, parse_output, score
 
 PAGE_KINDS = ("home", "results", "product", "cart", "checkout", "confirmation", "other")

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from env_server.config import EnvConfig
-from env_server.evaluate import compute_metrics, generate_completions
+from env_server.eval_stats import compute_metrics
+from env_server.evaluate import generate_completions
 from env_server.inference import InferenceClient, InferencePool
 from env_server.page_report import page_kind
 from env_server.rollout import build_group, prompt_ids

@@ -1,7 +1,7 @@
 """The SFT-vs-RL table of ``launch/run_all.sh`` (``eval.md`` in the run directory): every
 metric of both evaluations (launch/evaluation.py) in markdown, with its 95% interval or
 standard error, the relative change, and the paired differences on the same test rows
-(env_server.evaluate.paired_difference).
+(env_server.eval_stats.paired_difference).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _cell(m: dict, key: str, kind: str) -> str:
 
 
 def _paired_line(sft: dict, rl: dict, key: str, label: str, scale: float, unit: str) -> str:
-    from env_server.evaluate import paired_difference
+    from env_server.eval_stats import paired_difference
 
     a, b = sft.get("per_sample", {}).get(key), rl.get("per_sample", {}).get(key)
     if not a or not b or len(a) != len(b):

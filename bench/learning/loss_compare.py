@@ -134,7 +134,7 @@ def _load_sampler(path: Path, stop: threading.Event) -> None:
 
 
 def _paired(a: list[float], b: list[float]) -> dict[str, float]:
-    from env_server.evaluate import paired_difference
+    from env_server.eval_stats import paired_difference
 
     mean, se = paired_difference(a, b)
     return {"mean": mean, "se": se}

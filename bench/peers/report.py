@@ -6,7 +6,7 @@
 - the steady-state rate: samples trained per minute over steps 2..N (step 1 holds the
   warm-up: ours waits for vLLM's first rollouts, TRL's first generate), with and without the
   checkpoint writes; model loading, vLLM's start and imports are before step 1 and excluded;
-- paired comparisons of evaluations on the same rows (``env_server.evaluate.paired_difference``);
+- paired comparisons of evaluations on the same rows (``env_server.eval_stats.paired_difference``);
 - the markdown table.
 """
 
@@ -97,7 +97,7 @@ def at_wall_time(times: Mapping[int, float], saved: Sequence[int], wall: float) 
 
 def paired(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
     """``b - a`` over the same rows: mean and paired standard error."""
-    from env_server.evaluate import paired_difference
+    from env_server.eval_stats import paired_difference
 
     d, se = paired_difference(list(a), list(b))
     return {"diff": d, "se": se}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 def stats(data_dir: Path) -> dict:
     from env_server.data.dataset import load_dataset_dir
-    from env_server.evaluate import oracle_exact_match
+    from env_server.eval_stats import oracle_exact_match
 
     out = {}
     for name, ds in load_dataset_dir(data_dir).items():

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from env_server.evaluate import (
+from env_server.eval_stats import (
     REWARD_COMPONENTS,
     compute_metrics,
     format_table,

@@ -9,7 +9,7 @@ import pytest
 from env_server.config import parse_config
 from env_server.data.corpus import iter_corpus_texts
 from env_server.data.dataset import build_dataset
-from env_server.evaluate import compute_metrics, format_table, oracle_exact_match
+from env_server.eval_stats import compute_metrics, format_table, oracle_exact_match
 from env_server.inference import Completion, CompletionBatch, parse_completion_response
 from env_server.prompts import format_target
 from env_server.reward import RewardConfig
