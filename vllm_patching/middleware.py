@@ -172,6 +172,9 @@ class BridgeMiddleware:
                 "which has no weight-transfer engine (shared_vllm has one)",
             )
             return
+        if method == "POST" and (refusal := await self.not_now(route_path(scope))):
+            await _reply(send, *refusal)
+            return
         version = self.state.version
         scope.setdefault("state", {})["weight_version"] = version  # a route may report it too
         header = (VERSION_HEADER.encode(), header_value(version))
@@ -206,6 +209,21 @@ class BridgeMiddleware:
             }
         ):
             await self.state.refresh_version()
+
+    async def not_now(self, path: str) -> tuple[int, str] | None:
+        """Two of vLLM's dev-mode routes (token only) whose handlers answer 500 when the
+        server is not in the state they need: said as a client error before they run. Their
+        own check stays: ``/release_kv_cache_memory`` also needs no kept request (a pause in
+        ``keep`` mode with requests in flight still reaches vLLM's 500)."""
+        st = self.state
+        if path == "/scale_elastic_ep" and not getattr(st.args, "enable_elastic_ep", False):
+            return 400, "/scale_elastic_ep: this server was not started with --enable-elastic-ep"
+        if path == "/release_kv_cache_memory" and st.engine_client is not None:
+            client = st.engine_client
+            if not await client.is_paused() or await client.is_sleeping():
+                why = "/release_kv_cache_memory needs a paused, awake server: POST /pause first"
+                return 409, why
+        return None
 
 
 def header_value(version: str) -> bytes:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,14 @@ class Engine:
     async def resume_generation(self) -> None:
         pass
 
+    paused = sleeping = False
+
+    async def is_paused(self) -> bool:
+        return self.paused
+
+    async def is_sleeping(self) -> bool:
+        return self.sleeping
+
 
 def app_for(mode: str, backend: str | None, engine: Engine | None = None) -> FastAPI:
     """Our routes and middleware as the plugin attaches them (no vLLM app around them)."""
@@ -61,6 +70,11 @@ def app_for(mode: str, backend: str | None, engine: Engine | None = None) -> Fas
 
     @app.post("/update_weights")
     async def update_weights() -> dict[str, str]:  # stands in for vLLM's dev-mode route
+        return {"reached": "vllm"}
+
+    @app.post("/release_kv_cache_memory")
+    @app.post("/scale_elastic_ep")
+    async def dev_state_route() -> dict[str, str]:  # vLLM's: 500 in the wrong state
         return {"reached": "vllm"}
 
     @app.post("/collective_rpc")
@@ -179,3 +193,23 @@ def test_a_version_label_that_is_no_header_value_is_percent_encoded() -> None:
     app.state.bridge.version = "a\nb\x00"
     r = post(app, "/generate", "{}")  # refused (no prompt), and versioned all the same
     assert r.status_code == 400 and r.headers[VERSION_HEADER] == "a%0Ab%00"
+
+
+def test_dev_routes_that_need_a_state_the_server_is_not_in_are_refused_first() -> None:
+    """vLLM's /release_kv_cache_memory answers 500 unless the server is paused (and awake),
+    /scale_elastic_ep unless it runs elastic expert parallelism: the middleware answers 409 /
+    400 saying what is missing, and lets them through once it is there."""
+    engine = Engine({})
+    app = app_for("none", None, engine)
+    app.state.bridge.args = Namespace(enable_elastic_ep=False)
+    r = post(app, "/release_kv_cache_memory", "")
+    assert r.status_code == 409 and "POST /pause first" in r.json()["error"], r.text
+    engine.paused = engine.sleeping = True
+    assert post(app, "/release_kv_cache_memory", "").status_code == 409
+    engine.sleeping = False
+    assert post(app, "/release_kv_cache_memory", "").json() == {"reached": "vllm"}
+    r = post(app, "/scale_elastic_ep", '{"new_data_parallel_size": 2}')
+    assert r.status_code == 400 and "--enable-elastic-ep" in r.json()["error"], r.text
+    app.state.bridge.args = Namespace(enable_elastic_ep=True)
+    assert post(app, "/scale_elastic_ep", "{}").json() == {"reached": "vllm"}
+    assert post(app, "/scale_elastic_ep", "{}", token=False).status_code == 401
