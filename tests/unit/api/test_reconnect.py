@@ -194,7 +194,7 @@ def test_the_trainers_lease_rides_out_a_cut_off_lease(caplog: pytest.LogCaptureF
     url = f"http://127.0.0.1:{port}"
     try:
         client = ApiClient(url, retries=3, backoff=0.01)
-        with caplog.at_level(logging.WARNING, logger="trainer.grpo"):
+        with caplog.at_level(logging.WARNING, logger="trainer.leasing"):
             batch_id, groups = lease(client, _lease_cfg(url, 30.0), None, 0)
         assert (batch_id, groups) == ("b1", []) and len(_HangUpOnce.posts) == 2
         assert any("lease failed" in r.getMessage() for r in caplog.records)
