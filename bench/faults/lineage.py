@@ -120,6 +120,7 @@ class Lineage:
         self.save, self.db = self.dir / "trainer", self.dir / "api.sqlite"
         self.url = f"http://127.0.0.1:{free_port()}"
         self.starts = 0
+        self.starts_recorded = 0  # rows of starts.jsonl before the latest start
         self.trainers: list[ManagedProcess] = []
         argv = [sys.executable, "-m", "api", "--port", self.url.rsplit(":", 1)[1]]
         argv += ["--db-path", str(self.db), "--token", TOKEN, "--max-staleness", "100000"]
@@ -160,8 +161,15 @@ class Lineage:
         log = self.dir / f"trainer.{self.starts}.log"
         argv = self.trainer_argv(resume)
         proc = ManagedProcess(f"trainer-{self.name}", argv, log, env=env, forked=self.forked)
+        self.starts_recorded = len(self.recorded_starts())  # its own line comes next
         self.trainers.append(proc.start())
         return proc
+
+    def recorded_starts(self) -> list[dict[str, Any]]:
+        """The trainer's ``starts.jsonl`` (trainer.run.STARTS): one row per start."""
+        path = self.save / STARTS
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [json.loads(x) for x in lines if x.strip()]
 
     def run(self, resume: bool = False) -> tuple[int, str]:
         """A trainer to its end: exit status and log."""
@@ -173,14 +181,14 @@ class Lineage:
         return rc, proc.log_path.read_text(errors="replace")
 
     def resumed_step(self, proc: ManagedProcess) -> int:
-        """The step ``proc`` resumed at, 0 for a fresh start (waits for its line in the
-        trainer's ``starts.jsonl``, trainer.run.STARTS)."""
-        deadline, path = time.monotonic() + WAIT_S, self.save / STARTS
+        """The step ``proc``, the trainer started last, resumed at, 0 for a fresh start: its
+        row of ``starts.jsonl``, the first after those there when it started (under torchrun
+        the row is rank 0's, whose PID is not the launcher's)."""
+        deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
-            lines = path.read_text().splitlines() if path.exists() else []
-            for row in map(json.loads, filter(None, lines)):
-                if row["pid"] == proc.pid:
-                    return int(row["step"]) if row["resumed_from"] else 0
+            if len(rows := self.recorded_starts()) > self.starts_recorded:
+                row = rows[self.starts_recorded]
+                return int(row["step"]) if row["resumed_from"] else 0
             assert proc.alive(), f"{proc.name} died before resuming:\n{tail(proc.log_path)}"
             time.sleep(0.2)
         raise TimeoutError(f"{proc.name} did not resume: {tail(proc.log_path)}")
