@@ -110,6 +110,13 @@ def record_start(save_path: Path, resumed_from: Path | None, step: int) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def read_starts(save_path: Path) -> list[dict[str, Any]]:
+    """The rows :func:`record_start` wrote in ``save_path`` (none yet: ``[]``)."""
+    path = save_path / STARTS
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(x) for x in lines if x.strip()]
+
+
 def start_run(cfg: CommonConfig, before_resume=None) -> Run:
     """Seed, load the model and optimizer, and (``--resume``) restore the latest checkpoint.
 

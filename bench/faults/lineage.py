@@ -33,7 +33,7 @@ from launch.lifeline import ProcInfo, descendants, group_members, is_running, si
 from launch.procs import ManagedProcess, tail
 from settings.ports import free_port
 from trainer.checkpoint import list_checkpoints, missing_parts
-from trainer.run import STARTS
+from trainer.run import read_starts
 
 TOKEN = "trainer-faults-token"
 GROUP = 4
@@ -161,15 +161,9 @@ class Lineage:
         log = self.dir / f"trainer.{self.starts}.log"
         argv = self.trainer_argv(resume)
         proc = ManagedProcess(f"trainer-{self.name}", argv, log, env=env, forked=self.forked)
-        self.starts_recorded = len(self.recorded_starts())  # its own line comes next
+        self.starts_recorded = len(read_starts(self.save))  # its own line comes next
         self.trainers.append(proc.start())
         return proc
-
-    def recorded_starts(self) -> list[dict[str, Any]]:
-        """The trainer's ``starts.jsonl`` (trainer.run.STARTS): one row per start."""
-        path = self.save / STARTS
-        lines = path.read_text().splitlines() if path.exists() else []
-        return [json.loads(x) for x in lines if x.strip()]
 
     def run(self, resume: bool = False) -> tuple[int, str]:
         """A trainer to its end: exit status and log."""
@@ -186,7 +180,7 @@ class Lineage:
         the row is rank 0's, whose PID is not the launcher's)."""
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
-            if len(rows := self.recorded_starts()) > self.starts_recorded:
+            if len(rows := read_starts(self.save)) > self.starts_recorded:
                 row = rows[self.starts_recorded]
                 return int(row["step"]) if row["resumed_from"] else 0
             assert proc.alive(), f"{proc.name} died before resuming:\n{tail(proc.log_path)}"

@@ -268,10 +268,9 @@ def audit(stack, lineage: Lineage, final_step: int) -> dict:
 
 def resumes(save: Path) -> int:
     """Trainer starts that resumed from a checkpoint (the trainer's ``starts.jsonl``)."""
-    from trainer.run import STARTS
+    from trainer.run import read_starts
 
-    rows = [json.loads(x) for x in (save / STARTS).read_text().splitlines() if x.strip()]
-    return sum(r["resumed_from"] is not None for r in rows)
+    return sum(r["resumed_from"] is not None for r in read_starts(save))
 
 
 def others(n: int = 6) -> list[str]:
