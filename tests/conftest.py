@@ -55,6 +55,24 @@ def _one_thread_set_per_core() -> None:
             sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+KEPT = ("SHOP_R1_ARTIFACTS", "SHOP_R1_VERIFIERS_VENV")
+"""Where the built models and the verifiers venv live: the user's choice, kept."""
+
+
+def _no_settings_from_the_shell() -> None:
+    """Drop the variables that would change what the servers, trainers and launchers the tests
+    start do: a run-config layer (``SHOP_R1_<SECTION>__<FIELD>``), tokens (with
+    ``SHOP_R1_API_TOKEN`` set, the API would refuse atroposlib's header-less requests), the
+    sync fault point, GAIL's settings, a torchrun rendezvous, vLLM's ``--api-key``. Every child
+    inherits this process's environment, so a shell's settings would make the suite pass or
+    fail by what the user had exported; the tests that need one set it themselves."""
+    names = [n for n in os.environ if n.startswith(("SHOP_R1_", "GAIL_")) and n not in KEPT]
+    names += ["NUM_INFERENCE_NODES", "MASTER_ADDR", "MASTER_PORT", "VLLM_API_KEY"]
+    for name in names:
+        os.environ.pop(name, None)
+
+
+_no_settings_from_the_shell()
 _pin_vllm_to_this_workers_core()
 _one_thread_set_per_core()
 

@@ -139,17 +139,76 @@ class InFlight:
         self.thread.start()
         assert self.decoding.wait(180), "the in-flight request never started decoding"
 
-    def check(self, version_at_start: int, require_overlap: bool = True) -> bool:
+    def check(self, version_at_start: int) -> None:
         """Call it as soon as the sync returns. The request completed in full on the version
-        it started with; returns whether it was still running when the sync returned, so
-        through all of it (asserted unless ``require_overlap=False``: a sync with no pause
-        can miss a request that a loaded box finished first)."""
+        it started with, and was still running when the sync returned, so through all of it
+        (the syncs it is used with pause vLLM, which holds a request that is decoding)."""
         sync_ended_at = time.monotonic()
         self.thread.join(300)
-        overlapped = self.done_at > sync_ended_at
-        assert overlapped or not require_overlap, "the request did not overlap the sync"
+        assert self.done_at > sync_ended_at, "the request did not overlap the sync"
         assert self.result["status"] == 200
         assert self.result["finish_reason"] == "length"
         assert self.result["usage"]["completion_tokens"] == self.n
         assert self.result["version"] == str(version_at_start)
-        return overlapped
+
+
+class Outlives:
+    """A streamed request that is certain to be decoding when a sync that does not pause
+    (a LoRA hot-swap) returns: it asks for ``n`` tokens (far more than decode during a sync)
+    and the test closes it itself, after it streamed a token past the sync's return
+    (:meth:`check`), so it never has to finish (closing the stream aborts it in vLLM).
+
+    :class:`InFlight`'s request has to finish, so it is 300 tokens long, and on a loaded box
+    it could end before a sync without a pause returned: the LoRA test then asked only that
+    one of three overlapped. Here a request that ended first fails the test with what it
+    measured, and 1,500 tokens are 12 s of decoding at 120 tokens/s, against a LoRA sync of
+    the tiny model well under a second."""
+
+    def __init__(self, url: str, model: str, ids: list[int], n: int = 1500) -> None:
+        self.result: dict = {"chunks": []}
+        self.close = threading.Event()
+        self.started = threading.Event()
+
+        def run() -> None:
+            try:
+                with httpx.stream(
+                    "POST", f"{url}/v1/completions", json=stream_body(model, ids, n), timeout=300
+                ) as r:
+                    self.result["status"] = r.status_code
+                    self.result["version"] = r.headers.get(VERSION_HEADER)
+                    for line in r.iter_lines():
+                        if self.close.is_set():
+                            return  # leaving the block closes the stream: vLLM aborts it
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        choice = (json.loads(line[len("data: ") :]).get("choices") or [{}])[0]
+                        self.result["chunks"].append(time.monotonic())
+                        self.started.set()
+                        if choice.get("finish_reason"):
+                            self.result["finish_reason"] = choice["finish_reason"]
+            finally:
+                self.started.set()  # never leave the constructor waiting on a failed request
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert self.started.wait(180), "the request never started decoding"
+
+    def check(self, version_at_start: int) -> None:
+        """Call it as soon as the sync returns: the request streams on past it, on the version
+        it started with; then it is closed."""
+        sync_ended_at = time.monotonic()
+        deadline = sync_ended_at + 120
+        while time.monotonic() < deadline and self.thread.is_alive():
+            if any(t > sync_ended_at for t in self.result["chunks"]):
+                break
+            time.sleep(0.01)
+        self.close.set()
+        self.thread.join(60)
+        chunks = self.result["chunks"]
+        assert self.result.get("status") == 200, self.result
+        assert "finish_reason" not in self.result, (
+            f"the request ended ({self.result.get('finish_reason')}, {len(chunks)} chunks) "
+            "before the sync returned"
+        )
+        assert any(t > sync_ended_at for t in chunks), "no token streamed after the sync"
+        assert self.result["version"] == str(version_at_start)

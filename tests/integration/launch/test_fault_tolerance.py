@@ -48,7 +48,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from api.client import ApiClient
 from launch.procs import ManagedProcess, tail
 from launch.vllm_server import BridgeServer, start_bridge_server
-from settings.ports import free_port
+from settings.ports import free_ports
 from tests.integration.bridge_checks import hf_greedy, vllm_greedy
 
 pytestmark = pytest.mark.integration
@@ -72,7 +72,7 @@ class Stack:
 
     def __init__(self, model: Path, tmp: Path) -> None:
         self.model, self.tmp = model, tmp
-        self.api_port, self.vllm_port = free_port(), free_port()
+        self.api_port, self.vllm_port = free_ports(2)  # two draws could pick the same port
         self.api_url = f"http://127.0.0.1:{self.api_port}"
         self.vllm_url = f"http://127.0.0.1:{self.vllm_port}"
         self.db = tmp / "api.sqlite"

@@ -4,7 +4,6 @@ Atropos's packing and step counting, the ingest buffer, redelivery and ``/status
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from api.atropos_packing import QueueItem, find_groups_summing_to_target, form_batches, grab_exact
 from api.config import ApiConfig
+from api.store import Store
 
 pytestmark = pytest.mark.unit
 
@@ -194,7 +194,9 @@ def test_min_batch_allocation_packing(client: TestClient) -> None:
 
 def test_unacked_batches_are_served_again(tmp_path: Path) -> None:
     cfg = ApiConfig(db_path=tmp_path / "api.sqlite", synchronous="NORMAL", atropos_lease_seconds=1)
-    with TestClient(create_app(cfg)) as c:
+    now = [1000.0]  # the store's clock: a lease expires when the test says, not by chance
+    store = Store(cfg.db_path, synchronous="NORMAL", clock=lambda: now[0])
+    with TestClient(create_app(cfg, store=store)) as c:
         started(c, batch_size=2)
         for tag in (1, 2):
             c.post("/scored_data", json=item(2, tag)).raise_for_status()
@@ -202,7 +204,7 @@ def test_unacked_batches_are_served_again(tmp_path: Path) -> None:
         c.post("/register", json=REG).raise_for_status()  # the trainer restarted
         assert tags(c.get("/batch").json()["batch"]) == [2]  # again
         assert tags(c.get("/batch").json()["batch"]) == [1]  # acks [2]
-        time.sleep(1.5)  # the trainer went away: [1]'s lease expires, it is served again
+        now[0] += 1.5  # the trainer went away: [1]'s lease expires, it is served again
         assert tags(c.get("/batch").json()["batch"]) == [1]
         assert c.get("/batch").json()["batch"] is None
         status = c.get("/status").json()

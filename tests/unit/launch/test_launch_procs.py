@@ -4,6 +4,7 @@ up with the log's tail when it does not, and returns the exit code otherwise."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,12 @@ def test_exit_code_of_a_process_that_ends(tmp_path: Path) -> None:
 def test_a_silent_process_is_stuck_and_the_error_shows_its_log(tmp_path: Path) -> None:
     proc = _proc(tmp_path, "import time; print('started, now silent'); time.sleep(600)")
     try:
+        # its line is in the log before the stall clock starts (a loaded box may take seconds
+        # to start Python: the error would then show an empty log, by chance)
+        deadline = time.monotonic() + 120
+        while "started, now silent" not in proc.log_path.read_text():
+            assert time.monotonic() < deadline, "the child never printed its line"
+            time.sleep(0.05)
         with pytest.raises(TimeoutError, match="log did not grow for 1 s") as err:
             proc.wait_exit(stall=1.0)
         assert "started, now silent" in str(err.value) and str(proc.log_path) in str(err.value)
