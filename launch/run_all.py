@@ -172,9 +172,11 @@ def start_api(cfg: RunConfig, plan: RunPlan, files: dict[str, Path], stack: Stac
 
 def start_inference(
     cfg: RunConfig, plan: RunPlan, files: dict[str, Path], stack: Stack
-) -> tuple[list[BridgeServer], dict[str, Any] | None]:
-    """The vLLM servers, and the SFT model's evaluation on the first one (it loads while
-    vLLM starts, then waits for its /health; ``--resume`` reuses a finished one)."""
+) -> tuple[list[BridgeServer], dict[str, Any] | None, Path | None]:
+    """The vLLM servers, and the start weights' evaluations on the first one: the SFT
+    model's on Shop-R1, the verifiers env's held-out tasks. Each loads while vLLM starts,
+    then waits for its /health; ``--resume`` reuses a finished one. Returns the servers, the
+    SFT evaluation's metrics and the verifiers evaluation's file (None where not run)."""
     single = ", single copy" if cfg.single_copy else ""
     say(
         f"starting {len(plan.vllm_ports)} vLLM server(s) ({cfg.weight_bridge_mode}{single}) "
@@ -182,21 +184,25 @@ def start_inference(
     )
     samples = eval_samples(cfg)
     done = reused_sft_eval(cfg, plan.run_dir)
+    url, run_dir, timeout = plan.vllm_urls[0], plan.run_dir, cfg.launch.health_timeout
     sft_eval = None
     if samples and done is None:
-        timeout = cfg.launch.health_timeout
-        url, run_dir = plan.vllm_urls[0], plan.run_dir
         sft_eval = start_evaluation("sft", url, samples, run_dir, files["env"], timeout)
+    held_out = None
     try:
+        held_out = verifiers_env.start_before(cfg, url, run_dir, plan.light_env(cfg), timeout)
         servers = start_vllm_servers(cfg, plan, files["vllm"], stack)
     except BaseException:
-        if sft_eval is not None:
-            sft_eval.stop()
+        for proc in (sft_eval, held_out):
+            if isinstance(proc, ManagedProcess):
+                proc.stop()
         raise
+    if isinstance(held_out, ManagedProcess):
+        held_out = verifiers_env.finish_evaluation(held_out)
     if done is not None:
         say(f"SFT evaluation: reusing {done} (--resume)")
-        return servers, json.loads(done.read_text())
-    return servers, finish_evaluation(sft_eval) if sft_eval is not None else None
+        return servers, json.loads(done.read_text()), held_out
+    return servers, finish_evaluation(sft_eval) if sft_eval is not None else None, held_out
 
 
 def train(
@@ -260,12 +266,11 @@ def launch(cfg: RunConfig, plan: RunPlan, stack: Stack, argv: list[str]) -> int:
     services.start()
     start_api(cfg, plan, files, stack)
     services.advance()
-    servers, sft_metrics = start_inference(cfg, plan, files, stack)
+    servers, sft_metrics, held_out = start_inference(cfg, plan, files, stack)
     services.advance(len(servers))
     services.finish()
     probe.before_grpo()  # what GRPO's trainer will cost here, while vLLM idles (cost_probe)
     light = plan.light_env(cfg)
-    held_out = verifiers_env.evaluate_before(cfg, plan.vllm_urls[0], plan.run_dir, light)
     train(cfg, plan, files, envs, stack)
     versions = weight_versions(servers)
     (plan.run_dir / "weight_versions.json").write_text(json.dumps(versions, indent=2) + "\n")

@@ -43,34 +43,47 @@ def evaluation_argv(cfg: RunConfig, url: str, out: Path) -> list[str]:
     return argv
 
 
-def evaluate(cfg: RunConfig, url: str, name: str, run_dir: Path, base: Mapping[str, str]) -> Path:
-    """Run the held-out evaluation now (``eval_verifiers_<name>.jsonl``); a failure stops the
-    run with the log to read."""
+def start_evaluation(
+    cfg: RunConfig, url: str, name: str, run_dir: Path, base: Mapping[str, str], wait_s: float = 0
+) -> ManagedProcess:
+    """Start the held-out evaluation (``eval_verifiers_<name>.jsonl``); with ``wait_s`` it may
+    start before the server is up (it loads verifiers and the env meanwhile, then waits for
+    ``/health``)."""
     out = run_dir / f"eval_verifiers_{name}.jsonl"
     log = run_dir / f"eval_verifiers_{name}.log"
     print(f"[run_all] verifiers evaluation '{name}' on the held-out tasks -> {out}", flush=True)
-    proc = ManagedProcess(f"eval_verifiers_{name}", evaluation_argv(cfg, url, out), log, base)
+    argv = [*evaluation_argv(cfg, url, out), "--wait-for-server-s", f"{wait_s:g}"]
+    return ManagedProcess(f"eval_verifiers_{name}", argv, log, base).start()
+
+
+def finish_evaluation(proc: ManagedProcess) -> Path:
+    """Wait for an evaluation :func:`start_evaluation` started; its JSONL file. A failure
+    stops the run with the log to read."""
     try:
-        rc = proc.start().popen.wait()
+        rc = proc.popen.wait()
     finally:  # Ctrl-C while it runs: stopped by its PID like every service
         proc.stop()
     if rc != 0:
-        raise ServiceFailed(f"the verifiers evaluation '{name}' exited with {rc}; read {log}")
-    return out
+        name = proc.name.removeprefix("eval_verifiers_")
+        raise ServiceFailed(
+            f"the verifiers evaluation '{name}' exited with {rc}; read {proc.log_path}"
+        )
+    return proc.log_path.with_suffix(".jsonl")
 
 
-def evaluate_before(
-    cfg: RunConfig, url: str, run_dir: Path, base: Mapping[str, str]
-) -> Path | None:
-    """The held-out evaluation of the start weights, before any env or trainer starts (a
-    ``--resume`` reads back the one it already has); None when the run asks for none."""
+def start_before(
+    cfg: RunConfig, url: str, run_dir: Path, base: Mapping[str, str], wait_s: float
+) -> ManagedProcess | Path | None:
+    """The held-out evaluation of the start weights, started while vLLM loads (before any
+    env or trainer starts); a ``--resume`` reads back the one it already has (its path);
+    None when the run asks for none."""
     if cfg.verifiers is None or cfg.launch.verifiers_eval_env_args is None:
         return None
     done = run_dir / "eval_verifiers_before.jsonl"
     if cfg.launch.resume and done.exists():
         print(f"[run_all] verifiers evaluation: reusing {done} (--resume)", flush=True)
         return done
-    return evaluate(cfg, url, "before", run_dir, base)
+    return start_evaluation(cfg, url, "before", run_dir, base, wait_s)
 
 
 def report_after(
@@ -78,7 +91,7 @@ def report_after(
 ) -> str:
     """The held-out evaluation of the trained weights as served, and the before/after table
     (``<run>/eval_verifiers.md``, printed)."""
-    after = evaluate(cfg, url, "after", run_dir, base)
+    after = finish_evaluation(start_evaluation(cfg, url, "after", run_dir, base))
     version = httpx.get(f"{url}/bridge/health", timeout=30).json().get("weight_version")
     v = cfg.verifiers
     assert v is not None

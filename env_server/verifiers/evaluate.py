@@ -41,6 +41,9 @@ class EvalConfig(VerifiersConfig):
     """Where the episodes and the summary go (JSONL, overwritten)."""
     max_tasks: int | None = Field(None, ge=1)
     """Evaluate only the first N tasks of the taskset (its own order)."""
+    wait_for_server_s: float = Field(0.0, ge=0)
+    """Seconds to wait for the server's ``/health`` after loading the env (0: it must be up).
+    The launcher starts the evaluation while vLLM loads."""
 
 
 def parse(argv: list[str]) -> EvalConfig:
@@ -79,6 +82,10 @@ async def evaluate(cfg: EvalConfig) -> dict[str, Any]:
     env = load_env(cfg)
     if not env.taskset.bounded:
         raise SystemExit(f"error: {cfg.env_id}'s taskset is unbounded; give --max-tasks")
+    if cfg.wait_for_server_s > 0:
+        from env_server.inference import wait_ready
+
+        await wait_ready(cfg.inference_url, cfg.wait_for_server_s)
     tasks = list(env.taskset)[: cfg.max_tasks]
     # the service's own path to the server (its proxy adapts vLLM's generate answer for
     # verifiers' renderer) and model context; what the proxy records is dropped per episode
