@@ -49,7 +49,7 @@ from api.client import ApiClient
 from launch.procs import ManagedProcess, tail
 from launch.vllm_server import BridgeServer, start_bridge_server
 from settings.ports import free_ports
-from tests.integration.bridge_checks import hf_greedy, vllm_greedy
+from tests.integration.bridge_checks import assert_greedy, vllm_greedy
 
 pytestmark = pytest.mark.integration
 TOKEN = "fault-tolerance-token"
@@ -482,8 +482,9 @@ def test_kill9_each_service_in_turn(tiny_model_dir: Path, tmp_path: Path) -> Non
         hf = AutoModelForCausalLM.from_pretrained(final_model, dtype=torch.float32).eval()
         ids = AutoTokenizer.from_pretrained(final_model)(GREEDY_PROMPT)["input_ids"]
         served = stack.vllm.served_model_name
-        got_ids, _, header = vllm_greedy(stack.vllm_url, served, ids)
-        assert header == str(STEPS) and got_ids == hf_greedy(hf, ids)[0]
+        got_ids, got_lp, header = vllm_greedy(stack.vllm_url, served, ids)
+        assert header == str(STEPS)
+        assert_greedy(hf, ids, got_ids, got_lp)  # the trained weights: a near-tie is a draw
 
         # -- who recovered by themselves --------------------------------------------------
         env_log, trainer_log = _log_text(stack, "env"), _log_text(stack, "trainer")

@@ -37,7 +37,7 @@ import torch
 
 from launch.lifeline import descendants
 from launch.vllm_server import BridgeServer, start_bridge_server
-from tests.integration.bridge_checks import hf_greedy, hf_model, prompt_ids, vllm_greedy
+from tests.integration.bridge_checks import assert_greedy, hf_model, prompt_ids, vllm_greedy
 from trainer.bridge import WeightBridge, make_bridge
 from trainer.bridge.deadline import FAULT_ENV, SyncTimeout, reset_faults
 from trainer.config import SyncDeadlines
@@ -73,10 +73,8 @@ def new_weights(model: torch.nn.Module, seed: int) -> None:
 def serves(url: str, name: str, model: torch.nn.Module, ids: list[int], version: int) -> None:
     """vLLM serves exactly ``model`` as ``version``: its greedy tokens and their logprobs
     equal transformers' (``bridge_checks.assert_serves`` with fewer tokens), and the label."""
-    want_ids, want_lp = hf_greedy(model, ids, N_TOKENS)
     got_ids, got_lp, header = vllm_greedy(url, name, ids, N_TOKENS)
-    assert got_ids == want_ids
-    assert got_lp == pytest.approx(want_lp, abs=2e-3)
+    assert_greedy(model, ids, got_ids, got_lp)
     assert header == str(version) == str(served_version(url))
 
 
