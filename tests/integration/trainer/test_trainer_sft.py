@@ -70,6 +70,8 @@ def test_sft_loss_falls_and_kill_resume_is_exact(tiny_model_dir: Path, tmp_path:
         time.sleep(0.05)
     proc.kill9()  # SIGKILL somewhere inside step 3 (or its checkpoint write)
     assert ckpt.exists(), (tmp_path / "killed.log").read_text()[-2000:]
+    # the kill landed before the run's end (a finished run resumed would compare nothing)
+    assert not (tmp_path / "killed" / "model.safetensors").exists()
     train(killed.model_copy(update={"resume": "latest"}))  # as --resume validates to
     a = load_file(tmp_path / "straight" / "model.safetensors")
     b = load_file(tmp_path / "killed" / "model.safetensors")
