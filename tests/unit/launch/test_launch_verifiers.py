@@ -58,6 +58,9 @@ def test_the_evaluation_runs_the_run_env_on_its_held_out_split(tmp_path: Path) -
     assert got.samples == cfg.launch.verifiers_eval_samples
     assert (got.temperature, got.max_tokens) == (0.7, 8)  # the training rollouts'
     assert got.env_path == cfg.verifiers.env_path and got.out == tmp_path / "e.jsonl"
+    assert got.wait_for_server_s == 0  # the server must be up unless the launcher says
+    # the launcher starts the "before" one with vLLM: it waits for /health that long
+    assert parse_eval([*argv[3:], "--wait-for-server-s", "600"]).wait_for_server_s == 600
 
 
 def _episodes(rewards: list[float], turns: float = 2.0) -> list[dict]:
