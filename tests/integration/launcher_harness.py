@@ -1,7 +1,8 @@
 """``launch/run_all.sh`` as a test subject: started in a session of its own, waited on by
 its progress (output and run-directory files growing) rather than by one wall-clock budget,
 and cleaned up however the test ends (the launcher by its PID, then every process group it
-recorded in ``pids.json``), with the log tails in the failure message."""
+recorded in ``pids.json``; if the test process itself is killed, by its lifeline reaper),
+with the log tails in the failure message."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.lifeline import group_members, is_running, signal_group
+from launch.lifeline import group_members, is_running, lifeline, signal_group
 from launch.procs import REPO_ROOT, tail
 
 RUN_ALL = str(REPO_ROOT / "launch" / "run_all.sh")
@@ -41,6 +42,10 @@ class LauncherRun:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # a test may signal the launcher's whole group
             )
+        # In a session of its own the launcher would outlive a test process that is killed
+        # (a timeout, CI cancelling the job): this process's reaper stops its group then, and
+        # the launcher's own reaper what the launcher started (launch/lifeline.py).
+        lifeline().register(self.proc.pid, "run_all", self.out_path)
 
     @property
     def pid(self) -> int:
@@ -114,6 +119,7 @@ class LauncherRun:
         deadline = time.monotonic() + 60
         while any(group_members(g) for g in groups) and time.monotonic() < deadline:
             time.sleep(0.2)
+        lifeline().unregister(self.proc.pid)
 
 
 def gone(pid: int) -> bool:
