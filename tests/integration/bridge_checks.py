@@ -139,7 +139,10 @@ class InFlight:
         self.result: dict = {}
         self.n = n
         self.done_at = 0.0
+        self.chunks: list[float] = []
+        """When each token arrived (monotonic s)."""
         self.decoding = threading.Event()
+        self.close = threading.Event()
 
         def run() -> None:
             body = {**stream_body(model, ids, n), "stream_options": {"include_usage": True}}
@@ -148,10 +151,13 @@ class InFlight:
                     self.result["status"] = r.status_code
                     self.result["version"] = r.headers.get(VERSION_HEADER)
                     for line in r.iter_lines():
+                        if self.close.is_set():
+                            return  # leaving the block closes the stream: vLLM aborts it
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
                         chunk = json.loads(line[len("data: ") :])
                         if chunk.get("choices"):
+                            self.chunks.append(time.monotonic())
                             self.decoding.set()
                             if chunk["choices"][0].get("finish_reason"):
                                 self.result["finish_reason"] = chunk["choices"][0]["finish_reason"]
@@ -177,64 +183,26 @@ class InFlight:
         assert self.result["usage"]["completion_tokens"] == self.n
         assert self.result["version"] == str(version_at_start)
 
-
-class Outlives:
-    """A streamed request that is certain to be decoding when a sync that does not pause
-    (a LoRA hot-swap) returns: it asks for ``n`` tokens (far more than decode during a sync)
-    and the test closes it itself, after it streamed a token past the sync's return
-    (:meth:`check`), so it never has to finish (closing the stream aborts it in vLLM).
-
-    :class:`InFlight`'s request has to finish, so it is 300 tokens long, and on a loaded box
-    it could end before a sync without a pause returned: the LoRA test then asked only that
-    one of three overlapped. Here a request that ended first fails the test with what it
-    measured, and 1,500 tokens are 12 s of decoding at 120 tokens/s, against a LoRA sync of
-    the tiny model well under a second."""
-
-    def __init__(self, url: str, model: str, ids: list[int], n: int = 1500) -> None:
-        self.result: dict = {"chunks": []}
-        self.close = threading.Event()
-        self.started = threading.Event()
-
-        def run() -> None:
-            try:
-                with httpx.stream(
-                    "POST", f"{url}/v1/completions", json=stream_body(model, ids, n), timeout=300
-                ) as r:
-                    self.result["status"] = r.status_code
-                    self.result["version"] = r.headers.get(VERSION_HEADER)
-                    for line in r.iter_lines():
-                        if self.close.is_set():
-                            return  # leaving the block closes the stream: vLLM aborts it
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        choice = (json.loads(line[len("data: ") :]).get("choices") or [{}])[0]
-                        self.result["chunks"].append(time.monotonic())
-                        self.started.set()
-                        if choice.get("finish_reason"):
-                            self.result["finish_reason"] = choice["finish_reason"]
-            finally:
-                self.started.set()  # never leave the constructor waiting on a failed request
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        assert self.started.wait(180), "the request never started decoding"
-
-    def check(self, version_at_start: int) -> None:
-        """Call it as soon as the sync returns: the request streams on past it, on the version
-        it started with; then it is closed."""
+    def check_still_streaming(self, version_at_start: int) -> None:
+        """For a sync that does not pause (a LoRA hot-swap), which cannot hold a request: call
+        it as soon as the sync returns. The request (``n`` far above what decodes during a
+        sync: 1,500 tokens are 12 s at 120 tokens/s, a LoRA sync of the tiny model well under
+        a second) streams a token past the sync's return, on the version it started with;
+        then the test closes it, so it never has to finish. A request that ended first fails
+        the test with what it measured (the LoRA test once asked only that one request of
+        three outlive its sync)."""
         sync_ended_at = time.monotonic()
         deadline = sync_ended_at + 120
         while time.monotonic() < deadline and self.thread.is_alive():
-            if any(t > sync_ended_at for t in self.result["chunks"]):
+            if any(t > sync_ended_at for t in self.chunks):
                 break
             time.sleep(0.01)
         self.close.set()
         self.thread.join(60)
-        chunks = self.result["chunks"]
         assert self.result.get("status") == 200, self.result
         assert "finish_reason" not in self.result, (
-            f"the request ended ({self.result.get('finish_reason')}, {len(chunks)} chunks) "
-            "before the sync returned"
+            f"the request ended ({self.result.get('finish_reason')}, {len(self.chunks)} "
+            "chunks) before the sync returned"
         )
-        assert any(t > sync_ended_at for t in chunks), "no token streamed after the sync"
+        assert any(t > sync_ended_at for t in self.chunks), "no token streamed after the sync"
         assert self.result["version"] == str(version_at_start)

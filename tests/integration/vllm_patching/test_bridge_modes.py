@@ -34,7 +34,6 @@ import torch
 from launch.vllm_server import BridgeServer, start_bridge_server
 from tests.integration.bridge_checks import (
     InFlight,
-    Outlives,
     assert_serves,
     hf_greedy,
     hf_model,
@@ -285,9 +284,10 @@ def test_lora_adapter_per_version(tiny_model_dir, tmp_path_factory, tmp_path) ->
                 optimizer_step(model, ids, lr=5e-2)
                 # A request on the previous adapter runs through every hot-swap (LoRA never
                 # pauses): it is still streaming, on its version, when the sync returns.
-                inflight = Outlives(url, bridge.served_model or server.served_model_name, ids)
+                served = bridge.served_model or server.served_model_name
+                inflight = InFlight(url, served, ids, n=1500)
                 bridge.sync(model, version)
-                inflight.check(version - 1)
+                inflight.check_still_streaming(version - 1)
                 assert bridge.served_model == f"{server.served_model_name}-v{version}"
                 assert httpx.get(f"{url}/bridge/info").json()["served_model"] == bridge.served_model
                 assert_serves(url, bridge.served_model, model, ids, version=version)
