@@ -1,0 +1,1 @@
+"""Measurements of the test suite itself (docs/results/suite_timings.md)."""

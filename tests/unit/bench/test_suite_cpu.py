@@ -1,0 +1,71 @@
+"""bench.suite.cpu_by_process: how a command line maps to a kind of process, and that a
+child's CPU time is counted under its kind (the child burns a known amount of CPU, then
+idles long enough for the sampler to read its total before it exits)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.suite.cpu_by_process import kind_of, main, measure
+
+pytestmark = pytest.mark.unit
+
+BURN_S = 1.0
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "name", "kind"),
+    [
+        ([], "kswapd0", "kernel threads"),
+        (["python", "-m", "vllm_patching.serve", "--model", "m"], "python", "vLLM API server"),
+        (["VLLM::EngineCore"], "VLLM::EngineCore", "vLLM engine core"),
+        (
+            ["python", "-m", "env_server.evaluate", "--out-dir", "run/trainer"],
+            "python",
+            "evaluation",
+        ),
+        (
+            ["python", "-m", "env_server.verifiers", "--config", "c"],
+            "python",
+            "verifiers env service",
+        ),
+        (["python", "-m", "trainer", "grpo", "--config", "x"], "python", "trainer"),
+        (["python", "-m", "api", "--port", "1"], "python", "batching API"),
+        (
+            ["python", "-u", "-c", "import sys;exec(eval(sys.stdin.readline()))"],
+            "python",
+            "pytest workers (the tests' own code)",
+        ),
+        (["/usr/bin/sleep", "5"], "sleep", "other: sleep"),
+    ],
+)
+def test_kind_of(cmdline: list[str], name: str, kind: str) -> None:
+    assert kind_of(cmdline, name) == kind
+
+
+def test_a_childs_cpu_is_counted_under_its_kind(tmp_path: Path) -> None:
+    code = (
+        "import time  # the-burning-child\n"
+        f"while time.process_time() < {BURN_S}: pass\n"  # at least BURN_S of its own CPU
+        "time.sleep(3)\n"  # idle: the sampler reads the total before the exit
+    )
+    result = measure([sys.executable, "-c", code], tmp_path / "child.log", interval=0.1)
+    assert result["exit_code"] == 0
+    # every process on the box is sampled (a suite's reparented orphans too): find ours
+    (child,) = [p for p in result["processes"] if "the-burning-child" in p["cmd"]]
+    assert child["kind"] == f"other: {Path(sys.executable).name}"
+    assert child["cpu_s"] >= BURN_S, child
+    assert result["kinds"][child["kind"]]["cpu_s"] >= child["cpu_s"]
+    assert result["busy_cpu_s"] >= child["cpu_s"] - 0.05  # the box was busy at least that long
+
+
+def test_main_writes_the_result_and_fails_with_the_command(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    assert (
+        main(["--out", str(out), "--interval", "0.2", "--", sys.executable, "-c", "exit(3)"]) == 1
+    )
+    assert json.loads(out.read_text())["exit_code"] == 3
