@@ -1,23 +1,85 @@
 """Rationale synthesis against the real vLLM CPU server (tiny model): killed with SIGKILL
 after a few rows are cached, rerun, and the finished rows are not asked for again.
 
+The kill lands mid-run for certain, not by timing: the first run reaches vLLM through
+``Gate``, a proxy that forwards its requests while fewer than ``KILL_AT`` rows are cached and
+holds every later one. Each of the synthesizer's workers caches its row before it asks for the
+next, so once every worker waits in the gate nothing more can be cached: the kill comes then,
+with ``KILL_AT`` to ``KILL_AT + CONCURRENCY - 1`` rows cached of the 14 to fill.
+
 The tiny model writes junk, not first-person sentences, so these runs use ``--lenient`` (any
 non-empty answer); the strict rule is covered by tests/unit/env_server/test_synthesize.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import threading
 import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pytest
 
 from launch.procs import ManagedProcess
 
 pytestmark = pytest.mark.integration
 ROWS = 16
+CONCURRENCY = 2
+KILL_AT = 3
+"""Rows cached before the gate holds the first run's requests (see the module docstring)."""
+
+
+class Gate:
+    """An HTTP proxy to ``upstream`` (vLLM's ``/v1``) on a free port: a request goes through
+    while ``open()`` is true, else it waits until ``close``; ``waiting`` counts those held."""
+
+    def __init__(self, upstream: str, open: Callable[[], bool]) -> None:
+        self.waiting = 0
+        self._lock, self._release = threading.Lock(), threading.Event()
+        gate = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _relay(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.command == "POST" and not open():
+                    with gate._lock:
+                        gate.waiting += 1
+                    gate._release.wait()
+                    with contextlib.suppress(OSError):  # the client is gone by then (killed)
+                        self.send_error(503)
+                    return
+                r = httpx.request(
+                    self.command,
+                    upstream + self.path.removeprefix("/v1"),
+                    content=body,
+                    headers={"Content-Type": "application/json"},
+                    timeout=600,
+                )
+                self.send_response(r.status_code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(r.content)))
+                self.end_headers()
+                self.wfile.write(r.content)
+
+            do_GET = do_POST = _relay
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._release.set()
+        self.server.shutdown()
+        self.server.server_close()
 
 
 def _input_dir(tmp_path: Path) -> tuple[Path, int]:
@@ -46,7 +108,7 @@ def _cmd(src: Path, out: Path, base_url: str, *extra: str) -> list[str]:
         "--base-url",
         base_url,
         "--concurrency",
-        "2",
+        str(CONCURRENCY),
         "--max-retries",
         "6",
         "--max-tokens",
@@ -73,19 +135,22 @@ def test_synthesis_resumes_after_sigkill(vllm_server, tiny_model_dir, tmp_path: 
     out = tmp_path / "out"
     base_url = f"{vllm_server.base_url}/v1"
 
-    # Run 1: SIGKILL once a few rows are durable in the cache.
-    first = ManagedProcess("synth-1", _cmd(src, out, base_url), tmp_path / "synth-1.log").start()
-    deadline = time.monotonic() + 180
+    # Run 1: through the gate; SIGKILL once every worker waits in it (KILL_AT+ rows cached).
+    gate = Gate(base_url, lambda: len(_cache(out)) < KILL_AT)
+    cmd = [*_cmd(src, out, gate.url), "--timeout-s", "600"]  # a held request does not time out
+    first = ManagedProcess("synth-1", cmd, tmp_path / "synth-1.log").start()
+    deadline = time.monotonic() + 600  # a hang guard only: the wait ends on the gate's state
     try:
-        while len(_cache(out)) < 3 and first.alive() and time.monotonic() < deadline:
+        while gate.waiting < CONCURRENCY and first.alive() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert first.alive(), (tmp_path / "synth-1.log").read_text()[-2000:]
+        assert gate.waiting == CONCURRENCY, (tmp_path / "synth-1.log").read_text()[-2000:]
         first.kill9()
     finally:
         first.stop()
+        gate.close()
     cached_before = _cache(out)
     ids_before = {e["id"] for e in cached_before}
-    assert 3 <= len(ids_before) < to_fill, "the kill should land mid-run"
+    assert KILL_AT <= len(ids_before) <= KILL_AT + CONCURRENCY - 1 < to_fill, len(ids_before)
     assert not (out / "train.jsonl").exists(), "output is only written at the end"
 
     # Run 2: resumes; only the rows that were not cached are requested.
