@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -61,14 +60,13 @@ def kind_of(cmdline: list[str], name: str) -> str:
 
 def busy_cpu_s() -> float:
     """CPU-seconds the box has spent not idle since boot, all cores (``/proc/stat``)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle, iowait
-    return (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - t.iowait
 
 
 def sample(procs: dict[tuple[int, float], dict], before: bool = False) -> None:
-    """Every process's CPU so far into ``procs``; ``before``: the sample taken before the
-    command starts, whose processes count only what they use from then on."""
+    """Every process's CPU used so far (``used``) into ``procs``; ``before``: the sample
+    taken before the command starts, whose processes count only what they use from then on."""
     for p in psutil.process_iter(["pid", "cmdline", "name", "create_time"]):
         try:
             t = p.cpu_times()
@@ -82,7 +80,7 @@ def sample(procs: dict[tuple[int, float], dict], before: bool = False) -> None:
                 "cmd": " ".join(p.info["cmdline"] or [p.info["name"] or ""])[:200],
                 "base": cpu if before else 0.0,
             }
-        procs[key]["cpu"] = cpu
+        procs[key]["used"] = cpu - procs[key]["base"]
 
 
 def measure(argv: list[str], log: Path, interval: float) -> dict:
@@ -100,13 +98,11 @@ def measure(argv: list[str], log: Path, interval: float) -> dict:
     wall, busy = time.monotonic() - t0, busy_cpu_s() - busy0
     kinds: dict[str, dict] = {}
     for p in procs.values():
-        used = p["cpu"] - p["base"]
         k = kinds.setdefault(p["kind"], {"cpu_s": 0.0, "processes": 0})
-        k["cpu_s"] += used
-        k["processes"] += used > 0.05
+        k["cpu_s"] += p["used"]
+        k["processes"] += p["used"] > 0.05
     attributed = sum(k["cpu_s"] for k in kinds.values())
-    top = sorted(procs.values(), key=lambda p: p["base"] - p["cpu"])  # most CPU first
-    top = [p for p in top if p["cpu"] - p["base"] >= TOP_MIN_S]
+    top = sorted((p for p in procs.values() if p["used"] >= TOP_MIN_S), key=lambda p: -p["used"])
     return {
         "machine": machine(),
         "command": argv,
@@ -121,8 +117,7 @@ def measure(argv: list[str], log: Path, interval: float) -> dict:
             for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]["cpu_s"])
         },
         "processes": [
-            {"kind": p["kind"], "cpu_s": round(p["cpu"] - p["base"], 1), "cmd": p["cmd"]}
-            for p in top
+            {"kind": p["kind"], "cpu_s": round(p["used"], 1), "cmd": p["cmd"]} for p in top
         ],
     }
 
