@@ -35,10 +35,10 @@ KILL_AT = 3
 
 
 class Gate:
-    """An HTTP proxy to ``upstream`` (vLLM's ``/v1``) on a free port: a request goes through
-    while ``open()`` is true, else it waits until ``close``; ``waiting`` counts those held."""
+    """An HTTP proxy to ``upstream`` (vLLM's ``/v1``) on a port the OS picks: a request goes through
+    while ``passes()`` is true, else it waits until ``close``; ``waiting`` counts those held."""
 
-    def __init__(self, upstream: str, open: Callable[[], bool]) -> None:
+    def __init__(self, upstream: str, passes: Callable[[], bool]) -> None:
         self.waiting = 0
         self._lock, self._release = threading.Lock(), threading.Event()
         gate = self
@@ -49,7 +49,7 @@ class Gate:
 
             def _relay(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if self.command == "POST" and not open():
+                if self.command == "POST" and not passes():
                     with gate._lock:
                         gate.waiting += 1
                     gate._release.wait()
