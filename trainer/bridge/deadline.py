@@ -21,31 +21,22 @@ The phases (each transport uses the ones it has, docs/BRIDGE.md):
 Packing and saving run in the trainer's own process on its own memory and disk, with no
 server to wait for, and are not bounded here.
 
-Tests stop a server at a chosen phase for certain, not by timing (``FAULT_ENV``).
+Tests stop a server at a chosen phase for certain, not by timing (trainer/faults.py).
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import signal
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from typing import TypeVar
 
 from trainer.config import SyncDeadlines
+from trainer.faults import fault_point
 
 T = TypeVar("T")
 
-log = logging.getLogger(__name__)
-
-__all__ = ["SyncDeadlines", "SyncTimeout", "bounded", "fault_point", "spawn"]
-
-FAULT_ENV = "SHOP_R1_TEST_SYNC_FAULT"
-"""Test-only: ``<phase>:<pid>[,<pid>...]`` makes the trainer SIGSTOP those processes (a
-vLLM server's API server and engine core) just before the first call of that phase, so the
-phase meets a frozen server every time (tests/integration/trainer/test_sync_deadlines.py)."""
+__all__ = ["SyncDeadlines", "SyncTimeout", "bounded", "spawn"]
 
 
 class SyncTimeout(TimeoutError):
@@ -60,7 +51,6 @@ class SyncTimeout(TimeoutError):
         )
 
 
-_fired: set[str] = set()
 _local = threading.local()
 
 
@@ -68,25 +58,6 @@ def current_deadline() -> float | None:
     """The deadline of the phase this thread runs a call of (``bounded``), else None: the
     HTTP client times its request out with it, so an abandoned call ends by itself."""
     return getattr(_local, "deadline_s", None)
-
-
-def fault_point(phase: str) -> None:
-    """Test-only (``FAULT_ENV``): SIGSTOP the named processes before ``phase``, once."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    want, _, pids = spec.partition(":")
-    if want != phase or spec in _fired:
-        return
-    _fired.add(spec)
-    for pid in (int(p) for p in pids.split(",") if p.strip()):
-        log.warning("test fault (%s): SIGSTOP pid %d before phase %r", FAULT_ENV, pid, phase)
-        os.kill(pid, signal.SIGSTOP)
-
-
-def reset_faults() -> None:
-    """Forget which test faults fired (a test that sets ``FAULT_ENV`` again)."""
-    _fired.clear()
 
 
 def spawn(fn: Callable[[], T], name: str) -> Future[T]:

@@ -15,9 +15,11 @@ export: the whole model, or the adapter on the SFT base).
 
 The 3-step SFT model of the shared fixture answers the same degenerate text before and after
 such an update, so the greedy comparison alone cannot reveal a sync that never happened. The
-sensitive check: once the launcher prints "trainer done" (the env is stopped, nothing syncs
-again) the test freezes the launcher (SIGSTOP, so it cannot stop vLLM), asks every vLLM server
-for the prompt logprobs of a fixed 928-token evaluation prompt, and lets it go on (SIGCONT).
+sensitive check: once the launcher has started the trainer it only watches it, so the test
+freezes the launcher then (SIGSTOP: it cannot stop vLLM, however long anything takes), waits
+until the trainer has exited (its last sync done, nothing syncs again), asks every vLLM server
+for the prompt logprobs of a fixed 928-token evaluation prompt, and lets the launcher go on
+(SIGCONT).
 The first server's logprobs must match transformers' from the last checkpoint within
 ``LOGPROB_TOL`` (mean absolute difference per token; the second server's the first's, too) and
 differ from the start model's by more than ``MOVED_MIN``: a skipped sync fails (vLLM would
@@ -59,7 +61,7 @@ from tests.integration.launch.test_launch_run_all import (
     check_what_the_user_sees,
     launcher,
 )
-from tests.integration.launcher_harness import LauncherRun
+from tests.integration.launcher_harness import LauncherRun, gone
 
 pytestmark = pytest.mark.integration
 EVAL = {"shared_vllm": 4, "lora_only": 2}
@@ -90,12 +92,15 @@ def first_prompt(model_dir: Path, data_dir: Path) -> list[int]:
 
 
 def served_prompt_logprobs(run: LauncherRun, ids: list[int]) -> dict[str, list[float]]:
-    """Each vLLM server's logprobs of ``ids[1:]`` once the trainer is done (by server name,
-    the first server first), asked while the launcher is frozen (it would otherwise stop vLLM
-    after the evaluation)."""
-    run.wait_until(lambda: "[run_all] trainer done" in run.output(), "the trainer's end")
+    """Each vLLM server's logprobs of ``ids[1:]`` once the trainer has exited (by server name,
+    the first server first), asked while the launcher is frozen: frozen from the moment it
+    started the trainer, so it cannot have stopped vLLM whatever the timing."""
+    started = "[run_all] env + trainer started; training"
+    run.wait_until(lambda: started in run.output(), "the trainer's start")
+    trainer = int(run.pids()["trainer"]["pid"])  # written before the line above
     os.kill(run.pid, signal.SIGSTOP)
     try:
+        run.wait_until(lambda: gone(trainer), "the trainer's end (the launcher frozen)")
         urls = dict(re.findall(r"\[run_all\] (vllm\d*) up at (\S+)", run.output()))
         got = {name: _prompt_logprobs(url, ids) for name, url in urls.items()}
     finally:

@@ -1,13 +1,15 @@
 """An OOM-killed trainer under ``launch/run_all.sh``, for real, and the relaunch that resumes.
 
 The launcher runs the CPU preset (3 GRPO steps, the shared fixture's 3-step SFT model). Once
-the trainer has checkpointed step 1, the test moves the trainer's process into a memory cgroup
-with a 48 MiB limit (bench/faults/memcg.py): its next training step allocates far more, and the
+the trainer has checkpointed step 1 it stops itself (SIGSTOP, the test-only fault point
+``checkpointed`` of trainer/faults.py), so its next step cannot begin however fast the box;
+the test moves the stopped process into a memory cgroup with a 48 MiB limit
+(bench/faults/memcg.py) and continues it: its next training step allocates far more, and the
 kernel's OOM killer kills it. The launcher must say so: the trainer exited with -9, it was
-the OOM killer (the kernel's own line for that PID where the kernel log is readable), the
-memory figures, and the command that continues the run. Where this process may not create a
-memory cgroup, the test SIGKILLs the trainer itself and checks that the launcher does *not*
-call that an OOM kill (and still says how to continue).
+the OOM killer (the kernel's own line for that PID), the memory figures, and the command that
+continues the run. Where this process may not create a memory cgroup or read the kernel's
+log, the test SIGKILLs the stopped trainer itself and checks that the launcher does *not* call
+that an OOM kill (and still says how to continue).
 
 Then ``run_all.sh --resume --run-dir <the same run>``: SFT is not run again (no ``sft`` step,
 the SFT model's files untouched), the SFT evaluation is not redone, the trainer resumes from
@@ -31,12 +33,20 @@ import pytest
 
 from bench.faults.memcg import MemoryCgroup
 from launch.exits import kernel_log
+from launch.lifeline import proc_info
 from tests.integration.launch.test_launch_run_all import artifacts_env, check_run, launcher
 from tests.integration.launcher_harness import LauncherRun
+from trainer.faults import FAULT_ENV
 
 pytestmark = pytest.mark.integration
 STEPS = 3
 __all__ = ["artifacts_env", "launcher"]  # fixtures shared with test_launch_run_all
+
+
+def stopped(row: dict | None) -> bool:
+    """The process of a ``pids.json`` row is stopped (SIGSTOP: state ``T``)."""
+    info = None if row is None else proc_info(int(row["pid"]))
+    return info is not None and info.state == "T"
 
 
 def test_an_oom_killed_trainer_is_named_and_a_relaunch_resumes_without_sft(
@@ -48,13 +58,18 @@ def test_an_oom_killed_trainer_is_named_and_a_relaunch_resumes_without_sft(
     sft = Path(artifacts_env["SHOP_R1_ARTIFACTS"]) / "models" / "tiny-qwen2-sft"
     sft_mtime = (sft / "model.safetensors").stat().st_mtime_ns
     ckpt = run_dir / "trainer" / "checkpoints" / "step_000001"
-    real = MemoryCgroup.available()
-    run = launcher(run_dir, artifacts_env, *flags)
-    run.wait_until(lambda: ckpt.is_dir(), "the trainer's first checkpoint")
+    # The kernel's line names the PID and the cgroup whatever the launcher sampled; without
+    # it, naming the cgroup would need a launcher sample between the move and the kill.
+    real = MemoryCgroup.available() and bool(kernel_log()[0])
+    env = {**artifacts_env, FAULT_ENV: "checkpointed:self"}  # it stops after checkpoint 1
+    run = launcher(run_dir, env, *flags)
+    run.wait_until(lambda: stopped(run.pids().get("trainer")), "the trainer to stop itself")
+    assert ckpt.is_dir() and not (ckpt.parent / "step_000002").exists()
     pid = int(run.pids()["trainer"]["pid"])
     if real:
         with MemoryCgroup(f"t29-trainer-{pid}", 48 << 20) as cg:
             cg.add(pid)  # its next step's activations do not fit: the kernel kills it
+            os.kill(pid, signal.SIGCONT)
             assert run.wait() == 1, run.tails()
     else:
         time.sleep(1.0)  # let the launcher sample it once more
@@ -65,8 +80,7 @@ def test_an_oom_killed_trainer_is_named_and_a_relaunch_resumes_without_sft(
     if real:
         assert "trainer was killed by the kernel's OOM killer (out of memory)." in out, out[-3000:]
         assert "memory: its resident memory peaked at" in out and "allows 48 MiB" in out
-        if kernel_log()[0]:  # readable here: the kernel's own line for the trainer's PID
-            assert f"Killed process {pid} " in out, out[-3000:]
+        assert f"Killed process {pid} " in out, out[-3000:]  # the kernel's own line
     else:
         assert "trainer was killed by SIGKILL" in out and "OOM killer (out" not in out
     step = max(int(p.name[5:]) for p in ckpt.parent.glob("step_*"))
