@@ -11,10 +11,15 @@ environment and working directory, its output in its log, a session (process gro
 own, torch's thread count from its ``OMP_NUM_THREADS`` -- and is handled like a ``Popen``:
 its PID, ``poll``/``wait`` and exit code (negative: the signal that killed it). It dies with the
 template (a parent-death signal), and the template with the process that started it (its pipe
-closes); ``launch.procs.ManagedProcess`` also registers it with the lifeline's reaper. The
-launcher does not use this: it starts one server per run, and its runs test the plain start.
+closes); ``launch.procs.ManagedProcess`` also registers it with the lifeline's reaper.
 As with multiprocessing's spawn, the child imports the starter's main script (if it is one):
 a script that starts forked servers keeps its work under ``if __name__ == "__main__"``.
+
+Who forks: a ``ManagedProcess`` given ``forked=True`` (the tests' fixtures), and, within
+``forking(True)``, every ``ManagedProcess`` that says neither way and runs a forkable command
+(``forks``): the launcher's CPU runs (``launch.fork_services``), whose API, vLLM servers,
+env, trainer, evaluations and preparation steps then share one import of vLLM, torch and
+transformers instead of paying it in each (docs/results/launcher_fork.md).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import signal
 import subprocess
 import sys
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 
@@ -36,8 +41,39 @@ from procutil import parent_death
 
 PRELOAD = ["vllm.entrypoints.openai.api_server", "vllm_patching.serve"]
 """What the template imports once: vLLM's OpenAI server (torch, transformers) and ours."""
+UNFORKED = ("env_server.verifiers", "torch.distributed.run")
+"""Modules (and their submodules) that always start plainly: verifiers' services put another
+venv's packages first on their path, which the template's already imported ones would shadow;
+torchrun's agent starts its ranks itself (plainly) and owns their signals."""
 _context: ForkServerContext | None = None
 _running: list[ForkedPopen] = []
+_by_default = False
+
+
+def forkable(argv: Sequence[str]) -> bool:
+    """``argv`` is ``python -m MODULE ...`` with this interpreter, MODULE not in ``UNFORKED``
+    (torchrun, another venv's Python or a script start plainly)."""
+    if len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m":
+        return False
+    return not any(argv[2] == m or argv[2].startswith(m + ".") for m in UNFORKED)
+
+
+def forks(argv: Sequence[str], forked: bool | None) -> bool:
+    """Whether a start of ``argv`` forks: as ``forked`` says, else as ``forking`` set it for
+    the forkable commands."""
+    return forked if forked is not None else _by_default and forkable(argv)
+
+
+@contextlib.contextmanager
+def forking(on: bool) -> Iterator[None]:
+    """Within it, starts that say neither way fork when their command is forkable (``on``)
+    or start plainly; the setting before it afterwards."""
+    global _by_default
+    before, _by_default = _by_default, on
+    try:
+        yield
+    finally:
+        _by_default = before
 
 
 def _run_module(module: str, args: list[str], env: dict, cwd: str, log_path: str) -> None:

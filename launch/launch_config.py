@@ -32,6 +32,12 @@ class LaunchConfig(BaseModel):
     where the run would exceed ~90 min, print why and the cpu-tiny command (the run goes
     on). Phases of a few steps, or of steps of seconds (the tiny model), are not probed.
     False (``--no-cost-probe``): no probe."""
+    fork_services: bool = True
+    """CPU runs: start the Python services and steps (API, vLLM servers, Shop-R1 env,
+    trainer, evaluations, dataset and SFT) as forks of one template process that imported
+    vLLM, torch and transformers once (launch/forked.py), instead of each paying those
+    imports (~10 CPU-s a vLLM server, ~8 a trainer). Runs with a GPU, torchrun trainers and
+    verifiers services always start plainly. False (``--no-fork-services``): all plainly."""
     eval_samples: int = Field(512, ge=0)
     """Test-split steps of the SFT-vs-RL evaluation (0: skip); 512 gives ~±3 points."""
     run_dir: Path | None = None

@@ -47,7 +47,7 @@ class ManagedProcess:
         log_path: Path | str,
         env: Mapping[str, str] | None = None,
         cwd: Path | str | None = None,
-        forked: bool = False,
+        forked: bool | None = None,
     ) -> None:
         self.name = name
         self.argv = list(argv)
@@ -55,7 +55,8 @@ class ManagedProcess:
         self.env = dict(os.environ if env is None else env)
         self.cwd = str(cwd or REPO_ROOT)
         self.forked = forked
-        """``python -m`` forked from a template that imported vLLM once (``launch.forked``)."""
+        """``python -m`` forked from a template that imported vLLM once (``launch.forked``);
+        None: as the starting process's ``launch.forked.forking`` says (default: plainly)."""
         self.popen: subprocess.Popen[bytes] | ForkedPopen | None = None
 
     @property
@@ -65,9 +66,9 @@ class ManagedProcess:
 
     def start(self) -> ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        if self.forked:  # its own session and parent-death signal: launch.forked
-            from launch.forked import fork_module
+        from launch.forked import fork_module, forks
 
+        if forks(self.argv, self.forked):  # own session, parent-death signal: launch.forked
             self.popen = fork_module(self.argv, self.env, self.cwd, self.log_path)
         else:
             log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child

@@ -35,6 +35,7 @@ from launch.cost_probe import CostProbe
 from launch.eval_table import eval_table
 from launch.evaluation import evaluate, finish_evaluation, pages_table, start_evaluation
 from launch.follow import LogSource, grpo_source
+from launch.forked import forking
 from launch.prepare import (
     context_warning,
     prepare_embedded,
@@ -159,6 +160,8 @@ def write_configs(cfg: RunConfig, plan: RunPlan, envs: list[str]) -> dict[str, P
         f"run dir {plan.run_dir}\n[run_all] follow it: tail -f {' '.join(map(str, plan.logs(envs)))}"
     )
     say(f"{plan.threads.describe()} (launch/threads.py)")
+    how = "as forks of one template process that imported vLLM once" if plan.forked else "plainly"
+    say(f"services start {how} (launch/forked.py; --fork-services / --no-fork-services)")
     return files
 
 
@@ -344,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = launcher_config(
                 layers, asked, plan.api_url, plan.vllm_urls, run_dir, plan.place.trainer_device
             )
-            return launch(cfg, plan, stack, argv)
+            with forking(plan.forked):  # the services' start (launch/forked.py)
+                return launch(cfg, plan, stack, argv)
     except ServiceFailed as e:
         print(f"[run_all] FAILED: {e}", file=sys.stderr, flush=True)
         hint = not lc.prepare_only

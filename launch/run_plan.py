@@ -120,6 +120,8 @@ class RunPlan:
     vllm_ports: tuple[int, ...]
     bridge_token: str
     """The trainer's and every vLLM server's shared token for the /bridge routes."""
+    forked: bool
+    """Services start as forks of a template (``launch.fork_services``, CPU runs only)."""
 
     @property
     def device(self) -> str:
@@ -159,9 +161,11 @@ def plan_run(cfg: RunConfig, run_dir: Path) -> RunPlan:
     picked = iter(free_ports(1 + lc.num_inference_servers, exclude=asked))  # all distinct
     ports = [lc.vllm_port or next(picked)]
     ports += [next(picked) for _ in range(lc.num_inference_servers - 1)]
+    cpu_only = device == "cpu" and not any(place.server_gpus)
     return RunPlan(
         run_dir=run_dir,
         place=place,
+        forked=lc.fork_services and cpu_only,
         threads=plan_threads(available_cores(), lc.num_inference_servers, device),
         api_url=f"http://{api_connect_host(cfg.api.host)}:{lc.api_port or next(picked)}",
         vllm_ports=tuple(ports),

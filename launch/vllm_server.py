@@ -163,12 +163,12 @@ def spawn_bridge_server(
     timeout: float = 600.0,
     env: Mapping[str, str] | None = None,
     name: str | None = None,
-    forked: bool = False,
+    forked: bool | None = None,
 ) -> BridgeServer:
     """Start the server without waiting for it (``BridgeServer.wait``): several servers can
     start side by side. ``env`` defaults to ``cpu_env(token)`` (see ``server_env``); ``forked``
     forks it from a template that imported vLLM once (``launch.forked``: many starts in one
-    process, the tests')."""
+    process; None: as the process's ``forking`` setting says, the launcher's)."""
     launch = dict(
         model=model,
         mode=mode,

@@ -28,6 +28,7 @@ from bench.common import machine
 from launch.procs import ManagedProcess
 
 KINDS: list[tuple[str, tuple[str, ...]]] = [
+    ("forked-server template", ("multiprocessing.forkserver",)),  # its preloads name vLLM
     ("vLLM engine core", ("EngineCore",)),
     ("vLLM API server", ("vllm_patching.serve", "vllm.entrypoints")),
     ("verifiers episode program", ("verifiers/runtimes/scripts",)),
@@ -38,7 +39,6 @@ KINDS: list[tuple[str, tuple[str, ...]]] = [
     ("batching API", ("-m api",)),
     ("atroposlib envs and trainers", ("atropos",)),
     ("launcher", ("run_all", "-m launch", "launch.")),
-    ("forked-server template", ("multiprocessing.forkserver",)),
     ("pytest workers (the tests' own code)", ("sys.stdin.readline", "pytest", "execnet")),
     ("install", ("pip", "/uv", "compileall")),
     ("Chromium (report page test)", ("chrom",)),
@@ -73,14 +73,13 @@ def sample(procs: dict[tuple[int, float], dict], before: bool = False) -> None:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
         cpu = t.user + t.system
-        key = (p.info["pid"], p.info["create_time"])
-        if key not in procs:
-            procs[key] = {
-                "kind": kind_of(p.info["cmdline"] or [], p.info["name"] or ""),
-                "cmd": " ".join(p.info["cmdline"] or [p.info["name"] or ""])[:200],
-                "base": cpu if before else 0.0,
-            }
-        procs[key]["used"] = cpu - procs[key]["base"]
+        entry = procs.setdefault((p.info["pid"], p.info["create_time"]), {})
+        entry.setdefault("base", cpu if before else 0.0)
+        cmdline = p.info["cmdline"] or []
+        if cmdline or "kind" not in entry:  # the latest: a fork of a template renames itself
+            entry["kind"] = kind_of(cmdline, p.info["name"] or "")
+            entry["cmd"] = " ".join(cmdline or [p.info["name"] or ""])[:200]
+        entry["used"] = cpu - entry["base"]
 
 
 def measure(argv: list[str], log: Path, interval: float) -> dict:

@@ -15,6 +15,8 @@ Then ``run_all.sh --resume --run-dir <the same run>``: SFT is not run again (no 
 the SFT model's files untouched), the SFT evaluation is not redone, the trainer resumes from
 its checkpoint (``resumed from .../step_00000N``) and the run ends with all 3 steps.
 
+The first launch starts its services as forks of one template (the CPU default,
+launch/forked.py), the relaunch plainly (``--no-fork-services``, as GPU runs always do).
 Both launches run in bridge mode ``none`` (vLLM keeps its weights; the trainer only advances
 the served weight version), and the relaunch ends with test_launch_run_all's ``check_run``:
 these are the suite's launcher runs of that mode.
@@ -66,6 +68,7 @@ def test_an_oom_killed_trainer_is_named_and_a_relaunch_resumes_without_sft(
     run.wait_until(lambda: stopped(run.pids().get("trainer")), "the trainer to stop itself")
     assert ckpt.is_dir() and not (ckpt.parent / "step_000002").exists()
     pid = int(run.pids()["trainer"]["pid"])
+    assert proc_info(pid).ppid != run.pid  # a fork of the launcher's template (CPU default)
     if real:
         with MemoryCgroup(f"t29-trainer-{pid}", 48 << 20) as cg:
             cg.add(pid)  # its next step's activations do not fit: the kernel kills it
@@ -89,9 +92,11 @@ def test_an_oom_killed_trainer_is_named_and_a_relaunch_resumes_without_sft(
     plan = f"GRPO resumes from its step-{step} checkpoint ({left} step{'s' * (left != 1)} left)"
     assert hint in out and "SFT is done (its model is reused)" in out and plan in out, out[-3000:]
 
-    again = launcher(run_dir, artifacts_env, "--resume", *flags)
+    # the relaunch starts its services plainly (python -m): the start GPU runs always use
+    again = launcher(run_dir, artifacts_env, "--resume", "--no-fork-services", *flags)
     assert again.wait() == 0, again.tails()
     out2 = again.output()
+    assert "services start plainly" in out2 and "as forks" in out, out2[-3000:]
     check_run(run_dir, out2, ["vllm"], steps=STEPS, resumed=True)
     assert "[bridge] mode=none" in (run_dir / "vllm.log").read_text()
     assert "[run_all] sft:" not in out2 and "SFT evaluation: reusing" in out2, out2[-3000:]

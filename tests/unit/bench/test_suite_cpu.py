@@ -41,6 +41,17 @@ BURN_S = 1.0
             "pytest workers (the tests' own code)",
         ),
         (["/usr/bin/sleep", "5"], "sleep", "other: sleep"),
+        (  # the template's preloads name vLLM: it is the template, not a server
+            [
+                "python",
+                "-B",
+                "-c",
+                "from multiprocessing.forkserver import main; main(3, 5, "
+                "['vllm.entrypoints.openai.api_server', 'vllm_patching.serve'])",
+            ],
+            "python",
+            "forked-server template",
+        ),
     ],
 )
 def test_kind_of(cmdline: list[str], name: str, kind: str) -> None:
@@ -69,3 +80,19 @@ def test_main_writes_the_result_and_fails_with_the_command(tmp_path: Path) -> No
         main(["--out", str(out), "--interval", "0.2", "--", sys.executable, "-c", "exit(3)"]) == 1
     )
     assert json.loads(out.read_text())["exit_code"] == 3
+
+
+def test_a_process_that_renames_itself_counts_under_its_new_kind(tmp_path: Path) -> None:
+    """A fork of the template starts with the template's command line and then sets its own
+    (setproctitle, launch/forked.py): the last command line seen decides its kind."""
+    pytest.importorskip("setproctitle")
+    code = (
+        "import time, setproctitle\n"
+        "time.sleep(1.0)  # sampled under its first command line\n"
+        "setproctitle.setproctitle('python -m trainer grpo --renamed-child')\n"
+        f"while time.process_time() < {BURN_S}: pass\n"
+        "time.sleep(3)\n"
+    )
+    result = measure([sys.executable, "-c", code], tmp_path / "child.log", interval=0.1)
+    (child,) = [p for p in result["processes"] if "--renamed-child" in p["cmd"]]
+    assert child["kind"] == "trainer" and child["cpu_s"] >= BURN_S
