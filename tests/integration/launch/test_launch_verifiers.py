@@ -47,12 +47,12 @@ verifiers:
   env_path: ["{ENVS}"]
   env_args: '{{"secrets": [7, 18]}}'
   env_name: vf_guess
-  group_size: 4
+  group_size: 2
   max_tokens: 4
   concurrency: 2
 trainer:
   grpo:
-    batch_size: 8
+    batch_size: 4
 """
     )
     run_dir = tmp_path / "run"
