@@ -8,10 +8,11 @@ for certain rather than by timing.
 - a weight sync's phases (``check``, ``connect``, ``stage``, ``transfer``, ``apply``,
   ``close``; trainer/bridge/deadline.py): just before the phase's first call, so the phase
   meets a frozen server (tests/integration/trainer/test_sync_deadlines.py);
-- ``checkpointed``: right after a checkpoint is written and its batches acked, before the
-  next step (tests/integration/launch/test_launch_oom.py: the trainer stops itself there,
-  the test moves it into a memory cgroup and continues it, so its next step runs out of
-  memory whatever the box's speed).
+- ``checkpointed``: right after a checkpoint is written (GRPO: and its batches acked),
+  before the next step, in GRPO and SFT alike (tests/integration/launch/test_launch_oom.py:
+  the trainer stops itself there, the test moves it into a memory cgroup and continues it,
+  so its next step runs out of memory whatever the box's speed;
+  tests/integration/trainer/test_trainer_sft.py kills the stopped SFT and resumes it).
 
 Unset (every real run), a point costs one environment lookup.
 """

@@ -6,8 +6,9 @@ checkpoint writes (``kill_inside_write``) or run to the end uninterrupted (the r
 A ``Lineage`` is one training run from scratch to ``steps``: its own API process and database
 holding the same fabricated groups (deterministic ids and tokens, one group per batch, served
 FIFO), so every lineage trains the same batch at the same step and an interrupted run can be
-compared, weight for weight, with an uninterrupted one. The lease is 1 s: a killed trainer's
-batch is back in the queue by the time its successor leases, first in line again.
+compared, weight for weight, with an uninterrupted one. The lease is 1 s, and a resumed
+trainer starts only once every lease in the database has passed its deadline: a killed
+trainer's batch is back in the queue when its successor leases, first in line again.
 """
 
 from __future__ import annotations
@@ -154,6 +155,8 @@ class Lineage:
         return launcher + args
 
     def start_trainer(self, resume: bool) -> ManagedProcess:
+        if resume:  # its predecessor's batch must be first in line again (module docstring)
+            self.wait_leases_expired()
         self.starts += 1
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same float sums in every run
         for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -202,6 +205,13 @@ class Lineage:
         for p in found:
             assert missing_parts(p) == [], f"{p} is incomplete: {missing_parts(p)}"
         return [step_of(p) for p in found]
+
+    def wait_leases_expired(self) -> None:
+        """Sleep until every batch the database holds as leased is past its lease deadline
+        (the API's clock is this box's ``time.time``), so the next lease finds it expired."""
+        ((deadline,),) = self.query("SELECT MAX(deadline) FROM batches WHERE state = 'leased'")
+        if deadline is not None:
+            time.sleep(max(0.0, deadline - time.time()) + 0.05)
 
     def query(self, sql: str) -> list[tuple]:
         with sqlite3.connect(f"file:{self.db}?mode=ro", uri=True) as conn:

@@ -166,10 +166,13 @@ def test_full_disk_at_the_api(tmp_path: Path, caplog: pytest.LogCaptureFixture) 
             assert drain.batch()  # the trainer keeps draining the queue
             pusher = EnvPusher(api.url, [f"b{i}" for i in range(5)])
             pusher.start()
-            time.sleep(4.0)
+            client = ApiClient(api.url, token=TOKEN)
+            deadline = time.monotonic() + 300  # a refusal every ~0.5-5 s (its back-off)
+            while (status := client.status()).storage_refusals < 3:  # the probe + 2 pushes
+                assert time.monotonic() < deadline and pusher.is_alive(), status
+                time.sleep(0.2)
             assert pusher.acked == [] and pusher.is_alive()  # backing off, nothing stored
-            status = ApiClient(api.url, token=TOKEN).status()
-            assert status.storage_low and status.storage_refusals >= 3, status
+            assert status.storage_low, status
 
         # -- 2. killed on the full disk, restarted without a reserve, not a byte left -------
         api.proc.kill9()

@@ -14,7 +14,10 @@ Checks (docs/FAULT_TOLERANCE.md records the figures this test prints):
   paused with SIGSTOP until the queue is drained), so the only way back is the trainer's own
   re-sync on seeing a new run_id: without it, it would wait for fresh rollouts forever (the
   restarted server's are labelled version 0 and dropped as stale); the first time, the env
-  stays paused until vLLM serves the trainer's version again, so no step is trained meanwhile;
+  stays paused until vLLM serves the trainer's version again, so no step is trained meanwhile
+  (measured, not assumed: a push the env had sent before its SIGSTOP can be stored after the
+  trainer was seen idle, and then rightly trained; the test counts the groups stored while the
+  env was paused and asserts "no step" when there were none);
   the second time, the env is killed too and its restart samples from the restarted server,
   whose version-0 rollouts cannot train a step either;
 - exactly once: every group the API acknowledged to the env is in its database; the groups the
@@ -278,6 +281,12 @@ def _leased_batches(db: Path) -> set[str]:
         return {b for (b,) in conn.execute("SELECT batch_id FROM batches WHERE state = 'leased'")}
 
 
+def _group_count(db: Path) -> int:
+    """Groups the API has stored (any state)."""
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        return int(conn.execute("SELECT COUNT(*) FROM groups").fetchone()[0])
+
+
 def _trainer_idle(stack: Stack, client: ApiClient) -> bool:
     """Nothing left to lease and the last step fully synced: the trainer polls for data. A
     lease the killed trainer held does not count (it would keep the API's ``active_leases``
@@ -311,10 +320,20 @@ def _kill_and_restart(stack: Stack, names: tuple[str, ...]) -> dict:
     module docstring); a killed env is restarted before vLLM, whose start it waits out."""
     env, trainer = stack.procs["env"], stack.procs["trainer"]
     out: dict = {"service": "+".join(names)}
+    stored = -1  # groups the API held when the trainer was seen idle
     if "vllm" in names:  # kill it while the trainer is idle (see the module docstring)
         os.kill(env.pid, signal.SIGSTOP)
         client = ApiClient(stack.api_url, token=TOKEN)
-        _wait(lambda: _trainer_idle(stack, client), "the trainer to drain the queue", trainer)
+
+        def idle() -> bool:
+            """Idle, with no group stored while we looked: a push the env had sent before
+            its SIGSTOP may still be committed later (the API answers /status meanwhile)."""
+            nonlocal stored
+            before = _group_count(stack.db)
+            stored = before if _trainer_idle(stack, client) else -1
+            return stored >= 0 and _group_count(stack.db) == before
+
+        _wait(idle, "the trainer to drain the queue", trainer)
         run_id = stack.vllm_health()["run_id"]
     step_before = stack.last_step()
     assert step_before < STEPS - 1, "raise STEPS: the run ended before every kill was tried"
@@ -345,7 +364,10 @@ def _kill_and_restart(stack: Stack, names: tuple[str, ...]) -> dict:
         )
         out["restart_to_resync_s"] = round(t_synced - t_restart, 1)
         if "env" not in names:  # paused, it sampled nothing meanwhile: no step either
-            assert stack.last_step() == step_before
+            late = _group_count(stack.db) - stored  # pushes sent before the SIGSTOP, stored late
+            out["groups_stored_while_paused"] = late
+            if late == 0:  # measured: with a late group the trainer may rightly train it
+                assert stack.last_step() == step_before
             os.kill(env.pid, signal.SIGCONT)
     watch = [stack.procs["trainer"], stack.procs["env"]]
     t_step = _wait(lambda: stack.last_step() > step_before, f"a trained step after {names}", *watch)

@@ -1,9 +1,12 @@
 """SFT on the embedded tiny model: the loss falls, and a run killed with SIGKILL and resumed
-ends with exactly the weights of an uninterrupted run (same data order, optimizer, schedule)."""
+ends with exactly the weights of an uninterrupted run (same data order, optimizer, schedule).
+The run to kill stops itself once its first checkpoint is written (the test-only fault point
+``checkpointed``, trainer/faults.py), so the kill lands mid-run whatever the box's speed."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -11,8 +14,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from launch.lifeline import proc_info
 from launch.procs import ManagedProcess
 from trainer.config import SftConfig
+from trainer.faults import FAULT_ENV
 from trainer.sft import train
 
 pytestmark = pytest.mark.integration
@@ -63,13 +68,16 @@ def test_sft_loss_falls_and_kill_resume_is_exact(tiny_model_dir: Path, tmp_path:
     assert "val_loss" in rows[STEPS - 1] and "eval/format_valid" in rows[-1]
 
     killed = _cfg(tiny_model_dir, data, tmp_path / "killed")
-    proc = ManagedProcess("sft", _argv(killed), tmp_path / "killed.log", forked=True).start()
-    ckpt = tmp_path / "killed" / "checkpoints" / "step_000002"
-    deadline = time.monotonic() + 240
-    while not ckpt.exists() and proc.alive() and time.monotonic() < deadline:
+    env = {**os.environ, FAULT_ENV: "checkpointed:self"}  # it stops after checkpoint 1
+    log = tmp_path / "killed.log"
+    proc = ManagedProcess("sft", _argv(killed), log, env=env, forked=True).start()
+    deadline = time.monotonic() + 600
+    while (info := proc_info(proc.pid)) is not None and info.state != "T":
+        assert proc.alive() and time.monotonic() < deadline, log.read_text()[-2000:]
         time.sleep(0.05)
-    proc.kill9()  # SIGKILL somewhere inside step 3 (or its checkpoint write)
-    assert ckpt.exists(), (tmp_path / "killed.log").read_text()[-2000:]
+    proc.kill9()  # SIGKILL while stopped between step 1 and step 2
+    ckpts = sorted(p.name for p in (tmp_path / "killed" / "checkpoints").glob("step_*"))
+    assert ckpts == ["step_000001"], ckpts
     # the kill landed before the run's end (a finished run resumed would compare nothing)
     assert not (tmp_path / "killed" / "model.safetensors").exists()
     train(killed.model_copy(update={"resume": "latest"}))  # as --resume validates to
