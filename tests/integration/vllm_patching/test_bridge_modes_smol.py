@@ -26,7 +26,13 @@ whole model fills three of the default 256 MiB; the cut model's 162 MiB would fi
 What 30 layers added was compute (vLLM's start, transformers' greedy decoding and the
 optimizer step on 7.5x the layers) and rounding, not another code path. The greedy tokens
 stay decisive on the cut model: the smallest top-1/top-2 logprob gap over the 3 prompts x 12
-tokens is 0.086 (measured with transformers), 17x the logprob tolerance.
+tokens is 0.086 (measured with transformers), 17x the logprob tolerance. The states after
+AdamW steps were not measured beforehand, so every comparison also holds on a near-tie:
+where transformers' top two are within ``LOGPROB_TOL``, vLLM may take the runner-up (the two
+kernels round apart on some CPU), and the texts are compared up to there (``assert_serves``;
+each state's smallest gap is printed, ``SMOL_GREEDY``; measured 2026-11-29 on an AVX2-only
+AMD EPYC: 0.086 at the start, 0.056 and 0.186 after the full-weight steps, 0.024 and 0.215
+after the LoRA steps, so none parted there).
 The in-flight and restart behaviour of each mode is covered on the tiny model
 (test_bridge_modes.py); here the point is the real model's code path.
 """
@@ -37,6 +43,7 @@ import copy
 import json
 import secrets
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import pytest
@@ -51,6 +58,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.smol]
 TOKEN = secrets.token_hex(16)
 SERVED = "smol"
 N_TOKENS = 12
+LOGPROB_TOL = 5e-3
+"""vLLM's and transformers' logprob of the same token on the same weights (fp32 kernels)."""
 MAX_PROMPT_TOKENS = 640
 GLOO = {"token": TOKEN, "bucket_bytes": 32 << 20}
 """The broadcast bridges' options: buckets small enough that the cut model spans several
@@ -82,24 +91,37 @@ def prompts(smol: Path) -> list[list[int]]:
     return [prompt_ids(r, tok, MAX_PROMPT_TOKENS, latest_only=False) for r in first.values()]
 
 
+class Decoded(NamedTuple):
+    """transformers' greedy decoding of one prompt: each step's token and logprob, and its
+    runner-up token with that one's logprob."""
+
+    ids: list[int]
+    lps: list[float]
+    alt_ids: list[int]
+    alt_lps: list[float]
+
+
 @torch.no_grad()
-def hf_greedy(model: torch.nn.Module, ids: list[int]) -> tuple[list[int], list[float]]:
+def hf_greedy(model: torch.nn.Module, ids: list[int]) -> Decoded:
     """Greedy decoding with the KV cache (EOS ignored, as the vLLM request asks)."""
     out = model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
-    toks, lps = [], []
+    got = Decoded([], [], [], [])
     for _ in range(N_TOKENS):
         lp = torch.log_softmax(out.logits[0, -1].float(), -1)
-        tok = int(lp.argmax())
-        toks.append(tok)
-        lps.append(float(lp[tok]))
+        top = lp.topk(2)
+        (tok, alt), (tok_lp, alt_lp) = top.indices.tolist(), top.values.tolist()
+        got.ids.append(tok)
+        got.lps.append(tok_lp)
+        got.alt_ids.append(alt)
+        got.alt_lps.append(alt_lp)
         out = model(
             input_ids=torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True
         )
-    return toks, lps
+    return got
 
 
-Greedy = list[tuple[list[int], list[float]]]
-"""transformers' greedy (tokens, logprobs) per prompt, for one state of the model."""
+Greedy = list[Decoded]
+"""transformers' greedy decoding of every prompt, for one state of the model."""
 
 
 def hf_outputs(model: torch.nn.Module, prompts: list[list[int]]) -> Greedy:
@@ -111,12 +133,23 @@ def assert_serves(
     url: str, served: str, want: Greedy, prompts: list[list[int]], version: int
 ) -> None:
     """vLLM's greedy tokens equal ``want`` (``hf_outputs`` of the weights just synced) on every
-    prompt, logprobs close, served at ``version``."""
-    for ids, (want_ids, want_lp) in zip(prompts, want, strict=True):
+    prompt, logprobs close, served at ``version``. Where transformers' top two tokens are
+    within ``LOGPROB_TOL`` (a near-tie), vLLM may take the runner-up instead; the texts then
+    part and are compared up to there (module docstring)."""
+    gaps = []
+    for ids, hf in zip(prompts, want, strict=True):
         got_ids, got_lp, header = vllm_greedy(url, served, ids, n=N_TOKENS)
-        assert got_ids == want_ids
-        assert got_lp == pytest.approx(want_lp, abs=5e-3)
         assert header == str(version)
+        gaps += [a - b for a, b in zip(hf.lps, hf.alt_lps, strict=True)]
+        assert len(got_ids) == N_TOKENS
+        pairs = enumerate(zip(got_ids, hf.ids, strict=True))
+        same = next((i for i, (a, b) in pairs if a != b), N_TOKENS)  # tokens before they part
+        assert got_lp[:same] == pytest.approx(hf.lps[:same], abs=LOGPROB_TOL)
+        if same < N_TOKENS:  # only a near-tie may part them, and to the runner-up
+            gap = hf.lps[same] - hf.alt_lps[same]
+            assert gap <= LOGPROB_TOL and got_ids[same] == hf.alt_ids[same], (same, gap)
+            assert got_lp[same] == pytest.approx(hf.alt_lps[same], abs=LOGPROB_TOL)
+    print(f"SMOL_GREEDY version {version}: smallest top-1/top-2 gap {min(gaps):.3g}")
     assert httpx.get(f"{url}/bridge/health").json()["weight_version"] == str(version)
 
 
@@ -130,7 +163,7 @@ def step_moves_outputs(
     before = before if before is not None else hf_outputs(model, prompts)
     optimizer_step(model, prompts[0], lr=lr)
     after = hf_outputs(model, prompts)
-    flat = lambda outs: [lp for _, lps in outs for lp in lps]  # noqa: E731
+    flat = lambda outs: [lp for out in outs for lp in out.lps]  # noqa: E731
     assert flat(after) != pytest.approx(flat(before), abs=1e-3), "the step changed nothing"
     return after
 
