@@ -81,6 +81,12 @@ def is_running(pid: int, starttime: int | None = None) -> bool:
     return starttime is None or info.starttime == starttime
 
 
+def is_stopped(pid: int) -> bool:
+    """``pid`` is stopped by a signal (SIGSTOP: state ``T``), e.g. at a test fault point."""
+    info = proc_info(pid)
+    return info is not None and info.state == "T"
+
+
 def descendants(pid: int) -> list[ProcInfo]:
     """Every process below ``pid`` in the process tree (children, their children, ...)."""
     by_parent: dict[int, list[ProcInfo]] = {}

@@ -35,7 +35,7 @@ import pytest
 
 from bench.faults.memcg import MemoryCgroup
 from launch.exits import kernel_log
-from launch.lifeline import proc_info
+from launch.lifeline import is_stopped, proc_info
 from tests.integration.launch.test_launch_run_all import artifacts_env, check_run, launcher
 from tests.integration.launcher_harness import LauncherRun
 from trainer.faults import FAULT_ENV
@@ -43,12 +43,6 @@ from trainer.faults import FAULT_ENV
 pytestmark = pytest.mark.integration
 STEPS = 3
 __all__ = ["artifacts_env", "launcher"]  # fixtures shared with test_launch_run_all
-
-
-def stopped(row: dict | None) -> bool:
-    """The process of a ``pids.json`` row is stopped (SIGSTOP: state ``T``)."""
-    info = None if row is None else proc_info(int(row["pid"]))
-    return info is not None and info.state == "T"
 
 
 def test_an_oom_killed_trainer_is_named_and_a_relaunch_resumes_without_sft(
@@ -65,7 +59,12 @@ def test_an_oom_killed_trainer_is_named_and_a_relaunch_resumes_without_sft(
     real = MemoryCgroup.available() and bool(kernel_log()[0])
     env = {**artifacts_env, FAULT_ENV: "checkpointed:self"}  # it stops after checkpoint 1
     run = launcher(run_dir, env, *flags)
-    run.wait_until(lambda: stopped(run.pids().get("trainer")), "the trainer to stop itself")
+
+    def trainer_stopped() -> bool:  # pids.json has no trainer row until it started
+        row = run.pids().get("trainer")
+        return row is not None and is_stopped(int(row["pid"]))
+
+    run.wait_until(trainer_stopped, "the trainer to stop itself")
     assert ckpt.is_dir() and not (ckpt.parent / "step_000002").exists()
     pid = int(run.pids()["trainer"]["pid"])
     assert proc_info(pid).ppid != run.pid  # a fork of the launcher's template (CPU default)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from launch.lifeline import proc_info
+from launch.lifeline import is_stopped
 from launch.procs import ManagedProcess
 from trainer.config import SftConfig
 from trainer.faults import FAULT_ENV
@@ -72,7 +72,7 @@ def test_sft_loss_falls_and_kill_resume_is_exact(tiny_model_dir: Path, tmp_path:
     log = tmp_path / "killed.log"
     proc = ManagedProcess("sft", _argv(killed), log, env=env, forked=True).start()
     deadline = time.monotonic() + 600
-    while (info := proc_info(proc.pid)) is not None and info.state != "T":
+    while not is_stopped(proc.pid):
         assert proc.alive() and time.monotonic() < deadline, log.read_text()[-2000:]
         time.sleep(0.05)
     proc.kill9()  # SIGKILL while stopped between step 1 and step 2

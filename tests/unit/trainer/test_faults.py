@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from launch.lifeline import proc_info
+from launch.lifeline import is_stopped, proc_info
 from trainer.faults import FAULT_ENV, fault_point, reset_faults
 
 pytestmark = pytest.mark.unit
@@ -26,7 +26,7 @@ def _state(pid: int) -> str:
 def _until_stopped(pid: int) -> None:
     """Until ``pid`` is stopped; bounded, for a broken fault point to fail rather than hang."""
     deadline = time.monotonic() + 120
-    while _state(pid) != "T":
+    while not is_stopped(pid):
         assert time.monotonic() < deadline, f"pid {pid} not stopped: state {_state(pid)}"
         time.sleep(0.05)
 
