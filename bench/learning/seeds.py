@@ -1,0 +1,209 @@
+"""What does ``make run`` give, seed to seed? (issue 46, point 3)
+
+Runs ``launch/run_all.sh`` (what ``make run`` starts, after its install) once per seed,
+each from scratch: its own artifacts folder (``SHOP_R1_ARTIFACTS``), so the SFT cold start
+is trained again with that seed, then GRPO, then both evaluations on the 512 held-out test
+steps. ``--seed S`` is every service's seed (the SFT's data order, the GRPO trainer, the
+env's row order, vLLM's sampling). The base model and the dataset are the same bytes for
+every seed: they are copied from ``--from-artifacts`` when it holds them (else each run
+builds them, deterministically), so the test rows are the same and every RL - SFT is
+paired on them.
+
+Writes ``<out>/seed<S>/`` (the run's folder ``run/``, its console ``console.log``; the
+artifacts are removed afterwards unless ``--keep-artifacts``), ``<out>/seed<S>/times.json``,
+and ``<out>/result.json`` + the table (``--report`` rebuilds both from the files): for each
+seed SFT, RL and RL - SFT (paired on the same rows, with its SE), then the mean over the
+seeds, their standard deviation and the range. Extra launcher options after ``--``.
+
+  flock /tmp/heavy.lock .venv/bin/python -m bench.learning.seeds --out runs/seeds --seeds 0 1 2
+  python -m bench.learning.seeds --out docs/results/make_run_seeds --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import REPO, machine
+from env_server.eval_stats import paired_difference
+from settings import paths
+
+PHASE = re.compile(r"^\[run_all\] (?P<phase>.+?) done \|.*\| (?P<t>[\d:]+) elapsed")
+"""The launcher's line at the end of a phase: ``[run_all] SFT done | ... | 13:42 elapsed``."""
+PAIRED = (("exact", "exact match", 100.0, " pts"), ("reward", "mean reward", 1.0, ""))
+UNPAIRED = (("type_accuracy", "type accuracy", 100.0), ("macro_f1", "macro-F1", 100.0))
+KEPT = ("eval.md", "eval_sft", "eval_rl", "trainer_metrics.jsonl", "env_metrics.jsonl")
+"""What of a run's folder is copied into ``--out`` (beside the console log)."""
+
+
+def seconds(clock: str) -> int:
+    """``13:42`` or ``1:02:03`` -> seconds."""
+    total = 0
+    for part in clock.split(":"):
+        total = 60 * total + int(part)
+    return total
+
+
+def phase_times(console: str) -> dict[str, int]:
+    """Seconds of each phase the launcher reported done (``SFT``, ``GRPO``, evaluations)."""
+    times: dict[str, int] = {}
+    for line in console.splitlines():
+        m = PHASE.match(line.strip())
+        if m:
+            times[m["phase"]] = seconds(m["t"])
+    return times
+
+
+def seed_artifacts(src: Path, dst: Path) -> None:
+    """``dst`` with ``src``'s base model and dataset (when there), never its SFT model."""
+    for sub in (paths.TINY_MODEL_DIR, paths.DATA_DIR):
+        rel = sub.relative_to(paths.ARTIFACTS)
+        if (src / rel).is_dir() and not (dst / rel).exists():
+            shutil.copytree(src / rel, dst / rel)
+
+
+def keep(out: Path) -> None:
+    """Copy what a finished run shows (evaluations, metrics, eval.md) beside its console."""
+    for name in KEPT:
+        src = out / "run" / name
+        if src.is_dir():
+            shutil.copytree(src, out / name, dirs_exist_ok=True)
+        elif src.exists():
+            shutil.copy2(src, out / name)
+
+
+def run_seed(args: argparse.Namespace, seed: int) -> None:
+    """One ``launch/run_all.sh --seed S`` from scratch into ``<out>/seed<S>``."""
+    out = args.out / f"seed{seed}"
+    if (out / "eval_rl" / "metrics.json").exists():
+        print(f"seed {seed}: done before, kept ({out})", flush=True)
+        return
+    artifacts, run_dir = out / "artifacts", out / "run"
+    if run_dir.exists():  # an unfinished run: started over, never half-reused
+        shutil.rmtree(run_dir)
+    artifacts.mkdir(parents=True, exist_ok=True)
+    seed_artifacts(args.from_artifacts, artifacts)
+    env = {**os.environ, "SHOP_R1_ARTIFACTS": str(artifacts)}
+    argv = ["bash", str(REPO / "launch/run_all.sh"), "--seed", str(seed), "--run-dir", str(run_dir)]
+    argv += args.launcher_args
+    print(f"seed {seed}: {' '.join(argv)}", flush=True)
+    t = time.monotonic()
+    with open(out / "console.log", "w") as console:
+        rc = subprocess.run(argv, env=env, stdout=console, stderr=subprocess.STDOUT).returncode
+    wall = time.monotonic() - t
+    text = (out / "console.log").read_text(errors="replace")
+    times = {"wall_s": round(wall, 1), "phases_s": phase_times(text), "exit": rc}
+    times["machine"] = machine()
+    (out / "times.json").write_text(json.dumps(times, indent=2) + "\n")
+    if rc != 0:
+        raise SystemExit(f"seed {seed}: launch/run_all.sh exited {rc}; see {out}/console.log")
+    keep(out)
+    if not args.keep_artifacts:
+        shutil.rmtree(artifacts)
+    print(f"seed {seed}: done in {wall / 60:.1f} min", flush=True)
+
+
+def seed_row(out: Path) -> dict[str, Any]:
+    """One seed's SFT, RL and paired RL - SFT from its evaluations."""
+    sft = json.loads((out / "eval_sft" / "metrics.json").read_text())
+    rl = json.loads((out / "eval_rl" / "metrics.json").read_text())
+    row: dict[str, Any] = {"rows": sft["n"]}
+    for key, _, scale, _ in PAIRED:
+        a, b = sft["per_sample"][key], rl["per_sample"][key]
+        d, se = paired_difference(a, b)
+        row[key] = {
+            "sft": scale * sum(a) / len(a),
+            "rl": scale * sum(b) / len(b),
+            "diff": scale * d,
+            "se": scale * se,
+        }
+    for key, _, scale in UNPAIRED:
+        row[key] = {"sft": scale * sft[key], "rl": scale * rl[key]}
+        row[key]["diff"] = row[key]["rl"] - row[key]["sft"]
+    times_path = out / "times.json"
+    row["times"] = json.loads(times_path.read_text()) if times_path.exists() else {}
+    return row
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Mean, sample standard deviation (0 for one value), min and max."""
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return {"mean": statistics.fmean(values), "sd": sd, "min": min(values), "max": max(values)}
+
+
+def report(args: argparse.Namespace) -> int:
+    """``result.json`` and the markdown table from the seeds' folders."""
+    seeds = sorted(
+        int(p.name[4:])
+        for p in args.out.glob("seed*")
+        if p.name[4:].isdigit() and (p / "eval_rl" / "metrics.json").exists()
+    )
+    if not seeds:
+        raise SystemExit(f"no finished seed under {args.out}")
+    rows = {s: seed_row(args.out / f"seed{s}") for s in seeds}
+    metrics = [(k, label, unit) for k, label, _, unit in PAIRED]
+    metrics += [(k, label, " pts") for k, label, _ in UNPAIRED]
+    lines = ["| seed | time | " + " | ".join(f"{m[1]} SFT -> RL (RL - SFT)" for m in metrics)]
+    lines.append("|---" * (2 + len(metrics)) + "|")
+    for s, row in rows.items():
+        wall = row["times"].get("wall_s")
+        cells = [str(s), f"{wall / 60:.0f} min" if wall else "?"]
+        for key, _, unit in metrics:
+            r = row[key]
+            se = f" ± {r['se']:.1f}" if "se" in r else ""
+            cells.append(f"{r['sft']:.1f} -> {r['rl']:.1f} ({r['diff']:+.1f}{se}{unit})")
+        lines.append("| " + " | ".join(cells) + " |")
+    summary = {key: spread([rows[s][key]["diff"] for s in seeds]) for key, _, _ in metrics}
+    cells = [f"mean of {len(seeds)}", ""]
+    for key, _, unit in metrics:
+        sp = summary[key]
+        cells.append(
+            f"RL - SFT {sp['mean']:+.1f}{unit} (sd {sp['sd']:.1f}, {sp['min']:+.1f} to "
+            f"{sp['max']:+.1f})"
+        )
+    lines.append("| " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    result = {"seeds": {str(s): r for s, r in rows.items()}, "rl_minus_sft": summary}
+    result["machine"] = machine()
+    (args.out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / "table.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        "python -m bench.learning.seeds",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument(
+        "--from-artifacts",
+        type=Path,
+        default=paths.ARTIFACTS,
+        help="where the base model and the dataset are copied from (default: this checkout's)",
+    )
+    p.add_argument("--keep-artifacts", action="store_true", help="keep each seed's SFT model")
+    p.add_argument("--report", action="store_true", help="the table of the finished seeds")
+    p.add_argument("launcher_args", nargs="*", help="after --: more launch/run_all.sh options")
+    args = p.parse_args(argv)
+    args.out = args.out.resolve()
+    if not args.report:
+        for seed in args.seeds:
+            run_seed(args, seed)
+    return report(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
