@@ -71,7 +71,9 @@ class EnvConfig(BaseModel):
     (unset: settings.paths.NUM_SESSIONS, 3000); set, a dataset of another size there is an
     error naming both (env_server/data/dataset.py)."""
     seed: int = 0
-    """Seed of the simulated dataset and of the order prompts are drawn in."""
+    """Seed of the order prompts are drawn in (not of the dataset, built with
+    ``settings.paths.DATA_SEED``: another seed trains on the same rows and is evaluated on the
+    same held-out ones; ``python -m env_server.data build --seed`` builds another dataset)."""
     group_size: int = Field(8, ge=2)
     """Completions sampled per prompt (a GRPO group)."""
     max_prompt_tokens: int = Field(DEFAULT_MAX_PROMPT_TOKENS, ge=64)

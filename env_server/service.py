@@ -259,7 +259,7 @@ async def serve(cfg: EnvConfig) -> Stats:
 
     from env_server.data.dataset import load_or_build
 
-    dataset = await asyncio.to_thread(load_or_build, cfg.data_dir, cfg.num_sessions, cfg.seed)
+    dataset = await asyncio.to_thread(load_or_build, cfg.data_dir, cfg.num_sessions)
     inference = InferencePool(
         cfg.inference_urls(),
         cfg.model,

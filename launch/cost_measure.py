@@ -101,7 +101,7 @@ def sft_examples(sft: Any, model_dir: str | Path, n: int) -> Rows | None:
     from trainer.model import load_tokenizer
     from trainer.sft_data import LazySplit, epoch_order, load_or_build_dataset
 
-    data = load_or_build_dataset(sft.data_dir, sft.num_sessions, sft.seed)
+    data = load_or_build_dataset(sft.data_dir, sft.num_sessions)
     tok = load_tokenizer(str(model_dir))
     split = LazySplit(data["train"], tok, sft.max_seq_len, sft.latest_only, sft.episode)
     order = epoch_order(len(split), sft.seed, 0)

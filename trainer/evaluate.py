@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     from trainer.sft_data import load_or_build_dataset
 
     lm = load_model(SftConfig(model_name=a.model, save_path=""))
-    rows = list(load_or_build_dataset(a.data_dir, SftConfig().num_sessions, 0)[a.split])[: a.n]
+    rows = list(load_or_build_dataset(a.data_dir, SftConfig().num_sessions)[a.split])[: a.n]
     result = format_valid_rate(lm, rows, a.max_seq_len, a.max_new_tokens, a.latest_only)
     print(json.dumps({"model": a.model, "n": len(rows), **result}))
 

@@ -36,7 +36,7 @@ def train(cfg: SftConfig) -> Run:
     run = start_run(cfg)
     lm, state = run.loaded, run.state
     work = Work.of(run.dist)
-    data = load_or_build_dataset(cfg.data_dir, cfg.num_sessions, cfg.seed)
+    data = load_or_build_dataset(cfg.data_dir, cfg.num_sessions)
     split = partial(
         LazySplit,
         tokenizer=lm.tokenizer,

@@ -33,11 +33,12 @@ class SftExample:
     prompt_len: int
 
 
-def load_or_build_dataset(data_dir: str | Path, num_sessions: int | None, seed: int) -> Any:
-    """The dataset at ``data_dir``; generated (deterministically) and saved first if missing."""
+def load_or_build_dataset(data_dir: str | Path, num_sessions: int | None) -> Any:
+    """The dataset at ``data_dir``; generated (deterministically, with the data seed
+    ``settings.paths.DATA_SEED``, not the SFT's) and saved first if missing."""
     from env_server.data.dataset import load_or_build
 
-    return load_or_build(data_dir, num_sessions=num_sessions, seed=seed)
+    return load_or_build(data_dir, num_sessions=num_sessions)
 
 
 def end_of_turn_id(tokenizer: Any) -> int:

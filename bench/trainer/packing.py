@@ -53,7 +53,7 @@ def real_prompts(tokenizer: Any, n: int, max_tokens: int, seed: int) -> list[lis
     from settings.paths import DATA_DIR
     from trainer.sft_data import load_or_build_dataset
 
-    rows = list(load_or_build_dataset(DATA_DIR, None, 0)["validation"])
+    rows = list(load_or_build_dataset(DATA_DIR, None)["validation"])
     rng = random.Random(seed)
     return [prompt_ids(r, tokenizer, max_tokens, False) for r in rng.sample(rows, n)]
 
@@ -71,7 +71,7 @@ def inputs_of(spec: dict[str, Any], tokenizer: Any, cfg: Any) -> Any:
     from settings.paths import DATA_DIR
     from trainer.sft_data import encode_split, load_or_build_dataset
 
-    rows = list(load_or_build_dataset(DATA_DIR, None, 0)["train"])
+    rows = list(load_or_build_dataset(DATA_DIR, None)["train"])
     rng = random.Random(seed)
     rows = rng.sample(rows, cfg.batch_size * 2)
     return encode_split(rows, tokenizer, cfg.max_seq_len, cfg.latest_only)

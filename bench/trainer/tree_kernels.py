@@ -78,7 +78,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             from trainer.sft import _nll
             from trainer.sft_data import encode_split, load_or_build_dataset
 
-            rows = list(load_or_build_dataset(DATA_DIR, None, 0)["train"])
+            rows = list(load_or_build_dataset(DATA_DIR, None)["train"])
             batch = encode_split(
                 random.Random(spec["seed"]).sample(rows, cfg.batch_size),
                 lm.tokenizer,

@@ -134,23 +134,27 @@ def build_and_save(num_sessions: int, seed: int, out_dir: Path | str) -> dict[st
     return written
 
 
-def check_identity(d: Path, dsd: datasets.DatasetDict, num_sessions: int, seed: int) -> None:
+def check_identity(
+    d: Path, dsd: datasets.DatasetDict, num_sessions: int, seed: int | None = None
+) -> None:
     """A simulated dataset must be the one asked for (its manifest; an older folder without
-    one: its number of sessions); converted user data is taken as it is."""
+    one: its number of sessions; its seed only when one is asked for); converted user data is
+    taken as it is."""
     manifest = d / MANIFEST
     have = json.loads(manifest.read_text()) if manifest.exists() else None
     if have is not None and have.get("source") != "simulated":
         return
     if have is None:
         have = {"num_sessions": len({s for ds in dsd.values() for s in ds["session_id"]})}
-    same_seed = have.get("seed", seed) == seed
+    same_seed = seed is None or have.get("seed", seed) == seed
     if have.get("num_sessions") == num_sessions and same_seed:
         return
     held = f"{have.get('num_sessions')} sessions" + (
         f" (seed {have['seed']})" if "seed" in have else ""
     )
     raise DatasetMismatch(
-        f"{d} holds a dataset of {held}, but {num_sessions} sessions (seed {seed}) were asked "
+        f"{d} holds a dataset of {held}, but {num_sessions} sessions"
+        f"{'' if seed is None else f' (seed {seed})'} were asked "
         f"for. Use it as it is (drop --num-sessions / data.num_sessions, or set it to "
         f"{have.get('num_sessions')}), or build the other one elsewhere (--data-dir NEW_DIR); "
         f"nothing was overwritten."
@@ -158,15 +162,18 @@ def check_identity(d: Path, dsd: datasets.DatasetDict, num_sessions: int, seed: 
 
 
 def load_or_build(
-    data_dir: Path | str, num_sessions: int | None = None, seed: int = DATA_SEED
+    data_dir: Path | str, num_sessions: int | None = None, seed: int | None = None
 ) -> datasets.DatasetDict:
     """Load the dataset in ``data_dir``; simulate and save it there first if it is missing
-    (``num_sessions`` sessions, default ``settings.paths.NUM_SESSIONS``). With
-    ``num_sessions`` given, a dataset of another size or seed there is a
-    :class:`DatasetMismatch` (never a silent swap, never overwritten)."""
+    (``num_sessions`` sessions, default ``settings.paths.NUM_SESSIONS``; ``seed``, default
+    ``settings.paths.DATA_SEED``). With ``num_sessions`` given, a dataset of another size
+    there is a :class:`DatasetMismatch`, and of another seed when ``seed`` is given too (never
+    a silent swap, never overwritten). The services ask by size only: a run's ``--seed``
+    (training and sampling) does not choose the dataset, whose held-out rows stay the same."""
     d = Path(data_dir)
     if not any((d / f"{s}.jsonl").exists() for s in SPLITS):
-        build_and_save(NUM_SESSIONS if num_sessions is None else num_sessions, seed, d)
+        n = NUM_SESSIONS if num_sessions is None else num_sessions
+        build_and_save(n, DATA_SEED if seed is None else seed, d)
         return load_dataset_dir(d)
     dsd = load_dataset_dir(d)
     if num_sessions is not None:

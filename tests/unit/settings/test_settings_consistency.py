@@ -52,6 +52,23 @@ def test_load_or_build_checks_what_it_loads(tmp_path: Path) -> None:
         load_or_build(d, 30)
 
 
+def test_a_runs_seed_does_not_choose_its_dataset(tmp_path: Path) -> None:
+    """``--seed 1 --num-sessions 12`` trains and evaluates on the dataset of the data seed:
+    the env and the SFT ask for the dataset by size only (before, the run's seed reached
+    ``load_or_build`` and a dataset built by the launcher was a mismatch, "seed 1 asked")."""
+    import inspect
+
+    from trainer.sft_data import load_or_build_dataset
+
+    assert list(inspect.signature(load_or_build_dataset).parameters) == ["data_dir", "num_sessions"]
+    d = tmp_path / "data"
+    built = load_or_build_dataset(d, 12)  # missing: built with the data seed
+    assert json.loads((d / MANIFEST).read_text())["seed"] == paths.DATA_SEED
+    build_and_save(12, 1, tmp_path / "other")  # a dataset of another seed, built on purpose
+    assert load_or_build(d, 12)["test"].to_list() == built["test"].to_list()
+    assert load_or_build(tmp_path / "other", 12)["test"].to_list() != built["test"].to_list()
+
+
 def test_converted_data_is_taken_as_it_is(tmp_path: Path) -> None:
     build_and_save(12, 0, tmp_path)
     (tmp_path / MANIFEST).write_text(json.dumps({"source": "converted", "seed": 0}))
