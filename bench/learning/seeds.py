@@ -152,7 +152,8 @@ def report(args: argparse.Namespace) -> int:
     rows = {s: seed_row(args.out / f"seed{s}") for s in seeds}
     metrics = [(k, label, unit) for k, label, _, unit in PAIRED]
     metrics += [(k, label, " pts") for k, label, _ in UNPAIRED]
-    lines = ["| seed | time | " + " | ".join(f"{m[1]} SFT -> RL (RL - SFT)" for m in metrics)]
+    head = " | ".join(f"{m[1]} SFT -> RL (RL - SFT)" for m in metrics)
+    lines = [f"| seed | time | {head} |"]
     lines.append("|---" * (2 + len(metrics)) + "|")
     for s, row in rows.items():
         wall = row["times"].get("wall_s")

@@ -1,0 +1,102 @@
+"""bench.learning.seeds: the phase times it reads from the launcher's console, what it copies
+into a seed's artifacts, and the per-seed and across-seed table it builds."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from bench.learning import seeds
+from settings import paths
+
+pytestmark = pytest.mark.unit
+
+
+def test_phase_times_read_the_launchers_done_lines() -> None:
+    console = "\n".join(
+        [
+            "[run_all] SFT | 449/450 steps (99%) | loss 0.5 | 17:40 elapsed",
+            "[run_all] SFT done | 450/450 steps (100%) | loss 0.498 | 17:52 elapsed",
+            "[run_all] GRPO done | 120/120 steps | reward 0.8 | 1:13:55 elapsed",
+            "[run_all] something else | 0:03 elapsed",
+        ]
+    )
+    assert seeds.phase_times(console) == {"SFT": 17 * 60 + 52, "GRPO": 3600 + 13 * 60 + 55}
+
+
+def test_a_seed_gets_the_base_model_and_the_dataset_never_an_sft_model(tmp_path: Path) -> None:
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    for d in (paths.TINY_MODEL_DIR, paths.DATA_DIR, paths.SFT_MODEL_DIR):
+        (src / d.relative_to(paths.ARTIFACTS)).mkdir(parents=True)
+        (src / d.relative_to(paths.ARTIFACTS) / "f").write_text(d.name)
+    seeds.seed_artifacts(src, dst)
+    assert (dst / paths.TINY_MODEL_DIR.relative_to(paths.ARTIFACTS) / "f").read_text()
+    assert (dst / paths.DATA_DIR.relative_to(paths.ARTIFACTS) / "f").exists()
+    assert not (dst / paths.SFT_MODEL_DIR.relative_to(paths.ARTIFACTS)).exists()
+
+
+def _finished(out: Path, seed: int, sft: dict, rl: dict, wall: float) -> None:
+    for name, m in (("eval_sft", sft), ("eval_rl", rl)):
+        (out / f"seed{seed}" / name).mkdir(parents=True)
+        metrics = {**m, "n": len(m["per_sample"]["exact"])}
+        (out / f"seed{seed}" / name / "metrics.json").write_text(json.dumps(metrics))
+    (out / f"seed{seed}" / "times.json").write_text(json.dumps({"wall_s": wall}))
+
+
+def _m(exact: list[int], reward: list[float], type_acc: float, f1: float) -> dict:
+    return {
+        "per_sample": {"exact": exact, "reward": reward},
+        "type_accuracy": type_acc,
+        "macro_f1": f1,
+    }
+
+
+def test_the_table_pairs_each_seed_and_spreads_the_gains(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "seeds"
+    # seed 0: exact 1/4 -> 3/4 (+50 points), seed 1: 2/4 -> 2/4 (+0); rewards and aggregates
+    _finished(
+        out,
+        0,
+        _m([1, 0, 0, 0], [1, 0, 0, 0], 0.5, 0.4),
+        _m([1, 1, 1, 0], [2, 2, 2, 0], 0.75, 0.5),
+        600,
+    )
+    _finished(
+        out,
+        1,
+        _m([1, 1, 0, 0], [1, 1, 0, 0], 0.5, 0.4),
+        _m([1, 0, 1, 0], [1, 0, 1, 0], 0.25, 0.3),
+        900,
+    )
+    (out / "seed2").mkdir()  # unfinished: left out
+    assert seeds.main(["--out", str(out), "--report"]) == 0
+    result = json.loads((out / "result.json").read_text())
+    assert sorted(result["seeds"]) == ["0", "1"]
+    s0 = result["seeds"]["0"]
+    assert s0["exact"]["sft"] == 25 and s0["exact"]["rl"] == 75 and s0["exact"]["diff"] == 50
+    assert s0["exact"]["se"] == pytest.approx(100 * statistics.stdev([0, 1, 1, 0]) / 2)
+    assert s0["reward"]["diff"] == pytest.approx(1.25)
+    assert s0["type_accuracy"]["diff"] == pytest.approx(25.0)
+    gains = result["rl_minus_sft"]
+    assert gains["exact"] == {
+        "mean": 25.0,
+        "sd": pytest.approx(statistics.stdev([50, 0])),
+        "min": 0.0,
+        "max": 50.0,
+    }
+    assert gains["type_accuracy"]["mean"] == pytest.approx(0.0)
+    assert gains["macro_f1"]["min"] == pytest.approx(-10.0)
+    table = (out / "table.md").read_text()
+    assert "| 0 | 10 min | 25.0 -> 75.0 (+50.0 ± 28.9 pts)" in table
+    assert "| mean of 2 |  | RL - SFT +25.0 pts (sd 35.4, +0.0 to +50.0)" in table
+    assert table.strip() in capsys.readouterr().out
+
+
+def test_no_finished_seed_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="no finished seed"):
+        seeds.main(["--out", str(tmp_path), "--report"])
