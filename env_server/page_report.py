@@ -194,20 +194,20 @@ def _predicted_type(text: str) -> str:
     return parsed.action["type"] if isinstance(parsed, ParsedOutput) else "invalid"
 
 
-def what_changed(
+def change_counts(
     rows: Sequence[Mapping[str, Any]],
     before: Sequence[str],
     after: Sequence[str],
     labels: tuple[str, str] = ("SFT", "RL"),
-) -> str:
-    """Where the second model gained and lost exact matches against the first on the same
-    rows, per gold action type and page kind (rows gained, lost, net), then what each predicts
-    where the shopper leaves (gold ``terminate``): a markdown table and a line."""
+) -> tuple[dict[tuple[str, str], Counter[str]], dict[str, Counter[str]]]:
+    """Per (gold action type, page kind): rows, each model's exact matches, rows gained and
+    lost by the second; and per model, the action types it predicts where the shopper leaves
+    (gold ``terminate``)."""
     if not len(rows) == len(before) == len(after):
         raise ValueError(f"{len(before)} and {len(after)} completions for {len(rows)} rows")
     a, b = labels
     cells: dict[tuple[str, str], Counter[str]] = {}
-    leaves = {a: Counter(), b: Counter()}
+    leaves: dict[str, Counter[str]] = {a: Counter(), b: Counter()}
     for row, x, y in zip(rows, before, after, strict=True):
         gold = json.loads(row["action"])
         c = cells.setdefault((gold["type"], page_kind(row["pages"][-1])), Counter())
@@ -223,6 +223,20 @@ def what_changed(
         if gold["type"] == "terminate":
             leaves[a][_predicted_type(x)] += 1
             leaves[b][_predicted_type(y)] += 1
+    return cells, leaves
+
+
+def what_changed(
+    rows: Sequence[Mapping[str, Any]],
+    before: Sequence[str],
+    after: Sequence[str],
+    labels: tuple[str, str] = ("SFT", "RL"),
+) -> str:
+    """Where the second model gained and lost exact matches against the first on the same
+    rows, per gold action type and page kind (rows gained, lost, net), then what each predicts
+    where the shopper leaves (gold ``terminate``): a markdown table and a line."""
+    a, b = labels
+    cells, leaves = change_counts(rows, before, after, labels)
     order = {k: i for i, k in enumerate((*ACTION_TYPES, *PAGE_KINDS))}
     lines = [
         f"| gold action | page | rows | {a} exact | {b} exact | gained | lost | net |",

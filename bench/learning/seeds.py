@@ -112,8 +112,9 @@ def run_seed(args: argparse.Namespace, seed: int) -> None:
     print(f"seed {seed}: done in {wall / 60:.1f} min", flush=True)
 
 
-def seed_row(out: Path) -> dict[str, Any]:
-    """One seed's SFT, RL and paired RL - SFT from its evaluations."""
+def seed_row(out: Path, rows: list[dict] | None = None) -> dict[str, Any]:
+    """One seed's SFT, RL and paired RL - SFT from its evaluations; with the test ``rows``
+    the evaluations answered, also :func:`action_changes`."""
     sft = json.loads((out / "eval_sft" / "metrics.json").read_text())
     rl = json.loads((out / "eval_rl" / "metrics.json").read_text())
     row: dict[str, Any] = {"rows": sft["n"]}
@@ -131,7 +132,35 @@ def seed_row(out: Path) -> dict[str, Any]:
         row[key]["diff"] = row[key]["rl"] - row[key]["sft"]
     times_path = out / "times.json"
     row["times"] = json.loads(times_path.read_text()) if times_path.exists() else {}
+    preds = [out / name / "predictions.jsonl" for name in ("eval_sft", "eval_rl")]
+    if rows is not None and all(p.exists() for p in preds):
+        row["actions"] = action_changes(rows[: sft["n"]], *preds)
     return row
+
+
+def action_changes(rows: list[dict], sft_preds: Path, rl_preds: Path) -> dict[str, Any]:
+    """Where RL gained and lost exact matches, per gold action type (page kinds summed), and
+    what each model predicts where the shopper leaves (gold ``terminate``): point 4's
+    over-clicking, per seed."""
+    from env_server.evaluate import read_predictions
+    from env_server.page_report import change_counts
+
+    before, after = read_predictions(sft_preds, rows), read_predictions(rl_preds, rows)
+    cells, leaves = change_counts(rows, before, after)
+    net: dict[str, int] = {}
+    for (kind, _page), c in cells.items():
+        net[kind] = net.get(kind, 0) + c["gained"] - c["lost"]
+    return {"net_exact_by_gold_type": net, "where_the_shopper_leaves": leaves}
+
+
+def test_rows(artifacts: Path) -> list[dict] | None:
+    """The test split every seed answered (the dataset the runs copied), if it is there."""
+    data = artifacts / paths.DATA_DIR.relative_to(paths.ARTIFACTS)
+    if not (data / "test.jsonl").exists():
+        return None
+    from env_server.data.dataset import load_or_build
+
+    return load_or_build(data)["test"].to_list()
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -149,7 +178,7 @@ def report(args: argparse.Namespace) -> int:
     )
     if not seeds:
         raise SystemExit(f"no finished seed under {args.out}")
-    rows = {s: seed_row(args.out / f"seed{s}") for s in seeds}
+    rows = {s: seed_row(args.out / f"seed{s}", test_rows(args.from_artifacts)) for s in seeds}
     metrics = [(k, label, unit) for k, label, _, unit in PAIRED]
     metrics += [(k, label, " pts") for k, label, _ in UNPAIRED]
     head = " | ".join(f"{m[1]} SFT -> RL (RL - SFT)" for m in metrics)
@@ -172,6 +201,18 @@ def report(args: argparse.Namespace) -> int:
             f"{sp['max']:+.1f})"
         )
     lines.append("| " + " | ".join(cells) + " |")
+    for s, row in rows.items():
+        if "actions" in row:
+            net = row["actions"]["net_exact_by_gold_type"]
+            leaves = row["actions"]["where_the_shopper_leaves"]
+            n = sum(leaves["SFT"].values())
+            lines.append("")
+            lines.append(
+                f"Seed {s}: net exact rows gained by RL per gold action: "
+                + ", ".join(f"{k} {v:+d}" for k, v in sorted(net.items()))
+                + f"; where the shopper leaves ({n} rows) it clicks on {leaves['RL']['click']}"
+                f" (SFT {leaves['SFT']['click']})."
+            )
     table = "\n".join(lines)
     result = {"seeds": {str(s): r for s, r in rows.items()}, "rl_minus_sft": summary}
     result["machine"] = machine()

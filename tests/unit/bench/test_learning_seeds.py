@@ -100,3 +100,46 @@ def test_the_table_pairs_each_seed_and_spreads_the_gains(
 def test_no_finished_seed_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="no finished seed"):
         seeds.main(["--out", str(tmp_path), "--report"])
+
+
+def test_each_seed_says_what_rl_changed_per_action_and_where_the_shopper_leaves(
+    tmp_path: Path,
+) -> None:
+    """SFT answers every test row with its gold action; RL clicks wherever the gold action is
+    ``terminate``: RL loses exactly those rows and clicks on all of them."""
+    from env_server.data.dataset import load_or_build
+
+    art = tmp_path / "art"
+    data = art / paths.DATA_DIR.relative_to(paths.ARTIFACTS)
+    rows = load_or_build(data, 12)["test"].to_list()
+    leaving = [r for r in rows if json.loads(r["action"])["type"] == "terminate"]
+    assert leaving and len(leaving) < len(rows)
+    click = {"type": "click", "name": "add_to_cart"}
+    out = tmp_path / "seeds" / "seed0"
+    for name, wrong in (("eval_sft", False), ("eval_rl", True)):
+        (out / name).mkdir(parents=True)
+        with open(out / name / "predictions.jsonl", "w") as f:
+            for r in rows:
+                gold = json.loads(r["action"])
+                action = click if wrong and gold["type"] == "terminate" else gold
+                text = json.dumps({"rationale": "I look.", "action": action})
+                f.write(
+                    json.dumps(
+                        {"session_id": r["session_id"], "step": r["step"], "completion": text}
+                    )
+                    + "\n"
+                )
+        exact = [int(not (wrong and json.loads(r["action"])["type"] == "terminate")) for r in rows]
+        m = _m(exact, [float(e) for e in exact], 1.0, 1.0)
+        (out / name / "metrics.json").write_text(json.dumps({**m, "n": len(rows)}))
+    assert (
+        seeds.main(["--out", str(tmp_path / "seeds"), "--report", "--from-artifacts", str(art)])
+        == 0
+    )
+    actions = json.loads((tmp_path / "seeds" / "result.json").read_text())["seeds"]["0"]["actions"]
+    assert actions["net_exact_by_gold_type"]["terminate"] == -len(leaving)
+    assert all(v == 0 for k, v in actions["net_exact_by_gold_type"].items() if k != "terminate")
+    assert actions["where_the_shopper_leaves"]["RL"] == {"click": len(leaving)}
+    assert actions["where_the_shopper_leaves"]["SFT"] == {"terminate": len(leaving)}
+    table = (tmp_path / "seeds" / "table.md").read_text()
+    assert f"it clicks on {len(leaving)} (SFT 0)" in table
