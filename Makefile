@@ -17,42 +17,16 @@ setup: $(STAMP)
 
 # The install runs with uv (https://docs.astral.sh/uv/), which installs the same set as pip
 # faster (measured in docs/results/suite_timings.md); pip does it where uv cannot be
-# installed. uv reads no pip configuration, so PIP_CONFIG_TO_UV turns pip's settings (pip.conf
-# and PIP_* variables, ranked as pip ranks them: :env: over install over global) into uv's
-# flags. pip takes the best file of the best version across all indexes; uv, with
-# `unsafe-best-match`, the best version across all, but its files only from the first index
-# that has that version, so pip's main index (PyPI unless set) goes first: extra indexes that
-# mirror part of it then change no wheel. `--compile-bytecode` writes the .pyc files pip
-# writes. pip splits these settings on whitespace, so no value holds a space.
-define PIP_CONFIG_TO_UV
-import ast, subprocess, sys
-rank = {"global": 0, "install": 1, ":env:": 2}
-conf = {}
-listing = subprocess.run([sys.executable, "-m", "pip", "config", "list"],
-                         capture_output=True, text=True).stdout
-for line in listing.splitlines():
-    key, _, value = line.partition("=")
-    scope, _, name = key.rpartition(".")
-    if scope in rank and rank[scope] >= conf.get(name, (-1, ""))[0]:
-        conf[name] = (rank[scope], ast.literal_eval(value))
-def values(name): return conf.get(name, (0, ""))[1].split()
-flags = [f"--find-links={v}" for v in values("find-links")]
-flags += [f"--constraints={v}" for v in values("constraint")]
-main = values("index-url")[:1]
-extra = values("extra-index-url")
-if extra:
-    flags += [f"--extra-index-url={v}" for v in (main or ["https://pypi.org/simple"]) + extra]
-flags += [f"--index-url={v}" for v in main]
-print(" ".join(flags))
-endef
-export PIP_CONFIG_TO_UV
+# installed. uv reads no pip configuration: procutil/pip_install.py prints pip's settings
+# (pip.conf and PIP_* variables) as uv's flags, and says how they are ranked and ordered.
+# `--compile-bytecode` writes the .pyc files pip writes.
 
 $(STAMP): $(REQS) requirements-nodeps.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip uv || $(PY) -m pip install --upgrade pip
 	@set -ef; \
 	if [ -x $(VENV)/bin/uv ]; then \
-	  install="$(VENV)/bin/uv pip install --python $(PY) --index-strategy unsafe-best-match --compile-bytecode $$($(PY) -c "$$PIP_CONFIG_TO_UV")"; \
+	  install="$(VENV)/bin/uv pip install --python $(PY) --index-strategy unsafe-best-match --compile-bytecode $$($(PY) procutil/pip_install.py)"; \
 	  uninstall="$(VENV)/bin/uv pip uninstall --python $(PY)"; \
 	else \
 	  echo "uv is not installable here: installing with pip"; \

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from launch.procs import ManagedProcess
+from procutil import pip_install
 from settings.paths import ARTIFACTS
 from settings.ports import free_port
 
@@ -19,7 +20,7 @@ ATROPOS_VENV = ARTIFACTS / "venvs" / "atropos"
 
 
 def ensure_atropos(python: Path | None = None) -> Path:
-    """The Python of a virtualenv with atroposlib (created with pip from PyPI if missing,
+    """The Python of a virtualenv with atroposlib (created with uv, else pip, if missing,
     under ``$SHOP_R1_ARTIFACTS/venvs/atropos``; a file lock lets parallel test workers share
     one build)."""
     if python is not None:
@@ -38,10 +39,10 @@ def ensure_atropos(python: Path | None = None) -> Path:
             return py
         base = Path(getattr(sys, "_base_executable", sys.executable))
         subprocess.run([str(base), "-m", "venv", "--clear", str(ATROPOS_VENV)], check=True)
-        # --no-compile: no bytecode for its ~1 GB of packages up front (84 -> 50 s here); the
-        # few modules a run imports compile on first use
-        pip = [str(py), "-m", "pip", "install", "-q", "--no-compile"]
-        subprocess.run([*pip, f"atroposlib=={ATROPOS_VERSION}"], check=True)
+        # no bytecode for its ~1 GB of packages up front: the modules a run imports compile
+        # on first use
+        install = pip_install.install_command(py)
+        subprocess.run([*install, f"atroposlib=={ATROPOS_VERSION}"], check=True)
     return py
 
 

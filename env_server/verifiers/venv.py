@@ -4,7 +4,7 @@ verifiers 0.4.0 cannot share the main virtualenv: it pins ``openai<3`` and ``mcp
 and pip would downgrade the main venv's openai 3.57 and mcp 2.3 under vLLM 0.32
 (docs/VERIFIERS.md, "Where verifiers lives"). Its own venv holds verifiers with its
 dependencies (no torch: ~360 MB) plus ``uv``, which verifiers' harnesses use to prepare
-their chat program. Made with pip from PyPI under a file lock, so parallel test workers or
+their chat program. Made with uv (else pip; ``procutil.pip_install``) under a file lock, so parallel test workers or
 envs share one build; checked by importing verifiers at the pinned version.
 
 Imports nothing heavy: ``python -m env_server.verifiers`` calls :func:`ensure_venv` from
@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from procutil import pip_install
 from settings.paths import ARTIFACTS
 
 VERIFIERS_VERSION = "0.4.0"
@@ -61,23 +62,14 @@ def ensure_venv(venv: Path = VENV, extra: list[str] | None = None) -> Path:
             t0 = time.monotonic()
             base = Path(getattr(sys, "_base_executable", sys.executable))
             subprocess.run([str(base), "-m", "venv", "--clear", str(venv)], check=True)
-            # --no-compile: bytecode only for the modules a run imports (as ensure_atropos)
-            pip = [
-                str(py),
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--no-compile",
-                "--disable-pip-version-check",
-            ]
+            # no bytecode up front: only the modules a run imports compile (on first use)
+            install = pip_install.install_command(py)
             # pydantic-settings: our flags (settings/cli.py) in the service
             reqs = [f"verifiers=={VERIFIERS_VERSION}", f"uv=={UV_VERSION}", PYDANTIC_SETTINGS]
-            subprocess.run([*pip, *reqs], check=True)
+            subprocess.run([*install, *reqs], check=True)
             log.warning("built %s in %.0f s", venv, time.monotonic() - t0)
         if extra:
-            pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-            subprocess.run([*pip, *extra], check=True)
+            subprocess.run([*pip_install.install_command(py), *extra], check=True)
     return py
 
 
