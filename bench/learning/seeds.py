@@ -41,8 +41,10 @@ PHASE = re.compile(r"^\[run_all\] (?P<phase>.+?) done \|.*\| (?P<t>[\d:]+) elaps
 """The launcher's line at the end of a phase: ``[run_all] SFT done | ... | 13:42 elapsed``."""
 PAIRED = (("exact", "exact match", 100.0, " pts"), ("reward", "mean reward", 1.0, ""))
 UNPAIRED = (("type_accuracy", "type accuracy", 100.0), ("macro_f1", "macro-F1", 100.0))
-KEPT = ("eval.md", "eval_sft", "eval_rl", "trainer_metrics.jsonl", "env_metrics.jsonl")
-"""What of a run's folder is copied into ``--out`` (beside the console log)."""
+KEPT = {n: n for n in ("eval.md", "eval_sft", "eval_rl", "reward_curve.png", "config")}
+KEPT["trainer/metrics.jsonl"] = "trainer_metrics.jsonl"
+"""What of a run's folder is copied beside its console log (as what), the rest left in
+``run/`` (its checkpoints, logs and databases)."""
 
 
 def seconds(clock: str) -> int:
@@ -72,13 +74,14 @@ def seed_artifacts(src: Path, dst: Path) -> None:
 
 
 def keep(out: Path) -> None:
-    """Copy what a finished run shows (evaluations, metrics, eval.md) beside its console."""
-    for name in KEPT:
+    """Copy what a finished run shows (evaluations, configs, metrics, eval.md) beside its
+    console."""
+    for name, to in KEPT.items():
         src = out / "run" / name
         if src.is_dir():
-            shutil.copytree(src, out / name, dirs_exist_ok=True)
+            shutil.copytree(src, out / to, dirs_exist_ok=True)
         elif src.exists():
-            shutil.copy2(src, out / name)
+            shutil.copy2(src, out / to)
 
 
 def run_seed(args: argparse.Namespace, seed: int) -> None:

@@ -143,3 +143,16 @@ def test_each_seed_says_what_rl_changed_per_action_and_where_the_shopper_leaves(
     assert actions["where_the_shopper_leaves"]["SFT"] == {"terminate": len(leaving)}
     table = (tmp_path / "seeds" / "table.md").read_text()
     assert f"it clicks on {len(leaving)} (SFT 0)" in table
+
+
+def test_a_finished_run_keeps_what_it_shows_beside_its_console(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    for f in ("eval.md", "eval_rl/metrics.json", "config/env.yaml", "trainer/metrics.jsonl"):
+        (run / f).parent.mkdir(parents=True, exist_ok=True)
+        (run / f).write_text(f)
+    (run / "trainer" / "checkpoints").mkdir()
+    seeds.keep(tmp_path)
+    assert (tmp_path / "eval_rl" / "metrics.json").read_text() == "eval_rl/metrics.json"
+    assert (tmp_path / "config" / "env.yaml").exists() and (tmp_path / "eval.md").exists()
+    assert (tmp_path / "trainer_metrics.jsonl").read_text() == "trainer/metrics.jsonl"
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "trainer").exists()
