@@ -12,11 +12,13 @@ of it then change no wheel. pip splits these settings on whitespace, so no value
 space.
 
 Standard library only: the Makefile runs this file as a script (``python
-procutil/pip_install.py`` prints the flags) before the project is installed.
+procutil/pip_install.py``, also ``python -m procutil.pip_install``, prints the flags) before
+the project is installed.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import shutil
 import subprocess
@@ -77,5 +79,15 @@ def install_command(python: Path | str, quiet: bool = True) -> list[str]:
     return [*argv, "--quiet"] if quiet else argv
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    """Print pip's settings as uv's flags, on one line (what ``make setup`` hands uv)."""
+    argparse.ArgumentParser(
+        "python -m procutil.pip_install",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    ).parse_args(argv)
     print(" ".join(uv_flags()))
+
+
+if __name__ == "__main__":
+    main()
