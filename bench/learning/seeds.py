@@ -181,7 +181,8 @@ def report(args: argparse.Namespace) -> int:
     )
     if not seeds:
         raise SystemExit(f"no finished seed under {args.out}")
-    rows = {s: seed_row(args.out / f"seed{s}", test_rows(args.from_artifacts)) for s in seeds}
+    test = test_rows(args.from_artifacts)  # read once: every seed answered the same rows
+    rows = {s: seed_row(args.out / f"seed{s}", test) for s in seeds}
     metrics = [(k, label, unit) for k, label, _, unit in PAIRED]
     metrics += [(k, label, " pts") for k, label, _ in UNPAIRED]
     head = " | ".join(f"{m[1]} SFT -> RL (RL - SFT)" for m in metrics)

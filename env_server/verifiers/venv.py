@@ -4,8 +4,9 @@ verifiers 0.4.0 cannot share the main virtualenv: it pins ``openai<3`` and ``mcp
 and pip would downgrade the main venv's openai 3.57 and mcp 2.3 under vLLM 0.32
 (docs/VERIFIERS.md, "Where verifiers lives"). Its own venv holds verifiers with its
 dependencies (no torch: ~360 MB) plus ``uv``, which verifiers' harnesses use to prepare
-their chat program. Made with uv (else pip; ``procutil.pip_install``) under a file lock, so parallel test workers or
-envs share one build; checked by importing verifiers at the pinned version.
+their chat program. Made with uv (else pip; ``procutil.pip_install``) under a file lock, so
+parallel test workers or envs share one build; checked by importing verifiers at the pinned
+version.
 
 Imports nothing heavy: ``python -m env_server.verifiers`` calls :func:`ensure_venv` from
 any interpreter, then runs the service with the venv's Python (``__main__.py``).
