@@ -260,7 +260,8 @@ def steps_left(cfg: Any) -> int:
 class CostProbe:
     """The launcher's probe of one run (``cfg``: its ``RunConfig`` resolved for the run;
     ``argv``: its command line, for the cpu-tiny command; ``trainer_env``: what the thread
-    plan gives the trainer, whose ``OMP_NUM_THREADS`` the probe's torch uses). :meth:`before_sft` estimates SFT and GRPO at once (the
+    plan gives the GRPO trainer, whose ``OMP_NUM_THREADS`` the GRPO probe's torch uses; the
+    SFT runs alone in the launcher's environment, and so does its probe). :meth:`before_sft` estimates SFT and GRPO at once (the
     GRPO probe then runs on the base model: the same architecture as the SFT model it will
     train), :meth:`before_grpo` repeats the GRPO line, or probes GRPO when SFT did not run.
     A probe that fails says so and the run goes on."""
@@ -277,7 +278,9 @@ class CostProbe:
         log = Path(lc.run_dir or tempfile.gettempdir()) / "cost_probe.log"
         self.measure = measure or partial(measure_in_child, log=log)
         omp = (trainer_env or {}).get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
-        self.threads = int(omp) if omp and omp.isdigit() else None
+        self.threads = int(omp) if omp and omp.isdigit() else None  # GRPO's
+        omp = os.environ.get("OMP_NUM_THREADS")
+        self.sft_threads = int(omp) if omp and omp.isdigit() else None  # the SFT's
         self.enabled = lc.cost_probe and lc.trainer_device == "cpu" and lc.trainer_procs == 1
         self.grpo: Estimate | None = None
         self.grpo_probed = False
@@ -299,9 +302,12 @@ class CostProbe:
         shape = self._shape(name, steps)
         if step_flop(shape, param_count(model_dir)) < MIN_STEP_FLOP:
             return None  # seconds a step: not worth a probe
-        threads = f"{self.threads} thread(s)" if self.threads else "torch's threads"
+        # the SFT runs alone, with the launcher's environment (torch's threads: every core);
+        # the GRPO trainer shares the cores with vLLM, with the thread plan's share
+        n = self.threads if name == "GRPO" else self.sft_threads
+        threads = f"{n} thread(s)" if n else "torch's threads"
         print(f"[run_all] cost probe: timing a {name} step on this CPU ({threads})...", flush=True)
-        est = self.measure(phase_cfg, model_dir, shape, self.threads)
+        est = self.measure(phase_cfg, model_dir, shape, n)
         self.cpu = self.cpu or cpu_words(est.precision, est.native_bf16)
         return est
 

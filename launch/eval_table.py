@@ -1,6 +1,6 @@
 """The SFT-vs-RL table of ``launch/run_all.sh`` (``eval.md`` in the run directory): every
 metric of both evaluations (launch/evaluation.py) in markdown, with its 95% interval or
-standard error, the relative change, and the paired differences on the same test rows
+standard error, the relative change, and the paired differences on the same held-out rows
 (env_server.eval_stats.paired_difference).
 """
 

@@ -39,7 +39,11 @@ class LaunchConfig(BaseModel):
     imports (~10 CPU-s a vLLM server, ~8 a trainer). Runs with a GPU, torchrun trainers and
     verifiers services always start plainly. False (``--no-fork-services``): all plainly."""
     eval_samples: int = Field(512, ge=0)
-    """Test-split steps of the SFT-vs-RL evaluation (0: skip); 512 gives ~±3 points."""
+    """Steps of the SFT-vs-RL evaluation, the split's first ones (0: skip); 512 gives ~±3
+    points."""
+    eval_split: Literal["test", "validation"] = "test"
+    """Split of the SFT-vs-RL evaluation: ``validation`` while choosing a run's settings (no
+    test row is looked at), ``test`` for the run that reports them."""
     run_dir: Path | None = None
     """Run directory (default runs/<timestamp>)."""
     resume: bool = False

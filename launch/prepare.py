@@ -45,7 +45,10 @@ def sft_done(cfg: RunConfig) -> bool:
 def reused_sft_eval(cfg: RunConfig, run_dir: Path) -> Path | None:
     """The SFT evaluation a ``--resume`` reads back instead of running it again, if any."""
     done = run_dir / "eval_sft" / "metrics.json"
-    return done if cfg.launch.eval_samples and cfg.launch.resume and done.exists() else None
+    if not (cfg.launch.eval_samples and cfg.launch.resume and done.exists()):
+        return None
+    split = json.loads(done.read_text()).get("split", "test")
+    return done if split == cfg.launch.eval_split else None  # else it runs on this split
 
 
 def prepare_embedded(

@@ -114,7 +114,7 @@ def eval_section(run_dir: Path) -> str:
         body = _note("No SFT-vs-RL evaluation in this run (--eval-samples 0, or it stopped).")
     else:
         body = MarkdownIt("commonmark", {"html": False}).enable("table").render(path.read_text())
-    return f'<section id="eval"><h2>SFT vs RL on the test split</h2>{body}</section>'
+    return f'<section id="eval"><h2>SFT vs RL on held-out steps</h2>{body}</section>'
 
 
 def curves_svg(steps: list[dict[str, Any]]) -> str:

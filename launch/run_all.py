@@ -190,7 +190,8 @@ def start_inference(
     url, run_dir, timeout = plan.vllm_urls[0], plan.run_dir, cfg.launch.health_timeout
     sft_eval = None
     if samples and done is None:
-        sft_eval = start_evaluation("sft", url, samples, run_dir, files["env"], timeout)
+        split = cfg.launch.eval_split
+        sft_eval = start_evaluation("sft", url, samples, run_dir, files["env"], timeout, split)
     held_out = None
     try:
         held_out = verifiers_env.start_before(cfg, url, run_dir, plan.light_env(cfg), timeout)
@@ -241,16 +242,17 @@ def evaluate_rl(
 ) -> None:
     """The trainer's final weights as vLLM serves them against the SFT model: eval.md."""
     samples, model, save = eval_samples(cfg), cfg.model, cfg.trainer.grpo.save_path
+    split = cfg.launch.eval_split
     health = httpx.get(f"{server.base_url}/bridge/health", timeout=10).json()
-    rl = evaluate("rl", server.base_url, samples, plan.run_dir, env_file)
+    rl = evaluate("rl", server.base_url, samples, plan.run_dir, env_file, split)
     note = (
-        f"{samples} test steps, greedy. SFT = {model}; RL = the trainer's final "
+        f"{samples} {split} steps, greedy. SFT = {model}; RL = the trainer's final "
         f"weights ({save}) as served by vLLM after the last sync "
         f"(weight version {health.get('weight_version')}, mode {cfg.weight_bridge_mode})."
     )
     table = eval_table(sft, rl, note)
     table += "\nPer page kind (`python -m env_server.page_report`):\n\n"
-    table += pages_table(plan.run_dir, samples, cfg.env) + "\n"
+    table += pages_table(plan.run_dir, samples, cfg.env, split) + "\n"
     (plan.run_dir / "eval.md").write_text(table)
     print(table, flush=True)
 

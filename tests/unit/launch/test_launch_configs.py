@@ -289,3 +289,22 @@ def test_a_preset_sets_its_own_steps_and_evaluation_size(tmp_path: Path) -> None
     assert parse_args(["--preset", "cpu-smol"]).launch.eval_samples == 512  # the preset's
     assert parse_args([]).launch.eval_samples == 512
     assert parse_args(["--preset", "cpu-smol", "--eval-samples", "8"]).launch.eval_samples == 8
+
+
+def test_the_evaluations_ask_the_split_the_run_names(tmp_path: Path) -> None:
+    """``--eval-split validation`` (choosing a run's settings) reaches both evaluations; test
+    is the default (the run that reports them)."""
+    from launch.evaluation import evaluation_argv
+
+    assert _run([], tmp_path).launch.eval_split == "test"
+    cfg = _run(["--eval-split", "validation", "--eval-samples", "8"], tmp_path)
+    lc = cfg.launch
+    argv = evaluation_argv("sft", "http://127.0.0.1:2", lc.eval_samples, tmp_path, tmp_path / "e")
+    assert argv[argv.index("--split") + 1] == "test"
+    argv = evaluation_argv(
+        "rl", "http://127.0.0.1:2", lc.eval_samples, tmp_path, tmp_path / "e", 0, lc.eval_split
+    )
+    assert (argv[argv.index("--split") + 1], argv[argv.index("--limit") + 1]) == ("validation", "8")
+    assert argv[argv.index("--out-dir") + 1] == str(tmp_path / "eval_rl")
+    with pytest.raises(SystemExit):  # a split the evaluation does not know
+        _run(["--eval-split", "train"], tmp_path)

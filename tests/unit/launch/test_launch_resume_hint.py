@@ -173,6 +173,12 @@ def test_the_sft_evaluation_is_read_back(art: Path, tmp_path: Path) -> None:
     assert _hint(run_dir, "--eval-samples", "4").endswith(
         "; the SFT evaluation is read back, the RL evaluation runs"
     )
+    # an evaluation of another split is not read back for this one (its rows differ)
+    (run_dir / "eval_sft" / "metrics.json").write_text('{"split": "validation"}')
+    assert _hint(run_dir, "--eval-samples", "4").endswith("; the SFT and RL evaluations run")
+    assert _hint(run_dir, "--eval-samples", "4", "--eval-split", "validation").endswith(
+        "; the SFT evaluation is read back, the RL evaluation runs"
+    )
 
 
 def test_a_verifiers_run_without_shop_r1_has_no_dataset_nor_sft(art: Path, tmp_path: Path) -> None:
