@@ -1,19 +1,107 @@
 """The evaluations of ``launch/run_all.sh``: ``python -m env_server.evaluate`` on the test
-split (``launch.eval_split``) against a running vLLM server, once before GRPO (the SFT model) and once after (the
-trainer's final weights as vLLM serves them). launch/eval_table.py compares the two.
+split (``launch.eval_split``) against a vLLM server, once before GRPO (the SFT model) and once
+after (the trainer's final weights). launch/eval_table.py compares the two.
+
+On the CPU a run's evaluations get a server of their own (:func:`evaluation_server`,
+``launch.eval_server``): nothing else computes while one runs, so that server has every core,
+where the run's servers have their share of the thread plan (on 2 cores: one). Its answers are
+the same (fp32 greedy decoding does not depend on the thread count) and come sooner: SmolLM2
+answered 128 validation steps in 187 s on 2 cores against 302 s on one
+(docs/results/eval_server.md). Otherwise (CUDA, a few steps, ``--eval-server run``) the run's
+first server answers both, the RL evaluation with the weights the trainer synced last.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from env_server.config import EnvConfig
 from launch.follow import eval_source
 from launch.procs import ManagedProcess
-from launch.supervisor import PY, finish_step, start_step
+from launch.supervisor import PY, ServiceFailed, Stack, finish_step, start_step
 from launch.threads import light_env
+
+if TYPE_CHECKING:
+    from launch.run_config import RunConfig
+    from launch.run_plan import RunPlan
+
+
+EVAL_OWN_SERVER_MIN = 64
+"""``eval_server: auto`` starts a server of its own for an evaluation of this many steps or
+more: a start costs ~15-30 s, what SmolLM2 takes for ~10 steps on one core."""
+
+
+def own_eval_server(cfg: RunConfig, plan: RunPlan) -> bool:
+    """Whether the evaluations ask a server of their own (``launch.eval_server``)."""
+    choice = cfg.launch.eval_server
+    if choice == "auto":
+        return plan.device == "cpu" and cfg.launch.eval_samples >= EVAL_OWN_SERVER_MIN
+    return choice == "own"
+
+
+def final_model(save_path: str | Path, steps: int) -> Path | None:
+    """The trainer's weights after its last step (``steps``), servable as they are: its last
+    checkpoint's ``model/`` export (the trainer checkpoints its last step whatever
+    ``save_every``). None where there is none, or it holds a LoRA adapter (not a whole model)."""
+    from trainer.checkpoint_files import checkpoint_step, latest_checkpoint, missing_parts
+
+    last = latest_checkpoint(save_path)
+    if last is None or missing_parts(last) or checkpoint_step(last) != steps:
+        return None
+    model = last / "model"
+    return model if (model / "config.json").is_file() else None
+
+
+@contextmanager
+def evaluation_server(
+    cfg: RunConfig, plan: RunPlan, vllm_file: Path, stack: Stack, model: str | Path, label: str
+) -> Iterator[str]:
+    """A vLLM server for one evaluation, ``vllm_eval_<label>``: ``model`` (the run's model's
+    tokenizer) in bridge mode none, the run's vLLM file and flags, every core of the launcher
+    (``ThreadPlan.alone_server``). Yields its URL; it is stopped after, by its PID."""
+    from launch.run_plan import vllm_extra
+    from launch.vllm_server import server_env, spawn_bridge_server
+
+    name = f"vllm_eval_{label}"
+    env = server_env(plan.bridge_token, "cpu") | plan.threads.alone_server()
+    extra = ["--config", str(vllm_file), *vllm_extra(cfg), "--tokenizer", str(cfg.model)]
+    timeout = cfg.launch.health_timeout
+    log = plan.run_dir / f"{name}.log"
+    server = spawn_bridge_server(
+        model,
+        "none",
+        log,
+        token=plan.bridge_token,
+        extra=extra,
+        timeout=timeout,
+        env=env,
+        name=name,
+    )
+    stack.add(server.proc)
+    threads = env.get("OMP_NUM_THREADS", "vLLM's own")
+    where = (
+        f" on cores {env['VLLM_CPU_OMP_THREADS_BIND']}"
+        if "VLLM_CPU_OMP_THREADS_BIND" in env
+        else ""
+    )
+    print(
+        f"[run_all] {label.upper()} evaluation on a vLLM server of its own ({name}, pid "
+        f"{server.proc.pid}): {threads} thread(s){where} (launch.eval_server)",
+        flush=True,
+    )
+    try:
+        try:
+            server.wait(timeout)
+        except (RuntimeError, TimeoutError) as e:
+            raise ServiceFailed(f"{name} did not come up: {e}") from e
+        yield server.base_url
+    finally:
+        stack.stop(name)
 
 
 def evaluate(

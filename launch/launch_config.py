@@ -41,6 +41,13 @@ class LaunchConfig(BaseModel):
     eval_samples: int = Field(512, ge=0)
     """Steps of the SFT-vs-RL evaluation, the split's first ones (0: skip); 512 gives ~±3
     points."""
+    eval_server: Literal["auto", "own", "run"] = "auto"
+    """Which vLLM server the SFT-vs-RL evaluations ask. ``own``: one of their own per
+    evaluation, started with every core (nothing else computes meanwhile; the RL one loads
+    the trainer's final model). ``run``: the run's first server with its share of the cores
+    (the RL one answers with the weights the trainer synced last: the bridge end to end).
+    ``auto``: ``own`` on the CPU from ``EVAL_OWN_SERVER_MIN`` steps on (where the faster
+    answers pay for the server's start), else ``run`` (launch/evaluation.py)."""
     eval_split: Literal["test", "validation"] = "test"
     """Split of the SFT-vs-RL evaluation: ``validation`` while choosing a run's settings (no
     test row is looked at), ``test`` for the run that reports them."""

@@ -33,7 +33,15 @@ from launch import progress, verifiers_env
 from launch.configs import launcher_config, resolve_for_run, write_service_configs
 from launch.cost_probe import CostProbe
 from launch.eval_table import eval_table
-from launch.evaluation import evaluate, finish_evaluation, pages_table, start_evaluation
+from launch.evaluation import (
+    evaluate,
+    evaluation_server,
+    final_model,
+    finish_evaluation,
+    own_eval_server,
+    pages_table,
+    start_evaluation,
+)
 from launch.follow import LogSource, grpo_source
 from launch.forked import forking
 from launch.prepare import (
@@ -188,9 +196,12 @@ def start_inference(
     samples = eval_samples(cfg)
     done = reused_sft_eval(cfg, plan.run_dir)
     url, run_dir, timeout = plan.vllm_urls[0], plan.run_dir, cfg.launch.health_timeout
-    sft_eval = None
-    if samples and done is None:
-        split = cfg.launch.eval_split
+    split = cfg.launch.eval_split
+    sft_eval: ManagedProcess | dict[str, Any] | None = None
+    if samples and done is None and own_eval_server(cfg, plan):  # first, with every core
+        with evaluation_server(cfg, plan, files["vllm"], stack, cfg.model, "sft") as eval_url:
+            sft_eval = evaluate("sft", eval_url, samples, run_dir, files["env"], split)
+    elif samples and done is None:  # while the run's servers start, on the first one
         sft_eval = start_evaluation("sft", url, samples, run_dir, files["env"], timeout, split)
     held_out = None
     try:
@@ -206,7 +217,9 @@ def start_inference(
     if done is not None:
         say(f"SFT evaluation: reusing {done} (--resume)")
         return servers, json.loads(done.read_text()), held_out
-    return servers, finish_evaluation(sft_eval) if sft_eval is not None else None, held_out
+    if isinstance(sft_eval, ManagedProcess):
+        sft_eval = finish_evaluation(sft_eval)
+    return servers, sft_eval, held_out
 
 
 def train(
@@ -238,17 +251,31 @@ def train(
 
 
 def evaluate_rl(
-    cfg: RunConfig, plan: RunPlan, server: BridgeServer, env_file: Path, sft: dict[str, Any]
+    cfg: RunConfig,
+    plan: RunPlan,
+    server: BridgeServer,
+    files: dict[str, Path],
+    stack: Stack,
+    sft: dict[str, Any],
 ) -> None:
-    """The trainer's final weights as vLLM serves them against the SFT model: eval.md."""
+    """The trainer's final weights against the SFT model: eval.md. A server of their own with
+    every core loads them from the trainer's last checkpoint (``launch.eval_server``; not a
+    LoRA adapter), or ``server`` answers with the weights the trainer synced last."""
     samples, model, save = eval_samples(cfg), cfg.model, cfg.trainer.grpo.save_path
-    split = cfg.launch.eval_split
+    split, env_file = cfg.launch.eval_split, files["env"]
     health = httpx.get(f"{server.base_url}/bridge/health", timeout=10).json()
-    rl = evaluate("rl", server.base_url, samples, plan.run_dir, env_file, split)
+    version = f"weight version {health.get('weight_version')}, mode {cfg.weight_bridge_mode}"
+    final = final_model(save, cfg.trainer.grpo.training_steps)
+    if own_eval_server(cfg, plan) and final is not None:
+        with evaluation_server(cfg, plan, files["vllm"], stack, final, "rl") as url:
+            rl = evaluate("rl", url, samples, plan.run_dir, env_file, split)
+        how = f"loaded from {final} by an evaluation server (the run's servers: {version})"
+    else:
+        rl = evaluate("rl", server.base_url, samples, plan.run_dir, env_file, split)
+        how = f"as served by vLLM after the last sync ({version})"
     note = (
         f"{samples} {split} steps, greedy. SFT = {model}; RL = the trainer's final "
-        f"weights ({save}) as served by vLLM after the last sync "
-        f"(weight version {health.get('weight_version')}, mode {cfg.weight_bridge_mode})."
+        f"weights ({save}) {how}."
     )
     table = eval_table(sft, rl, note)
     table += "\nPer page kind (`python -m env_server.page_report`):\n\n"
@@ -283,7 +310,7 @@ def launch(cfg: RunConfig, plan: RunPlan, stack: Stack, argv: list[str]) -> int:
     say(f"trainer done; final model in {save}; weight version per server: {versions}")
     reward_curve(save / "metrics.jsonl", plan.run_dir / "reward_curve.png")
     if sft_metrics is not None:  # the evaluations ask the first server
-        evaluate_rl(cfg, plan, servers[0], files["env"], sft_metrics)
+        evaluate_rl(cfg, plan, servers[0], files, stack, sft_metrics)
     if held_out is not None:
         verifiers_env.report_after(cfg, servers[0].base_url, plan.run_dir, light, held_out)
     say(f"reward curve: {plan.run_dir / 'reward_curve.png'}")

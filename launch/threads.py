@@ -16,7 +16,9 @@ between the compute-bound processes -- each vLLM server and the trainer:
   unpinned; otherwise every server gets one thread, unpinned (``nobind``), and so does the
   trainer;
 - the API, the environment service and the evaluation clients do little arithmetic: one
-  thread each (``OMP_NUM_THREADS=1``).
+  thread each (``OMP_NUM_THREADS=1``);
+- the SFT-vs-RL evaluations run while nothing else computes: their server gets every core
+  (``alone_server``).
 
 2 cores, one server: vLLM on core 1 (1 thread), trainer 1 thread. 16 cores, two servers:
 vLLM on cores 11-15 and 6-10 (5 threads each), trainer 6 threads. A value the user set
@@ -44,6 +46,17 @@ class ThreadPlan(BaseModel):
 
     def for_server(self, i: int) -> dict[str, str]:
         return dict(self.server_env[i])
+
+    def alone_server(self) -> dict[str, str]:
+        """What a vLLM server gets that computes alone (an evaluation: no trainer, no other
+        server at work): every core, pinned; nothing where the user set the threads or on
+        CUDA (as ``server_env`` there)."""
+        if self.kept or not self.server_env[0]:
+            return {}
+        return {
+            "VLLM_CPU_OMP_THREADS_BIND": _ranges(self.cores),
+            "OMP_NUM_THREADS": str(len(self.cores)),
+        }
 
     def describe(self) -> str:
         """One log line: what each process gets."""

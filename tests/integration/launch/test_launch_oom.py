@@ -36,6 +36,7 @@ import pytest
 from bench.faults.memcg import MemoryCgroup
 from launch.exits import kernel_log
 from launch.lifeline import is_stopped, proc_info
+from launch.threads import available_cores, plan_threads
 from tests.integration.launch.test_launch_run_all import artifacts_env, check_run, launcher
 from tests.integration.launcher_harness import LauncherRun
 from trainer.faults import FAULT_ENV
@@ -50,7 +51,7 @@ def test_an_oom_killed_trainer_is_named_and_a_relaunch_resumes_without_sft(
 ) -> None:
     run_dir = tmp_path / "run"
     flags = ["--training-steps", str(STEPS), "--keep-constant-groups", "--eval-samples", "2"]
-    flags += ["--weight-bridge-mode", "none"]
+    flags += ["--weight-bridge-mode", "none", "--eval-server", "own"]
     sft = Path(artifacts_env["SHOP_R1_ARTIFACTS"]) / "models" / "tiny-qwen2-sft"
     sft_mtime = (sft / "model.safetensors").stat().st_mtime_ns
     ckpt = run_dir / "trainer" / "checkpoints" / "step_000001"
@@ -96,9 +97,21 @@ def test_an_oom_killed_trainer_is_named_and_a_relaunch_resumes_without_sft(
     assert again.wait() == 0, again.tails()
     out2 = again.output()
     assert "services start plainly" in out2 and "as forks" in out, out2[-3000:]
-    check_run(run_dir, out2, ["vllm"], steps=STEPS, resumed=True)
+    check_run(run_dir, out2, ["vllm"], steps=STEPS, resumed=True, eval_servers=("vllm_eval_rl",))
     assert "[bridge] mode=none" in (run_dir / "vllm.log").read_text()
     assert "[run_all] sft:" not in out2 and "SFT evaluation: reusing" in out2, out2[-3000:]
+    # each evaluation asked a server of its own with every core (--eval-server own): the
+    # SFT's in the first launch, the RL one (the trainer's final model) in the relaunch
+    alone = plan_threads(available_cores(), 1, environ={}).alone_server()
+    cores = f"{alone['OMP_NUM_THREADS']} thread(s) on cores {alone['VLLM_CPU_OMP_THREADS_BIND']}"
+    for text, label in ((out, "SFT"), (out2, "RL")):
+        line = (
+            f"[run_all] {label} evaluation on a vLLM server of its own (vllm_eval_{label.lower()}"
+        )
+        assert line in text and f"): {cores} (launch.eval_server)" in text, text[-3000:]
+    table = (run_dir / "eval.md").read_text()
+    final = ckpt.parent / f"step_{STEPS:06d}" / "model"
+    assert f"RL = the trainer's final weights ({run_dir / 'trainer'}) loaded from {final}" in table
     assert (sft / "model.safetensors").stat().st_mtime_ns == sft_mtime  # SFT not redone
     trainer_log = (run_dir / "trainer.log").read_text()
     assert f"resumed from {ckpt.parent / f'step_{step:06d}'} at step {step}" in trainer_log

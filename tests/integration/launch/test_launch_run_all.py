@@ -112,11 +112,17 @@ def run_all(
 
 
 def check_run(
-    run_dir: Path, out: str, vllm: list[str], steps: int = STEPS, resumed: bool = False
+    run_dir: Path,
+    out: str,
+    vllm: list[str],
+    steps: int = STEPS,
+    resumed: bool = False,
+    eval_servers: tuple[str, ...] = (),
 ) -> None:
     """Every service logged, the weights advanced on every server (to version ``steps``, one
     per optimizer step), nothing left running. A ``resumed`` run's metrics also hold the steps
-    its first launch logged after its last checkpoint, logged again after the resume."""
+    its first launch logged after its last checkpoint, logged again after the resume.
+    ``eval_servers``: the evaluations' own vLLM servers (``--eval-server own``)."""
     names = ["api", *vllm, "env", "trainer"]
     assert "tail -f " + " ".join(str(run_dir / f"{n}.log") for n in names) in out
     for name in names:
@@ -134,7 +140,7 @@ def check_run(
     assert versions == {name: str(steps) for name in vllm}  # every server serves the last one
 
     pids = json.loads((run_dir / "pids.json").read_text())
-    assert set(pids) == set(names)
+    assert set(pids) == {*names, *eval_servers}
     assert not any(p["alive"] for p in pids.values()), pids
     assert all(gone(p["pid"]) for p in pids.values()), pids
     assert "[run_all] stopped" in out

@@ -308,3 +308,22 @@ def test_the_evaluations_ask_the_split_the_run_names(tmp_path: Path) -> None:
     assert argv[argv.index("--out-dir") + 1] == str(tmp_path / "eval_rl")
     with pytest.raises(SystemExit):  # a split the evaluation does not know
         _run(["--eval-split", "train"], tmp_path)
+
+
+def test_the_evaluations_ask_a_server_of_their_own_where_it_pays(tmp_path: Path) -> None:
+    """``--eval-server auto``: on the CPU a run's evaluation (64 steps or more) gets a server
+    with every core; a few steps (the tests' runs), or CUDA, ask the run's first server."""
+    from types import SimpleNamespace
+
+    from launch.evaluation import EVAL_OWN_SERVER_MIN, own_eval_server
+
+    cpu, cuda = SimpleNamespace(device="cpu"), SimpleNamespace(device="cuda")
+    for flags, on_cpu, on_cuda in [
+        ([], True, False),  # the default: 512 steps
+        (["--eval-samples", str(EVAL_OWN_SERVER_MIN)], True, False),
+        (["--eval-samples", str(EVAL_OWN_SERVER_MIN - 1)], False, False),
+        (["--eval-samples", "8", "--eval-server", "own"], True, True),
+        (["--eval-server", "run"], False, False),
+    ]:
+        cfg = _run(flags, tmp_path)
+        assert (own_eval_server(cfg, cpu), own_eval_server(cfg, cuda)) == (on_cpu, on_cuda), flags

@@ -68,3 +68,14 @@ def test_bad_input_and_this_machine() -> None:
     with pytest.raises(ValueError, match="at least one core"):
         plan_threads([], 1, environ={})
     assert available_cores() and plan_threads(available_cores(), 1).cores
+
+
+def test_an_evaluation_server_alone_gets_every_core_pinned() -> None:
+    """The SFT-vs-RL evaluations run while nothing else computes: their server has every core
+    of the launcher, not the run's share; what the user set, and CUDA, are left alone."""
+    plan = plan_threads([0, 1], 1, environ={})
+    assert plan.alone_server() == {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2"}
+    plan = plan_threads([4, 5, 6, 9], 2, environ={})  # a container's affinity, two servers
+    assert plan.alone_server() == {"VLLM_CPU_OMP_THREADS_BIND": "4-6,9", "OMP_NUM_THREADS": "4"}
+    assert plan_threads([0, 1], 1, environ={"OMP_NUM_THREADS": "2"}).alone_server() == {}
+    assert plan_threads([0, 1], 1, "cuda", environ={}).alone_server() == {}
