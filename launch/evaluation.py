@@ -110,25 +110,8 @@ def evaluate(
     """Evaluate the first ``samples`` steps of ``split`` greedily on ``vllm_url`` into
     ``run_dir/eval_<label>/`` with the rollouts' tokenizer, budgets and dataset (``env_file``:
     the env service's config, ``<run>/config/env.yaml``); return its ``metrics.json``."""
-    proc = start_evaluation(label, vllm_url, samples, run_dir, env_file, split=split)
-    return finish_evaluation(proc)
-
-
-def start_evaluation(
-    label: str,
-    vllm_url: str,
-    samples: int,
-    run_dir: Path,
-    env_file: Path,
-    wait_s: float = 0,
-    split: str = "test",
-) -> ManagedProcess:
-    """:func:`evaluate`, started: with ``wait_s`` it may start before the server is up (it
-    loads its libraries, data and tokenizer meanwhile, then waits for ``/health``)."""
-    argv = evaluation_argv(label, vllm_url, samples, run_dir, env_file, wait_s, split)
-    return start_step(
-        f"eval_{label}", argv, run_dir / f"eval_{label}.log", {**os.environ, **light_env()}
-    )
+    argv = evaluation_argv(label, vllm_url, samples, run_dir, env_file, split=split)
+    return finish_evaluation(start_evaluation(label, run_dir, argv))
 
 
 def evaluation_argv(
@@ -140,10 +123,19 @@ def evaluation_argv(
     wait_s: float = 0,
     split: str = "test",
 ) -> list[str]:
-    """The command line of :func:`start_evaluation`."""
+    """The command line of :func:`evaluate`: with ``wait_s`` it may start before the server
+    is up (it loads its libraries, data and tokenizer meanwhile, then waits for ``/health``)."""
     argv = [PY, "-m", "env_server.evaluate", "--env-config", str(env_file)]
     argv += ["--split", split, "--limit", str(samples), "--inference-url", vllm_url]
     return argv + ["--out-dir", str(run_dir / f"eval_{label}"), "--wait-for-server", f"{wait_s:g}"]
+
+
+def start_evaluation(label: str, run_dir: Path, argv: list[str]) -> ManagedProcess:
+    """:func:`evaluate`, started (``argv``: :func:`evaluation_argv`'s): work that overlaps
+    another's; :func:`finish_evaluation` waits for it."""
+    return start_step(
+        f"eval_{label}", argv, run_dir / f"eval_{label}.log", {**os.environ, **light_env()}
+    )
 
 
 def finish_evaluation(proc: ManagedProcess) -> dict:

@@ -35,6 +35,7 @@ from launch.cost_probe import CostProbe
 from launch.eval_table import eval_table
 from launch.evaluation import (
     evaluate,
+    evaluation_argv,
     evaluation_server,
     final_model,
     finish_evaluation,
@@ -202,7 +203,8 @@ def start_inference(
         with evaluation_server(cfg, plan, files["vllm"], stack, cfg.model, "sft") as eval_url:
             sft_eval = evaluate("sft", eval_url, samples, run_dir, files["env"], split)
     elif samples and done is None:  # while the run's servers start, on the first one
-        sft_eval = start_evaluation("sft", url, samples, run_dir, files["env"], timeout, split)
+        argv = evaluation_argv("sft", url, samples, run_dir, files["env"], timeout, split)
+        sft_eval = start_evaluation("sft", run_dir, argv)
     held_out = None
     try:
         held_out = verifiers_env.start_before(cfg, url, run_dir, plan.light_env(cfg), timeout)
