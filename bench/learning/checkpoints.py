@@ -125,7 +125,12 @@ def main() -> None:
     )
     ap.add_argument("run_dir", type=Path, help="a launch/run_all.sh run directory")
     ap.add_argument("--steps", type=int, nargs="+", required=True, help="checkpoints to evaluate")
-    ap.add_argument("--report", action="store_true", help="only the table, from the kept files")
+    ap.add_argument(
+        "--report",
+        action="store_true",
+        help="only the table, from the kept files (a step "
+        "evaluated before on the same rows is never evaluated again)",
+    )
     a = ap.parse_args()
     stop_on_sigterm()
     run = a.run_dir
@@ -135,7 +140,13 @@ def main() -> None:
     rows = [row("SFT", 0, None, sft, sft)]
     for step in sorted(a.steps):
         done = run / f"eval_step_{step}" / "metrics.json"
-        m = json.loads(done.read_text()) if a.report else evaluate_checkpoint(run, step, split, n)
+        kept = json.loads(done.read_text()) if done.exists() else None
+        if a.report and kept is None:
+            raise SystemExit(f"{done}: step {step} was not evaluated (run without --report)")
+        if a.report or (kept is not None and (kept.get("split"), kept["n"]) == (split, n)):
+            m = kept  # evaluated before (an earlier call): not again
+        else:
+            m = evaluate_checkpoint(run, step, split, n)
         rows.append(row("GRPO checkpoint", step, walls.get(step), m, sft))
         print(table(rows, split, n), flush=True)
     rl = run / "eval_rl" / "metrics.json"
