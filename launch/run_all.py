@@ -309,9 +309,11 @@ def launch(cfg: RunConfig, plan: RunPlan, stack: Stack, argv: list[str]) -> int:
     versions = weight_versions(servers)
     (plan.run_dir / "weight_versions.json").write_text(json.dumps(versions, indent=2) + "\n")
     save = Path(cfg.trainer.grpo.save_path)
-    say(f"trainer done; final model in {save}; weight version per server: {versions}")
+    say(
+        f"trainer done; checkpoints in {save / 'checkpoints'}; weight version per server: {versions}"
+    )
     reward_curve(save / "metrics.jsonl", plan.run_dir / "reward_curve.png")
-    if sft_metrics is not None:  # the evaluations ask the first server
+    if sft_metrics is not None:  # the RL evaluation (launch.eval_server: which server)
         evaluate_rl(cfg, plan, servers[0], files, stack, sft_metrics)
     if held_out is not None:
         verifiers_env.report_after(cfg, servers[0].base_url, plan.run_dir, light, held_out)
