@@ -279,12 +279,12 @@ def test_cpu_smol_trains_at_auto_precision(tmp_path: Path) -> None:
 
 
 def test_a_preset_sets_its_own_steps_and_evaluation_size(tmp_path: Path) -> None:
-    """cpu-smol names 30 GRPO steps and 512 evaluation rows: they are the defaults of its run
+    """cpu-smol names 10 GRPO steps and 512 evaluation rows: they are the defaults of its run
     (run_all's 120 applies only to a preset that names none), and a flag still wins."""
     smol = _resolve(["--preset", "cpu-smol"], tmp_path / "a")["trainer_grpo"]
     tiny = _resolve([], tmp_path / "b")["trainer_grpo"]
     given = _resolve(["--preset", "cpu-smol", "--training-steps", "7"], tmp_path / "c")
-    assert (smol.training_steps, tiny.training_steps) == (30, 120)
+    assert (smol.training_steps, tiny.training_steps) == (10, 120)
     assert given["trainer_grpo"].training_steps == 7
     assert parse_args(["--preset", "cpu-smol"]).launch.eval_samples == 512  # the preset's
     assert parse_args([]).launch.eval_samples == 512

@@ -121,7 +121,7 @@ def test_the_launcher_probe_prints_both_phases_and_the_tiny_command(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
     monkeypatch.setattr(cost_probe, "MIN_STEP_FLOP", 0.0)  # the tiny model stands in for Smol
-    argv, cfg = _smol_like(tmp_path, tiny_model_dir)
+    argv, cfg = _smol_like(tmp_path, tiny_model_dir, "--training-steps", "30")
     calls: list[tuple[str, int]] = []
 
     def measured(phase_cfg, model_dir, shape, threads):
