@@ -7,8 +7,10 @@ On the CPU a run's evaluations get a server of their own (:func:`evaluation_serv
 where the run's servers have their share of the thread plan (on 2 cores: one). Its answers are
 the same (fp32 greedy decoding does not depend on the thread count) and come sooner: SmolLM2
 answered 128 validation steps in 187 s on 2 cores against 302 s on one
-(docs/results/eval_server.md). Otherwise (CUDA, a few steps, ``--eval-server run``) the run's
-first server answers both, the RL evaluation with the weights the trainer synced last.
+(docs/results/eval_server.md). Both serve in the dtype the trainer computed in
+(``launch.eval_dtype``): bf16 on a CPU with native bf16, ~1.5x sooner again. Otherwise (CUDA,
+a few steps, ``--eval-server run``) the run's first server answers both, the RL evaluation with
+the weights the trainer synced last.
 """
 
 from __future__ import annotations
@@ -23,25 +25,12 @@ from typing import TYPE_CHECKING
 from env_server.config import EnvConfig
 from launch.follow import eval_source
 from launch.procs import ManagedProcess
+from launch.run_plan import RUN_DTYPE, RunPlan, vllm_extra
 from launch.supervisor import PY, ServiceFailed, Stack, finish_step, start_step
 from launch.threads import light_env
 
 if TYPE_CHECKING:
     from launch.run_config import RunConfig
-    from launch.run_plan import RunPlan
-
-
-EVAL_OWN_SERVER_MIN = 64
-"""``eval_server: auto`` starts a server of its own for an evaluation of this many steps or
-more: a start costs ~15-30 s, what SmolLM2 takes for ~10 steps on one core."""
-
-
-def own_eval_server(cfg: RunConfig, plan: RunPlan) -> bool:
-    """Whether the evaluations ask a server of their own (``launch.eval_server``)."""
-    choice = cfg.launch.eval_server
-    if choice == "auto":
-        return plan.device == "cpu" and cfg.launch.eval_samples >= EVAL_OWN_SERVER_MIN
-    return choice == "own"
 
 
 def final_model(save_path: str | Path, steps: int) -> Path | None:
@@ -64,12 +53,13 @@ def evaluation_server(
     """A vLLM server for one evaluation, ``vllm_eval_<label>``: ``model`` (the run's model's
     tokenizer) in bridge mode none, the run's vLLM file and flags, every core of the launcher
     (``ThreadPlan.alone_server``). Yields its URL; it is stopped after, by its PID."""
-    from launch.run_plan import vllm_extra
     from launch.vllm_server import server_env, spawn_bridge_server
 
     name = f"vllm_eval_{label}"
     env = server_env(plan.bridge_token, "cpu") | plan.threads.alone_server()
     extra = ["--config", str(vllm_file), *vllm_extra(cfg), "--tokenizer", str(cfg.model)]
+    if plan.eval_dtype is not None:  # the last --dtype is vLLM's
+        extra += ["--dtype", plan.eval_dtype]
     timeout = cfg.launch.health_timeout
     log = plan.run_dir / f"{name}.log"
     server = spawn_bridge_server(
@@ -89,9 +79,11 @@ def evaluation_server(
         if "VLLM_CPU_OMP_THREADS_BIND" in env
         else ""
     )
+    dtype = f", {plan.eval_dtype}" if plan.eval_dtype else ""
     print(
         f"[run_all] {label.upper()} evaluation on a vLLM server of its own ({name}, pid "
-        f"{server.proc.pid}): {threads} thread(s){where} (launch.eval_server)",
+        f"{server.proc.pid}): {threads} thread(s){where}{dtype} (launch.eval_server, "
+        "launch.eval_dtype)",
         flush=True,
     )
     try:
@@ -105,13 +97,20 @@ def evaluation_server(
 
 
 def evaluate(
-    label: str, vllm_url: str, samples: int, run_dir: Path, env_file: Path, split: str = "test"
+    label: str,
+    vllm_url: str,
+    samples: int,
+    run_dir: Path,
+    env_file: Path,
+    split: str = "test",
+    dtype: str | None = None,
 ) -> dict:
     """Evaluate the first ``samples`` steps of ``split`` greedily on ``vllm_url`` into
     ``run_dir/eval_<label>/`` with the rollouts' tokenizer, budgets and dataset (``env_file``:
-    the env service's config, ``<run>/config/env.yaml``); return its ``metrics.json``."""
+    the env service's config, ``<run>/config/env.yaml``); return its ``metrics.json``, which
+    also names the server's dtype (``dtype``; None: the run's servers')."""
     argv = evaluation_argv(label, vllm_url, samples, run_dir, env_file, split=split)
-    return finish_evaluation(start_evaluation(label, run_dir, argv))
+    return finish_evaluation(start_evaluation(label, run_dir, argv), dtype)
 
 
 def evaluation_argv(
@@ -138,11 +137,16 @@ def start_evaluation(label: str, run_dir: Path, argv: list[str]) -> ManagedProce
     )
 
 
-def finish_evaluation(proc: ManagedProcess) -> dict:
-    """Wait for an evaluation :func:`start_evaluation` started; its ``metrics.json``."""
+def finish_evaluation(proc: ManagedProcess, dtype: str | None = None) -> dict:
+    """Wait for an evaluation :func:`start_evaluation` started; its ``metrics.json``, with the
+    server's dtype added as ``server_dtype`` (``dtype``; None: :data:`RUN_DTYPE`), so that a
+    resumed run and bench.learning.checkpoints pair only evaluations served alike."""
     label = proc.name.removeprefix("eval_")
     finish_step(proc, f"evaluate {label.upper()}", eval_source(proc.log_path))
-    return json.loads((proc.log_path.parent / proc.name / "metrics.json").read_text())
+    path = proc.log_path.parent / proc.name / "metrics.json"
+    metrics = json.loads(path.read_text()) | {"server_dtype": dtype or RUN_DTYPE}
+    path.write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
 
 
 def pages_table(run_dir: Path, samples: int, env_cfg: EnvConfig, split: str = "test") -> str:

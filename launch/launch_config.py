@@ -48,6 +48,13 @@ class LaunchConfig(BaseModel):
     (the RL one answers with the weights the trainer synced last: the bridge end to end).
     ``auto``: ``own`` on the CPU from ``EVAL_OWN_SERVER_MIN`` steps on (where the faster
     answers pay for the server's start), else ``run`` (launch/evaluation.py)."""
+    eval_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """dtype of the evaluations' servers of their own (``eval_server``), the same for both so
+    that RL - SFT stays paired. ``auto``: ``bfloat16`` where the trainer computes in bf16 on the
+    CPU (``trainer.grpo.precision`` auto on a CPU with native bf16, trainer/precision.py): the
+    precision the model was trained in, ~1.5x sooner than fp32 for SmolLM2
+    (docs/results/eval_server.md); else the run's servers' dtype. A LoRA run evaluates on the
+    run's server, in its dtype (launch/evaluation.py)."""
     eval_split: Literal["test", "validation"] = "test"
     """Split of the SFT-vs-RL evaluation: ``validation`` while choosing a run's settings (no
     test row is looked at), ``test`` for the run that reports them."""

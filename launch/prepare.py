@@ -14,6 +14,7 @@ from pathlib import Path
 from launch.configs import preset_model, write_service_config
 from launch.follow import sft_source
 from launch.run_config import RunConfig
+from launch.run_plan import RUN_DTYPE, eval_dtype
 from launch.supervisor import PY, run_step
 from trainer.checkpoint_files import checkpoint_step, missing_parts
 from trainer.config import CommonConfig
@@ -42,13 +43,17 @@ def sft_done(cfg: RunConfig) -> bool:
     return (Path(cfg.trainer.sft.save_path) / "model.safetensors").exists()
 
 
-def reused_sft_eval(cfg: RunConfig, run_dir: Path) -> Path | None:
-    """The SFT evaluation a ``--resume`` reads back instead of running it again, if any."""
+def reused_sft_eval(cfg: RunConfig, run_dir: Path, dtype: str | None) -> Path | None:
+    """The SFT evaluation a ``--resume`` reads back instead of running it again, if any: one
+    of the same split, served in the same dtype (``dtype``: the run's ``eval_dtype``, None for
+    the run's servers'), so that the RL evaluation pairs with it."""
     done = run_dir / "eval_sft" / "metrics.json"
     if not (cfg.launch.eval_samples and cfg.launch.resume and done.exists()):
         return None
-    split = json.loads(done.read_text()).get("split", "test")
-    return done if split == cfg.launch.eval_split else None  # else it runs on this split
+    metrics = json.loads(done.read_text())
+    served = metrics.get("server_dtype", RUN_DTYPE)  # runs before the key: the run's
+    same = metrics.get("split", "test") == cfg.launch.eval_split and served == (dtype or RUN_DTYPE)
+    return done if same else None  # else it runs again
 
 
 def prepare_embedded(
@@ -158,7 +163,8 @@ def resume_plan(cfg: RunConfig, run_dir: Path) -> str:
     elif not left:
         grpo += ": only its final weights are synced to vLLM again"
     parts.append(grpo)
-    if shop_r1 and cfg.launch.eval_samples and reused_sft_eval(cfg, run_dir):
+    dtype = eval_dtype(cfg, cfg.launch.trainer_device) if shop_r1 else None
+    if shop_r1 and cfg.launch.eval_samples and reused_sft_eval(cfg, run_dir, dtype):
         parts.append("the SFT evaluation is read back, the RL evaluation runs")
     elif shop_r1 and cfg.launch.eval_samples:
         parts.append("the SFT and RL evaluations run")

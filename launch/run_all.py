@@ -39,7 +39,6 @@ from launch.evaluation import (
     evaluation_server,
     final_model,
     finish_evaluation,
-    own_eval_server,
     pages_table,
     start_evaluation,
 )
@@ -56,7 +55,14 @@ from launch.procs import ManagedProcess, tail
 from launch.report import build_report
 from launch.reward_curve import reward_curve
 from launch.run_config import RunConfig, parse_run
-from launch.run_plan import RunPlan, environments, plan_run, trainer_argv, vllm_extra
+from launch.run_plan import (
+    RunPlan,
+    environments,
+    own_eval_server,
+    plan_run,
+    trainer_argv,
+    vllm_extra,
+)
 from launch.supervisor import PY, ServiceFailed, Stack
 from launch.trainer_node import publish_trainer_argv
 from launch.vllm_server import BridgeServer
@@ -195,13 +201,15 @@ def start_inference(
         f"on {cfg.model}..."
     )
     samples = eval_samples(cfg)
-    done = reused_sft_eval(cfg, plan.run_dir)
+    done = reused_sft_eval(cfg, plan.run_dir, plan.eval_dtype)
     url, run_dir, timeout = plan.vllm_urls[0], plan.run_dir, cfg.launch.health_timeout
     split = cfg.launch.eval_split
     sft_eval: ManagedProcess | dict[str, Any] | None = None
-    if samples and done is None and own_eval_server(cfg, plan):  # first, with every core
+    if samples and done is None and own_eval_server(cfg, plan.device):  # first, with every core
         with evaluation_server(cfg, plan, files["vllm"], stack, cfg.model, "sft") as eval_url:
-            sft_eval = evaluate("sft", eval_url, samples, run_dir, files["env"], split)
+            sft_eval = evaluate(
+                "sft", eval_url, samples, run_dir, files["env"], split, plan.eval_dtype
+            )
     elif samples and done is None:  # while the run's servers start, on the first one
         argv = evaluation_argv("sft", url, samples, run_dir, files["env"], timeout, split)
         sft_eval = start_evaluation("sft", run_dir, argv)
@@ -268,10 +276,11 @@ def evaluate_rl(
     health = httpx.get(f"{server.base_url}/bridge/health", timeout=10).json()
     version = f"weight version {health.get('weight_version')}, mode {cfg.weight_bridge_mode}"
     final = final_model(save, cfg.trainer.grpo.training_steps)
-    if own_eval_server(cfg, plan) and final is not None:
+    if own_eval_server(cfg, plan.device) and final is not None:
         with evaluation_server(cfg, plan, files["vllm"], stack, final, "rl") as url:
-            rl = evaluate("rl", url, samples, plan.run_dir, env_file, split)
-        how = f"loaded from {final} by an evaluation server (the run's servers: {version})"
+            rl = evaluate("rl", url, samples, plan.run_dir, env_file, split, plan.eval_dtype)
+        dtype = f" in {plan.eval_dtype}" if plan.eval_dtype else ""
+        how = f"loaded from {final} by an evaluation server{dtype} (the run's servers: {version})"
     else:
         rl = evaluate("rl", server.base_url, samples, plan.run_dir, env_file, split)
         how = f"as served by vLLM after the last sync ({version})"

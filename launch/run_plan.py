@@ -109,6 +109,50 @@ def trainer_argv(cfg: RunConfig, config: Path, token: str) -> list[str]:
     return [*cmd, "--bridge-token", token]
 
 
+EVAL_OWN_SERVER_MIN = 64
+"""``eval_server: auto`` starts a server of its own for an evaluation of this many steps or
+more: a start costs ~15-30 s, what SmolLM2 takes for ~10 steps on one core."""
+
+
+def own_eval_server(cfg: RunConfig, device: str) -> bool:
+    """Whether the evaluations of a run whose trainer is on ``device`` (``cpu``/``cuda``) ask
+    a server of their own (``launch.eval_server``)."""
+    choice = cfg.launch.eval_server
+    if choice == "auto":
+        return device == "cpu" and cfg.launch.eval_samples >= EVAL_OWN_SERVER_MIN
+    return choice == "own"
+
+
+RUN_DTYPE = "as the run's servers"
+"""What an evaluation's ``server_dtype`` says where its server has the run's dtype."""
+
+
+def eval_dtype(cfg: RunConfig, device: str) -> str | None:
+    """``launch.eval_dtype`` resolved for a trainer on ``device``: the ``--dtype`` of the
+    evaluations' own servers, None for the run's servers' dtype (also where they have none).
+    Both evaluations must have it, so a LoRA run (its RL evaluation stays on the run's
+    server) keeps the run's."""
+    if not own_eval_server(cfg, device):
+        return None
+    choice = cfg.launch.eval_dtype
+    lora = cfg.trainer.grpo.lora_r > 0 or cfg.weight_bridge_mode == "lora_only"
+    if lora and choice != "auto":
+        raise ValueError(
+            f"--eval-dtype {choice}: a LoRA run's RL evaluation is on the run's server, in "
+            "its dtype (set --vllm.dtype for both)"
+        )
+    if choice != "auto":
+        return choice
+    if device != "cpu" or lora:
+        return None
+    import torch
+
+    from trainer.precision import choose_precision
+
+    dtype, _ = choose_precision(cfg.trainer.grpo.precision, torch.device("cpu"))
+    return "bfloat16" if dtype == torch.bfloat16 else None
+
+
 @dataclass(frozen=True)
 class RunPlan:
     """The launcher's decisions for one run (:func:`plan_run`)."""
@@ -122,6 +166,8 @@ class RunPlan:
     """The trainer's and every vLLM server's shared token for the /bridge routes."""
     forked: bool
     """Services start as forks of a template (``launch.fork_services``, CPU runs only)."""
+    eval_dtype: str | None = None
+    """``--dtype`` of the evaluations' own servers (``launch.eval_dtype``); None: the run's."""
 
     @property
     def device(self) -> str:
@@ -170,4 +216,5 @@ def plan_run(cfg: RunConfig, run_dir: Path) -> RunPlan:
         api_url=f"http://{api_connect_host(cfg.api.host)}:{lc.api_port or next(picked)}",
         vllm_ports=tuple(ports),
         bridge_token=secrets.token_hex(16),
+        eval_dtype=eval_dtype(cfg, device),
     )

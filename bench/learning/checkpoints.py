@@ -6,7 +6,7 @@ and its wall time, paired with the run's SFT evaluation.
 Each checkpoint asked for (``RUN_DIR/trainer/checkpoints/step_N/model``: a whole model; a LoRA
 adapter is refused) is served by a vLLM server of its own with every core, as the launcher's
 evaluations are (launch/evaluation.py), and answers the rows of the run's SFT evaluation
-(``RUN_DIR/eval_sft/metrics.json``: its split and row count) greedily with the run's env
+(``RUN_DIR/eval_sft/metrics.json``: its split, row count and server dtype) greedily with the run's env
 config (``config/env.yaml``: tokenizer, budgets, dataset), into ``RUN_DIR/eval_step_N/``.
 The table (``RUN_DIR/checkpoints.md``, ``checkpoints.json``) has one line per step, the SFT
 model first and the run's own RL evaluation (its last step) where there is one: the trainer's
@@ -84,9 +84,11 @@ def table(rows: list[dict[str, Any]], split: str, n: int) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def evaluate_checkpoint(run_dir: Path, step: int, split: str, n: int) -> dict[str, Any]:
-    """``step``'s checkpoint on a server of its own with every core: its metrics."""
+def evaluate_checkpoint(run_dir: Path, step: int, split: str, n: int, dtype: str) -> dict[str, Any]:
+    """``step``'s checkpoint on a server of its own with every core, in the SFT evaluation's
+    dtype (``dtype``: its ``server_dtype``): its metrics, which name that dtype too."""
     from launch.evaluation import evaluation_argv
+    from launch.run_plan import RUN_DTYPE
     from launch.threads import available_cores, light_env, plan_threads
     from launch.vllm_server import server_env, start_bridge_server
 
@@ -98,7 +100,8 @@ def evaluate_checkpoint(run_dir: Path, step: int, split: str, n: int) -> dict[st
     alone = plan_threads(available_cores(), 1).alone_server()
     env = server_env(None, "cpu") | alone
     log = run_dir / f"vllm_eval_step_{step}.log"
-    server = start_bridge_server(model, "none", log, env=env, extra=["--tokenizer", tokenizer])
+    extra = ["--tokenizer", tokenizer] + (["--dtype", dtype] if dtype != RUN_DTYPE else [])
+    server = start_bridge_server(model, "none", log, env=env, extra=extra)
     try:
         label = f"step_{step}"
         argv = evaluation_argv(label, server.base_url, n, run_dir, env_file, 0, split)
@@ -108,7 +111,18 @@ def evaluate_checkpoint(run_dir: Path, step: int, split: str, n: int) -> dict[st
             )
     finally:
         server.stop()
-    return json.loads((run_dir / f"eval_{label}" / "metrics.json").read_text())
+    path = run_dir / f"eval_{label}" / "metrics.json"
+    metrics = json.loads(path.read_text()) | {"server_dtype": dtype}
+    path.write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
+
+
+def _served(metrics: dict[str, Any]) -> tuple[str, int, str]:
+    """What an evaluation must share with the SFT one to pair with it: split, rows, dtype."""
+    from launch.run_plan import RUN_DTYPE
+
+    split = metrics.get("split", "test")
+    return split, int(metrics["n"]), metrics.get("server_dtype", RUN_DTYPE)
 
 
 def _env_value(env_file: Path, key: str) -> Any:
@@ -135,7 +149,8 @@ def main() -> None:
     stop_on_sigterm()
     run = a.run_dir
     sft = json.loads((run / "eval_sft" / "metrics.json").read_text())
-    split, n = sft.get("split", "test"), int(sft["n"])
+    alike = _served(sft)
+    split, n, dtype = alike
     walls = wall_to_step(run)
     rows = [row("SFT", 0, None, sft, sft)]
     for step in sorted(a.steps):
@@ -143,16 +158,16 @@ def main() -> None:
         kept = json.loads(done.read_text()) if done.exists() else None
         if a.report and kept is None:
             raise SystemExit(f"{done}: step {step} was not evaluated (run without --report)")
-        if a.report or (kept is not None and (kept.get("split"), kept["n"]) == (split, n)):
+        if a.report or (kept is not None and _served(kept) == alike):
             m = kept  # evaluated before (an earlier call): not again
         else:
-            m = evaluate_checkpoint(run, step, split, n)
+            m = evaluate_checkpoint(run, step, split, n, dtype)
         rows.append(row("GRPO checkpoint", step, walls.get(step), m, sft))
         print(table(rows, split, n), flush=True)
     rl = run / "eval_rl" / "metrics.json"
     if rl.exists():
         m = json.loads(rl.read_text())
-        if m.get("split", "test") == split and int(m["n"]) == n:
+        if _served(m) == alike:
             last = max(walls) if walls else -1
             rows.append(row("RL (the run's own evaluation)", last, walls.get(last), m, sft))
     text = table(rows, split, n)

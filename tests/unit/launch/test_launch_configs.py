@@ -313,11 +313,9 @@ def test_the_evaluations_ask_the_split_the_run_names(tmp_path: Path) -> None:
 def test_the_evaluations_ask_a_server_of_their_own_where_it_pays(tmp_path: Path) -> None:
     """``--eval-server auto``: on the CPU a run's evaluation (64 steps or more) gets a server
     with every core; a few steps (the tests' runs), or CUDA, ask the run's first server."""
-    from types import SimpleNamespace
+    from launch.run_plan import EVAL_OWN_SERVER_MIN, own_eval_server
 
-    from launch.evaluation import EVAL_OWN_SERVER_MIN, own_eval_server
-
-    cpu, cuda = SimpleNamespace(device="cpu"), SimpleNamespace(device="cuda")
+    cpu, cuda = "cpu", "cuda"
     for flags, on_cpu, on_cuda in [
         ([], True, False),  # the default: 512 steps
         (["--eval-samples", str(EVAL_OWN_SERVER_MIN)], True, False),
@@ -327,3 +325,27 @@ def test_the_evaluations_ask_a_server_of_their_own_where_it_pays(tmp_path: Path)
     ]:
         cfg = _run(flags, tmp_path)
         assert (own_eval_server(cfg, cpu), own_eval_server(cfg, cuda)) == (on_cpu, on_cuda), flags
+
+
+def test_both_evaluations_serve_in_the_dtype_the_trainer_computed_in(tmp_path: Path) -> None:
+    """``--eval-dtype auto``: the evaluations' own servers serve in bf16 where the GRPO
+    trainer computes in bf16 on the CPU, else in the run's dtype (None); a run whose
+    evaluations ask the run's server, a CUDA run and a LoRA run keep the run's, and a LoRA
+    run that names a dtype is refused (its RL evaluation could not have it)."""
+    from launch.run_plan import eval_dtype
+
+    for flags, device, want in [
+        (["--trainer.grpo.precision", "bf16"], "cpu", "bfloat16"),
+        (["--trainer.grpo.precision", "fp32"], "cpu", None),
+        (["--trainer.grpo.precision", "bf16"], "cuda", None),  # the run's servers' dtype
+        (["--trainer.grpo.precision", "bf16", "--eval-server", "run"], "cpu", None),
+        (["--trainer.grpo.precision", "bf16", "--eval-samples", "8"], "cpu", None),
+        (["--trainer.grpo.precision", "bf16", "--weight-bridge-mode", "lora_only"], "cpu", None),
+        (["--trainer.grpo.precision", "fp32", "--eval-dtype", "bfloat16"], "cpu", "bfloat16"),
+        (["--trainer.grpo.precision", "bf16", "--eval-dtype", "float32"], "cpu", "float32"),
+        (["--eval-dtype", "float32", "--eval-server", "own"], "cuda", "float32"),
+    ]:
+        assert eval_dtype(_run(flags, tmp_path), device) == want, (flags, device)
+    lora = _run(["--weight-bridge-mode", "lora_only", "--eval-dtype", "bfloat16"], tmp_path)
+    with pytest.raises(ValueError, match="LoRA run"):
+        eval_dtype(lora, "cpu")

@@ -179,6 +179,14 @@ def test_the_sft_evaluation_is_read_back(art: Path, tmp_path: Path) -> None:
     assert _hint(run_dir, "--eval-samples", "4", "--eval-split", "validation").endswith(
         "; the SFT evaluation is read back, the RL evaluation runs"
     )
+    # nor one served in another dtype than the RL evaluation will be (launch.eval_dtype)
+    bf16 = ["--eval-samples", "4", "--eval-server", "own", "--eval-dtype", "bfloat16"]
+    (run_dir / "eval_sft" / "metrics.json").write_text("{}")  # the run's servers' dtype
+    assert _hint(run_dir, *bf16).endswith("; the SFT and RL evaluations run")
+    (run_dir / "eval_sft" / "metrics.json").write_text('{"server_dtype": "bfloat16"}')
+    assert _hint(run_dir, *bf16).endswith(
+        "; the SFT evaluation is read back, the RL evaluation runs"
+    )
 
 
 def test_a_verifiers_run_without_shop_r1_has_no_dataset_nor_sft(art: Path, tmp_path: Path) -> None:
