@@ -136,9 +136,23 @@ def phase_line(est: Estimate, cpu: str) -> str:
     )
 
 
+class LongRun(Exception):
+    """The probe measured the run at over ``LONG_RUN_S`` and ``launch.long_run`` is ``tiny``:
+    the launcher runs ``argv`` (:func:`tiny_argv`) instead."""
+
+    def __init__(self, argv: list[str]) -> None:
+        super().__init__(shlex.join(argv))
+        self.argv = argv
+
+
 def tiny_command(argv: Sequence[str]) -> str:
-    """The run's command with the tiny preset: its ``--preset``, ``--recipe``/``--config``
-    (a recipe names its model), ``--run-dir`` and ``--resume`` left out."""
+    """The run's command with the tiny preset (:func:`tiny_argv`), as a shell line."""
+    return shlex.join(["launch/run_all.sh", *tiny_argv(argv)])
+
+
+def tiny_argv(argv: Sequence[str]) -> list[str]:
+    """The run's launcher options with the tiny preset: its ``--preset``, ``--recipe``/
+    ``--config`` (a recipe names its model), ``--run-dir`` and ``--resume`` left out."""
     valued = {"--preset", "--recipe", "--config", "--run-dir", "--launch.run-dir"}
     flags = {"--resume", "--launch.resume"}
     rest, skip = [], False
@@ -152,12 +166,15 @@ def tiny_command(argv: Sequence[str]) -> str:
         if a in flags or a.split("=", 1)[0] in valued:
             continue
         rest.append(a)
-    return shlex.join(["launch/run_all.sh", "--preset", "cpu-tiny", *rest])
+    return ["--preset", "cpu-tiny", *rest]
 
 
-def long_run_lines(estimates: Sequence[Estimate], preset: str, argv: Sequence[str]) -> list[str]:
+def long_run_lines(
+    estimates: Sequence[Estimate], preset: str, argv: Sequence[str], switch: bool = False
+) -> list[str]:
     """Why the run is long and the cpu-tiny command, when the estimates together exceed
-    ``LONG_RUN_S``; nothing otherwise."""
+    ``LONG_RUN_S``, then what the launcher does (``switch``: runs that command instead);
+    nothing otherwise."""
     total = sum(e.total_s for e in estimates)
     if total <= LONG_RUN_S:
         return []
@@ -170,7 +187,11 @@ def long_run_lines(estimates: Sequence[Estimate], preset: str, argv: Sequence[st
         f"({parts}), over {LONG_RUN_S / 60:.0f} min: its model's steps are measured at {steps} "
         f"(fp32 where the CPU has no native bf16, trainer/precision.py).",
         f"[run_all] NOTE: the tiny preset runs the same pipeline in minutes: {tiny_command(argv)}",
-        f"[run_all] NOTE: continuing with {preset} as asked (--no-cost-probe skips this probe).",
+        f"[run_all] NOTE: running the tiny preset instead, as --long-run tiny asks (what make run "
+        f"asks; --long-run warn keeps {preset})."
+        if switch
+        else f"[run_all] NOTE: continuing with {preset} as asked (--no-cost-probe skips this "
+        "probe; --long-run tiny would run the tiny preset instead).",
     ]
 
 
@@ -284,6 +305,8 @@ class CostProbe:
         self.enabled = lc.cost_probe and lc.trainer_device == "cpu" and lc.trainer_procs == 1
         self.grpo: Estimate | None = None
         self.grpo_probed = False
+        self.too_long = False
+        """Over ``LONG_RUN_S`` with ``long_run: tiny``: the next check raises :class:`LongRun`."""
         self.cpu = ""
 
     def _shape(self, name: str, steps: int) -> PhaseShape:
@@ -327,14 +350,17 @@ class CostProbe:
             return []
         lines = [phase_line(e, self.cpu) for e in estimates]
         lines[-1] += f" [probe took {time.monotonic() - t0:.0f} s]"
-        return lines + long_run_lines(estimates, self.cfg.preset, self.argv)
+        switch = self.cfg.launch.long_run == "tiny" and self.cfg.preset != "cpu-tiny"
+        long = long_run_lines(estimates, self.cfg.preset, self.argv, switch)
+        self.too_long = switch and bool(long)
+        return lines + long
 
     def before_sft(self) -> list[str]:
         """Before the SFT cold start: SFT's and GRPO's estimates, printed."""
         cfg = self.cfg
         base = str(cfg.launch.base_model)
         phases = [("SFT", cfg.trainer.sft, base), ("GRPO", cfg.trainer.grpo, base)]
-        return _print(self._run(phases))
+        return self._say(self._run(phases))
 
     def before_grpo(self) -> list[str]:
         """Before the GRPO trainer starts: its estimate (probed now if SFT did not run)."""
@@ -343,7 +369,15 @@ class CostProbe:
         if self.grpo_probed:  # skipped (or failed) before SFT: not again
             return []
         grpo = self.cfg.trainer.grpo
-        return _print(self._run([("GRPO", grpo, str(grpo.model_name))]))
+        return self._say(self._run([("GRPO", grpo, str(grpo.model_name))]))
+
+    def _say(self, lines: list[str]) -> list[str]:
+        """Print ``lines``; then, where the run is too long and ``long_run: tiny``, raise
+        :class:`LongRun` with the cpu-tiny command (nothing of this phase trained yet)."""
+        _print(lines)
+        if self.too_long:
+            raise LongRun(tiny_argv(self.argv))
+        return lines
 
 
 def _print(lines: list[str]) -> list[str]:

@@ -29,9 +29,14 @@ class LaunchConfig(BaseModel):
     cost_probe: bool = True
     """CPU trainer: before SFT and GRPO start, time one optimizer step of the phase's model
     at its shapes on this CPU and print what the phase will cost (launch/cost_probe.py);
-    where the run would exceed ~90 min, print why and the cpu-tiny command (the run goes
-    on). Phases of a few steps, or of steps of seconds (the tiny model), are not probed.
-    False (``--no-cost-probe``): no probe."""
+    where the run would exceed ~90 min, print why and the cpu-tiny command, then do what
+    ``long_run`` says. Phases of a few steps, or of steps of seconds (the tiny model), are not
+    probed. False (``--no-cost-probe``): no probe."""
+    long_run: Literal["warn", "tiny"] = "warn"
+    """What a run the cost probe measures at over ~90 min of training does, before anything
+    is trained: ``warn``: go on with the preset asked for (the user chose it); ``tiny``: run the
+    cpu-tiny preset instead, in the same run directory, saying why (what ``make run`` asks:
+    the real model where this CPU trains it in time, else the tiny one)."""
     fork_services: bool = True
     """CPU runs: start the Python services and steps (API, vLLM servers, Shop-R1 env,
     trainer, evaluations, dataset and SFT) as forks of one template process that imported

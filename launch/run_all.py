@@ -31,7 +31,7 @@ from api.config import TOKEN_ENV as API_TOKEN_ENV
 from api.config import check_exposure
 from launch import progress, verifiers_env
 from launch.configs import launcher_config, resolve_for_run, write_service_configs
-from launch.cost_probe import CostProbe
+from launch.cost_probe import CostProbe, LongRun
 from launch.eval_table import eval_table
 from launch.evaluation import (
     evaluate,
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = lc.run_dir or RUNS_DIR / datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    hint = False
+    hint, tiny = False, None
     stack = Stack(run_dir)
     # Ctrl-C and SIGTERM stop exactly what was started. SIGINT explicitly too: Python only
     # raises KeyboardInterrupt when SIGINT was not ignored at its start, and a parent that
@@ -395,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[run_all] FAILED: {e}", file=sys.stderr, flush=True)
         hint = not lc.prepare_only
         return 1
+    except LongRun as e:  # --long-run tiny: nothing was trained; the tiny preset instead
+        tiny = [*e.argv, "--run-dir", str(run_dir)]
     except KeyboardInterrupt:
         print("[run_all] interrupted; stopping the services", file=sys.stderr, flush=True)
         hint = True
@@ -406,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[run_all] stopped {[p.pid for p in stack.procs]}", flush=True)
         if hint:  # once everything stopped: no trainer writes a checkpoint after it is read
             print(resume_hint(run_dir, argv), file=sys.stderr, flush=True)
+    assert tiny is not None  # only a LongRun gets here
+    print(f"[run_all] running: {shlex.join(['launch/run_all.sh', *tiny])}", flush=True)
+    return main(tiny)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ to, the launcher's lines, and the >90 min branch (a per-step time injected, noth
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from launch.cost_measure import measure_step, sft_examples
 from launch.cost_probe import (
     CostProbe,
     Estimate,
+    LongRun,
     PhaseShape,
     grpo_shape,
     long_run_lines,
@@ -187,3 +189,52 @@ def test_the_probe_runs_in_a_child_process_that_reads_the_phase_config(
     assert est.total_s == pytest.approx(10 * est.step_s)
     with pytest.raises(RuntimeError, match="the probe process exited 1"):
         measure_in_child(grpo, tmp_path / "no-model", shape, 1, tmp_path / "bad.log")
+
+
+def test_long_run_tiny_runs_the_tiny_preset_instead(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """``--long-run tiny`` (``make run``): over 90 min the probe says why and hands the
+    launcher the cpu-tiny command, before anything is trained; under it the run goes on."""
+    monkeypatch.setattr(cost_probe, "MIN_STEP_FLOP", 0.0)
+    argv, cfg = _smol_like(tmp_path, tiny_model_dir, "--long-run", "tiny", "--seed", "3")
+
+    def at(step_s: float):
+        return lambda phase_cfg, model_dir, shape, threads: Estimate(shape, step_s, "fp32")
+
+    assert len(CostProbe(cfg, argv, {}, measure=at(10.0)).before_sft()) == 2  # ~7 min
+    with pytest.raises(LongRun) as e:
+        CostProbe(cfg, argv, {}, measure=at(150.0)).before_sft()  # SFT 75 + GRPO 25 min
+    assert e.value.argv[:2] == ["--preset", "cpu-tiny"] and "--seed" in e.value.argv
+    out = capsys.readouterr().out
+    assert "over 90 min" in out and "running the tiny preset instead" in out
+    warn = resolve_run([*argv, "--long-run", "warn"])  # the default: the user chose
+    lines = CostProbe(warn, argv, {}, measure=at(150.0)).before_sft()
+    assert "continuing with cpu-smol as asked" in lines[-1]
+
+
+def test_the_launcher_runs_the_tiny_preset_in_the_same_run_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the launcher does with :class:`LongRun`: the services it started are stopped, and
+    the cpu-tiny command runs in the same run directory (nothing was trained there)."""
+    from launch import run_all
+
+    runs: list[tuple[str, Path]] = []
+
+    def launch(cfg, plan, stack, argv):
+        runs.append((cfg.preset, plan.run_dir))
+        if cfg.preset == "cpu-smol":
+            raise LongRun(cost_probe.tiny_argv(argv))
+        return 0
+
+    monkeypatch.setattr(run_all, "launch", launch)
+    run_dir = tmp_path / "run"
+    argv = ["--preset", "cpu-smol", "--long-run", "tiny", "--run-dir", str(run_dir)]
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:  # main() ignores both signals at its end: a child started later would inherit that
+        rc = run_all.main(argv)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert rc == 0 and runs == [("cpu-smol", run_dir), ("cpu-tiny", run_dir)]
