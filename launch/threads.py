@@ -53,10 +53,7 @@ class ThreadPlan(BaseModel):
         CUDA (as ``server_env`` there)."""
         if self.kept or not self.server_env[0]:
             return {}
-        return {
-            "VLLM_CPU_OMP_THREADS_BIND": _ranges(self.cores),
-            "OMP_NUM_THREADS": str(len(self.cores)),
-        }
+        return pinned_server(self.cores)
 
     def describe(self) -> str:
         """One log line: what each process gets."""
@@ -77,6 +74,11 @@ class ThreadPlan(BaseModel):
             + "; ".join(parts)
             + kept
         )
+
+
+def pinned_server(cores: Sequence[int]) -> dict[str, str]:
+    """A vLLM CPU server's OpenMP threads: one per core of ``cores``, each pinned."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": _ranges(cores), "OMP_NUM_THREADS": str(len(cores))}
 
 
 def _ranges(ids: Sequence[int]) -> str:

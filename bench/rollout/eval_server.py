@@ -41,12 +41,12 @@ def parse_configs(text: str) -> list[tuple[str, int]]:
 
 def server_threads(threads: int) -> dict[str, str]:
     """The OpenMP threads of a server pinned to the last ``threads`` cores of this process."""
-    from launch.threads import _ranges, available_cores
+    from launch.threads import available_cores, pinned_server
 
     cores = available_cores()
     if threads > len(cores):
         raise SystemExit(f"{threads} threads asked, {len(cores)} cores here")
-    return {"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": _ranges(cores[-threads:])}
+    return pinned_server(cores[-threads:])
 
 
 def completions(path: Path) -> list[str]:
