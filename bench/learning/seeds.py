@@ -1,7 +1,7 @@
 """What does ``make run`` give, seed to seed? (issue 46, point 3)
 
-Runs ``launch/run_all.sh`` (what ``make run`` starts, after its install) once per seed,
-each from scratch: its own artifacts folder (``SHOP_R1_ARTIFACTS``), so the SFT cold start
+Runs ``make run`` (its install is a no-op where the venv is there) once per seed, with
+``RUN_ARGS="--seed S --run-dir ..."``, each from scratch: its own artifacts folder (``SHOP_R1_ARTIFACTS``), so the SFT cold start
 is trained again with that seed, then GRPO, then both evaluations on the 512 held-out test
 steps. ``--seed S`` is every service's seed (the SFT's data order, the GRPO trainer, the
 env's row order, vLLM's sampling). The base model and the dataset are the same bytes for
@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -67,7 +68,7 @@ def phase_times(console: str) -> dict[str, int]:
 
 def seed_artifacts(src: Path, dst: Path) -> None:
     """``dst`` with ``src``'s base model and dataset (when there), never its SFT model."""
-    for sub in (paths.TINY_MODEL_DIR, paths.DATA_DIR):
+    for sub in (paths.TINY_MODEL_DIR, paths.SMOL_MODEL_DIR, paths.DATA_DIR):
         rel = sub.relative_to(paths.ARTIFACTS)
         if (src / rel).is_dir() and not (dst / rel).exists():
             shutil.copytree(src / rel, dst / rel)
@@ -85,7 +86,7 @@ def keep(out: Path) -> None:
 
 
 def run_seed(args: argparse.Namespace, seed: int) -> None:
-    """One ``launch/run_all.sh --seed S`` from scratch into ``<out>/seed<S>``."""
+    """One ``make run RUN_ARGS="--seed S ..."`` from scratch into ``<out>/seed<S>``."""
     out = args.out / f"seed{seed}"
     if (out / "eval_rl" / "metrics.json").exists():
         print(f"seed {seed}: done before, kept ({out})", flush=True)
@@ -96,8 +97,8 @@ def run_seed(args: argparse.Namespace, seed: int) -> None:
     artifacts.mkdir(parents=True, exist_ok=True)
     seed_artifacts(args.from_artifacts, artifacts)
     env = {**os.environ, "SHOP_R1_ARTIFACTS": str(artifacts)}
-    argv = ["bash", str(REPO / "launch/run_all.sh"), "--seed", str(seed), "--run-dir", str(run_dir)]
-    argv += args.launcher_args
+    run_args = ["--seed", str(seed), "--run-dir", str(run_dir), *args.launcher_args]
+    argv = ["make", "-s", "-C", str(REPO), "run", f"RUN_ARGS={shlex.join(run_args)}"]
     print(f"seed {seed}: {' '.join(argv)}", flush=True)
     t = time.monotonic()
     with open(out / "console.log", "w") as console:
@@ -108,7 +109,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> None:
     times["machine"] = machine()
     (out / "times.json").write_text(json.dumps(times, indent=2) + "\n")
     if rc != 0:
-        raise SystemExit(f"seed {seed}: launch/run_all.sh exited {rc}; see {out}/console.log")
+        raise SystemExit(f"seed {seed}: make run exited {rc}; see {out}/console.log")
     keep(out)
     if not args.keep_artifacts:
         shutil.rmtree(artifacts)
