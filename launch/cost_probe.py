@@ -18,8 +18,11 @@ optimizer step at the phase's shapes on synthetic tokens, after one small warm-u
 
 A pass holds at most ``MAX_PROBE_TOKENS`` tokens: a larger micro-batch is probed with fewer
 rows, scaled linearly (the line says so). The times are wall-clock: where other work held
-the CPU, the line says what share of its threads the probe got. Over ``LONG_RUN_S`` (both
-phases) the launcher says why and prints the cpu-tiny command, then goes on: the user chose.
+the CPU, the line says what share of its threads the probe got. The run's evaluations are
+estimated at the FLOP rate the SFT step reached (forwards of their full budgets: an upper
+bound). Over ``LONG_RUN_S`` (all of these together) the launcher says why and prints the
+cpu-tiny command, then does what ``launch.long_run`` says: goes on (``warn``: the user chose)
+or runs that command instead (``tiny``: what ``make run`` asks).
 No probe with ``launch.cost_probe: false``, a GPU trainer or several trainer processes, a
 phase of ``MIN_STEPS`` steps or fewer, or a step under ``MIN_STEP_FLOP`` (the tiny model).
 """
@@ -36,7 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -51,7 +54,7 @@ MAX_PROBE_TOKENS = 2048
 BUSY_SHARE = 0.7
 """Below this share of its threads' time the line says the CPU was busy with other work."""
 LONG_RUN_S = 90 * 60.0
-"""Above this (all phases' estimates together) the launcher offers the tiny preset."""
+"""Above this (all estimates together) the launcher offers or runs the tiny preset."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,11 @@ def phase_line(est: Estimate, cpu: str) -> str:
     """``[run_all] cost on this CPU (AMD EPYC, fp32, no bf16): SFT 30 steps x ~75 s = ~38 min
     (probe: ...)``."""
     shape = est.shape
+    if shape.name == "evaluation":
+        return (
+            f"[run_all] cost on this CPU ({cpu}): {shape.steps} evaluations of {shape.rows} "
+            f"steps x ~{_duration(est.step_s)} = ~{_duration(est.total_s)} ({shape.source})"
+        )
     only = " (trainer compute only, not sampling)" if shape.name == "GRPO" else ""
     busy = ""
     if est.share < BUSY_SHARE:
@@ -180,10 +188,12 @@ def long_run_lines(
         return []
     parts = " + ".join(f"{e.shape.name} ~{_duration(e.total_s)}" for e in estimates)
     steps = " and ".join(
-        f"~{e.step_s:.0f} s a {e.shape.name} step in {e.precision}" for e in estimates
+        f"~{e.step_s:.0f} s a {e.shape.name} step in {e.precision}"
+        for e in estimates
+        if e.shape.name != "evaluation"
     )
     return [
-        f"[run_all] NOTE: preset {preset} would spend ~{_duration(total)} training on this CPU "
+        f"[run_all] NOTE: preset {preset} would take ~{_duration(total)} on this CPU "
         f"({parts}), over {LONG_RUN_S / 60:.0f} min: its model's steps are measured at {steps} "
         f"(fp32 where the CPU has no native bf16, trainer/precision.py).",
         f"[run_all] NOTE: the tiny preset runs the same pipeline in minutes: {tiny_command(argv)}",
@@ -193,6 +203,19 @@ def long_run_lines(
         else f"[run_all] NOTE: continuing with {preset} as asked (--no-cost-probe skips this "
         "probe; --long-run tiny would run the tiny preset instead).",
     ]
+
+
+def evaluation_estimate(
+    sft: Estimate, params: int, samples: int, tokens: int, evaluations: int = 2
+) -> Estimate:
+    """The run's evaluations (``evaluations`` of ``samples`` steps of at most ``tokens``
+    tokens: prompt budget + answer budget), at the FLOP rate the SFT step reached on this CPU
+    (forwards: 2 x parameters a token; the evaluations also compute alone, on every core, in
+    the trainer's precision). Full budgets: an upper bound, as GRPO's."""
+    rate = step_flop(sft.shape, params) / sft.step_s
+    shape = PhaseShape("evaluation", evaluations, 0, tokens, samples, 1)
+    shape = replace(shape, source="at the SFT step's FLOP rate, full budgets: an upper bound")
+    return Estimate(shape, 2.0 * params * samples * tokens / rate, sft.precision, 0)
 
 
 def param_count(model_dir: str | Path) -> int:
@@ -350,13 +373,19 @@ class CostProbe:
             return []
         lines = [phase_line(e, self.cpu) for e in estimates]
         lines[-1] += f" [probe took {time.monotonic() - t0:.0f} s]"
-        switch = self.cfg.launch.long_run == "tiny" and self.cfg.preset != "cpu-tiny"
+        lc, env = self.cfg.launch, self.cfg.env
+        sft = [(e, m) for (n, e), (_, _, m) in zip(found, phases, strict=True) if n == "SFT" and e]
+        if sft and lc.eval_samples and lc.shop_r1_env:  # at the rate the SFT step reached
+            (est, model), tokens = sft[0], env.max_prompt_tokens + env.max_tokens
+            estimates.append(evaluation_estimate(est, param_count(model), lc.eval_samples, tokens))
+            lines.append(phase_line(estimates[-1], self.cpu))
+        switch = lc.long_run == "tiny" and self.cfg.preset != "cpu-tiny"
         long = long_run_lines(estimates, self.cfg.preset, self.argv, switch)
         self.too_long = switch and bool(long)
         return lines + long
 
     def before_sft(self) -> list[str]:
-        """Before the SFT cold start: SFT's and GRPO's estimates, printed."""
+        """Before the SFT cold start: SFT's, GRPO's and the evaluations' estimates, printed."""
         cfg = self.cfg
         base = str(cfg.launch.base_model)
         phases = [("SFT", cfg.trainer.sft, base), ("GRPO", cfg.trainer.grpo, base)]

@@ -202,9 +202,9 @@ def test_long_run_tiny_runs_the_tiny_preset_instead(
     def at(step_s: float):
         return lambda phase_cfg, model_dir, shape, threads: Estimate(shape, step_s, "fp32")
 
-    assert len(CostProbe(cfg, argv, {}, measure=at(10.0)).before_sft()) == 2  # ~7 min
-    with pytest.raises(LongRun) as e:
-        CostProbe(cfg, argv, {}, measure=at(150.0)).before_sft()  # SFT 75 + GRPO 25 min
+    assert len(CostProbe(cfg, argv, {}, measure=at(10.0)).before_sft()) == 3  # ~14 min
+    with pytest.raises(LongRun) as e:  # SFT 75 + GRPO 25 min + the evaluations
+        CostProbe(cfg, argv, {}, measure=at(150.0)).before_sft()
     assert e.value.argv[:2] == ["--preset", "cpu-tiny"] and "--seed" in e.value.argv
     out = capsys.readouterr().out
     assert "over 90 min" in out and "running the tiny preset instead" in out
@@ -238,3 +238,20 @@ def test_the_launcher_runs_the_tiny_preset_in_the_same_run_dir(
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     assert rc == 0 and runs == [("cpu-smol", run_dir), ("cpu-tiny", run_dir)]
+
+
+def test_the_evaluations_are_estimated_at_the_sft_steps_flop_rate() -> None:
+    """Two evaluations of 512 steps of 1,024 tokens (forwards: 2 FLOP a parameter a token)
+    at the rate an SFT step of 8 x 1,024 tokens (6 FLOP a parameter a token) reached."""
+    sft = Estimate(PhaseShape("SFT", 30, 0, 1024, 8, 1), 30.0, "bf16")
+    params = 135_000_000
+    rate = 6.0 * params * 8 * 1024 / 30.0
+    est = cost_probe.evaluation_estimate(sft, params, 512, 1024)
+    assert est.step_s == pytest.approx(2.0 * params * 512 * 1024 / rate)  # 640 s
+    assert est.total_s == pytest.approx(2 * est.step_s)
+    line = phase_line(est, "AMD EPYC, bf16, native bf16")
+    assert "2 evaluations of 512 steps x ~11 min = ~21 min" in line and "upper bound" in line
+    slow = Estimate(sft.shape, 150.0, "bf16")  # 75 min of SFT: with the evaluations, > 90
+    note = long_run_lines([slow, est], "cpu-smol", [])[0]
+    assert "~1.6 h on this CPU (SFT ~75 min + evaluation ~21 min)" in note
+    assert "~150 s a SFT step in bf16 (" in note  # the evaluations have no step time
