@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:
-#   make run    -> installs (if needed), builds the tiny model, starts the four services
+#   make run    -> installs (if needed), builds the model, SFT, then the four services (GRPO)
 #   make test   -> installs (if needed), runs the test suite
 # GPU machines get requirements-gpu.txt automatically (nvidia-smi works) or with GPU=1.
 
@@ -64,8 +64,10 @@ test-integration: setup browser
 test-gpu: setup
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
 
+# make run trains the real model (SmolLM2-135M-Instruct, preset cpu-smol) where the cost probe
+# measures it at ~90 min or less on this CPU, else the tiny one (--long-run tiny, docs/RUNNING.md).
 run: setup
-	bash launch/run_all.sh $(RUN_ARGS)
+	bash launch/run_all.sh --preset cpu-smol --long-run tiny $(RUN_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -50,7 +50,8 @@ def test_an_oom_killed_trainer_is_named_and_a_relaunch_resumes_without_sft(
 ) -> None:
     run_dir = tmp_path / "run"
     flags = ["--training-steps", str(STEPS), "--keep-constant-groups", "--eval-samples", "2"]
-    flags += ["--weight-bridge-mode", "none", "--eval-server", "own"]
+    # fp32 named: the servers' dtype is the same on every CPU (auto: bf16 where it is native)
+    flags += ["--weight-bridge-mode", "none", "--eval-server", "own", "--eval-dtype", "float32"]
     sft = Path(artifacts_env["SHOP_R1_ARTIFACTS"]) / "models" / "tiny-qwen2-sft"
     sft_mtime = (sft / "model.safetensors").stat().st_mtime_ns
     ckpt = run_dir / "trainer" / "checkpoints" / "step_000001"
@@ -104,10 +105,16 @@ def test_an_oom_killed_trainer_is_named_and_a_relaunch_resumes_without_sft(
     for label in ("sft", "rl"):  # each server's own log, in bridge mode none
         assert "[bridge] mode=none" in (run_dir / f"vllm_eval_{label}.log").read_text()
     line = "[run_all] RL evaluation on a vLLM server of its own (vllm_eval_rl"
-    assert line in out2 and "(launch.eval_server)" in out2, out2[-3000:]
+    assert line in out2 and ", float32 (launch.eval_server, launch.eval_dtype)" in out2, out2[
+        -3000:
+    ]
+    for label in ("sft", "rl"):  # both served alike: the SFT one was read back for that
+        metrics = json.loads((run_dir / f"eval_{label}" / "metrics.json").read_text())
+        assert metrics["server_dtype"] == "float32", label
     table = (run_dir / "eval.md").read_text()
     final = ckpt.parent / f"step_{STEPS:06d}" / "model"
-    assert f"RL = the trainer's final weights ({run_dir / 'trainer'}) loaded from {final}" in table
+    rl = f"RL = the trainer's final weights ({run_dir / 'trainer'}) loaded from {final} by an "
+    assert rl + "evaluation server in float32" in table
     assert (sft / "model.safetensors").stat().st_mtime_ns == sft_mtime  # SFT not redone
     trainer_log = (run_dir / "trainer.log").read_text()
     assert f"resumed from {ckpt.parent / f'step_{step:06d}'} at step {step}" in trainer_log
