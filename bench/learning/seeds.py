@@ -27,6 +27,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -85,6 +86,27 @@ def keep(out: Path) -> None:
             shutil.copy2(src, out / to)
 
 
+def run_in_group(argv: list[str], env: dict[str, str], console: Any) -> int:
+    """Run ``argv`` (make, then the launcher) in a process group of its own, its exit code.
+    Stopped (SIGTERM or Ctrl-C of this bench), the whole group gets SIGINT, so the launcher
+    stops its run's services as on Ctrl-C; SIGKILL after two minutes."""
+    from launch.lifeline import signal_group
+
+    proc = subprocess.Popen(
+        argv, env=env, stdout=console, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        return proc.wait()
+    except BaseException:
+        signal_group(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
+        raise
+
+
 def run_seed(args: argparse.Namespace, seed: int) -> None:
     """One ``make run RUN_ARGS="--seed S ..."`` from scratch into ``<out>/seed<S>``."""
     out = args.out / f"seed{seed}"
@@ -102,7 +124,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> None:
     print(f"seed {seed}: {' '.join(argv)}", flush=True)
     t = time.monotonic()
     with open(out / "console.log", "w") as console:
-        rc = subprocess.run(argv, env=env, stdout=console, stderr=subprocess.STDOUT).returncode
+        rc = run_in_group(argv, env, console)
     wall = time.monotonic() - t
     text = (out / "console.log").read_text(errors="replace")
     times = {"wall_s": round(wall, 1), "phases_s": phase_times(text), "exit": rc}

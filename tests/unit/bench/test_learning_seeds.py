@@ -4,6 +4,7 @@ into a seed's artifacts, and the per-seed and across-seed table it builds."""
 from __future__ import annotations
 
 import json
+import shlex
 import statistics
 from pathlib import Path
 
@@ -156,3 +157,33 @@ def test_a_finished_run_keeps_what_it_shows_beside_its_console(tmp_path: Path) -
     assert (tmp_path / "config" / "env.yaml").exists() and (tmp_path / "eval.md").exists()
     assert (tmp_path / "trainer_metrics.jsonl").read_text() == "trainer/metrics.jsonl"
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "trainer").exists()
+
+
+def test_a_stopped_bench_interrupts_the_whole_run(tmp_path: Path) -> None:
+    """Stopping the bench (here: an exception raised in its wait, as SIGTERM does) sends
+    SIGINT to the run's whole process group, so the launcher under ``make`` stops its run
+    as on Ctrl-C. The run below says when its trap is set; nothing waits on a timer."""
+    import os
+    import signal
+    import threading
+
+    ready, got = tmp_path / "ready", tmp_path / "got"
+    script = f"trap 'echo int > {got}; exit 130' INT; touch {ready}; sleep 600"
+    argv = ["bash", "-c", f"bash -c {shlex.quote(script)}"]  # the trap is in a grandchild
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    def when_ready() -> None:
+        while not ready.exists():
+            threading.Event().wait(0.05)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    old = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        threading.Thread(target=when_ready, daemon=True).start()
+        with open(tmp_path / "console.log", "w") as console, pytest.raises(KeyboardInterrupt):
+            seeds.run_in_group(argv, dict(os.environ), console)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert got.read_text() == "int\n"
