@@ -217,7 +217,8 @@ def report(args: argparse.Namespace) -> int:
         for key, _, unit in metrics:
             r = row[key]
             se = f" ± {r['se']:.1f}" if "se" in r else ""
-            cells.append(f"{r['sft']:.1f} -> {r['rl']:.1f} ({r['diff']:+.1f}{se}{unit})")
+            ratio = f", {r['rl'] / r['sft']:.2f}x" if key == "exact" and r["sft"] else ""
+            cells.append(f"{r['sft']:.1f} -> {r['rl']:.1f} ({r['diff']:+.1f}{se}{unit}{ratio})")
         lines.append("| " + " | ".join(cells) + " |")
     summary = {key: spread([rows[s][key]["diff"] for s in seeds]) for key, _, _ in metrics}
     cells = [f"mean of {len(seeds)}", ""]
@@ -227,7 +228,8 @@ def report(args: argparse.Namespace) -> int:
             f"RL - SFT {sp['mean']:+.1f}{unit} (sd {sp['sd']:.1f}, {sp['min']:+.1f} to "
             f"{sp['max']:+.1f})"
         )
-    lines.append("| " + " | ".join(cells) + " |")
+    if len(seeds) > 1:  # one seed has no spread to show
+        lines.append("| " + " | ".join(cells) + " |")
     for s, row in rows.items():
         if "actions" in row:
             net = row["actions"]["net_exact_by_gold_type"]

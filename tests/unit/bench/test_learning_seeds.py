@@ -93,7 +93,7 @@ def test_the_table_pairs_each_seed_and_spreads_the_gains(
     assert gains["type_accuracy"]["mean"] == pytest.approx(0.0)
     assert gains["macro_f1"]["min"] == pytest.approx(-10.0)
     table = (out / "table.md").read_text()
-    assert "| 0 | 10 min | 25.0 -> 75.0 (+50.0 ± 28.9 pts)" in table
+    assert "| 0 | 10 min | 25.0 -> 75.0 (+50.0 ± 28.9 pts, 3.00x)" in table
     assert "| mean of 2 |  | RL - SFT +25.0 pts (sd 35.4, +0.0 to +50.0)" in table
     assert table.strip() in capsys.readouterr().out
 
@@ -144,6 +144,7 @@ def test_each_seed_says_what_rl_changed_per_action_and_where_the_shopper_leaves(
     assert actions["where_the_shopper_leaves"]["SFT"] == {"terminate": len(leaving)}
     table = (tmp_path / "seeds" / "table.md").read_text()
     assert f"it clicks on {len(leaving)} (SFT 0)" in table
+    assert "mean of" not in table  # one seed: no spread to show
 
 
 def test_a_finished_run_keeps_what_it_shows_beside_its_console(tmp_path: Path) -> None:
