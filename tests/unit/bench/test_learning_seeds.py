@@ -163,14 +163,25 @@ def test_a_finished_run_keeps_what_it_shows_beside_its_console(tmp_path: Path) -
 def test_a_stopped_bench_interrupts_the_whole_run(tmp_path: Path) -> None:
     """Stopping the bench (here: an exception raised in its wait, as SIGTERM does) sends
     SIGINT to the run's whole process group, so the launcher under ``make`` stops its run
-    as on Ctrl-C. The run below says when its trap is set; nothing waits on a timer."""
+    as on Ctrl-C. The grandchild stands in for the launcher: a Python process that sets its
+    SIGINT handler itself, as launch.run_all does (a pytest-xdist worker starts its children
+    with SIGINT ignored), then says it is ready; nothing waits on a timer."""
     import os
     import signal
+    import sys
     import threading
 
     ready, got = tmp_path / "ready", tmp_path / "got"
-    script = f"trap 'echo int > {got}; exit 130' INT; touch {ready}; sleep 600"
-    argv = ["bash", "-c", f"bash -c {shlex.quote(script)}"]  # the trap is in a grandchild
+    code = (
+        "import pathlib, signal, sys\n"
+        "def stop(*_):\n"
+        f"    pathlib.Path({str(got)!r}).write_text('int\\n'); sys.exit(130)\n"
+        "signal.signal(signal.SIGINT, stop)\n"
+        f"pathlib.Path({str(ready)!r}).touch()\n"
+        "while True: signal.pause()\n"
+    )
+    inner = shlex.join([sys.executable, "-c", code])
+    argv = ["bash", "-c", f"bash -c {shlex.quote(inner)}; true"]  # a grandchild, as under make
 
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
