@@ -143,10 +143,21 @@ def finish_evaluation(proc: ManagedProcess, dtype: str | None = None) -> dict:
     resumed run and bench.learning.checkpoints pair only evaluations served alike."""
     label = proc.name.removeprefix("eval_")
     finish_step(proc, f"evaluate {label.upper()}", eval_source(proc.log_path))
-    path = proc.log_path.parent / proc.name / "metrics.json"
+    return record_server_dtype(proc.log_path.parent / proc.name / "metrics.json", dtype)
+
+
+def record_server_dtype(path: Path, dtype: str | None) -> dict:
+    """An evaluation's ``metrics.json`` (``path``) with its server's dtype added as
+    ``server_dtype`` (None: :data:`RUN_DTYPE`), written back; the metrics."""
     metrics = json.loads(path.read_text()) | {"server_dtype": dtype or RUN_DTYPE}
     path.write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
+
+
+def served_as(metrics: dict) -> tuple[str, str]:
+    """(split, server dtype) of an evaluation's metrics: what it must share with another to
+    pair with it (evaluations from before ``server_dtype``: the run's servers')."""
+    return metrics.get("split", "test"), metrics.get("server_dtype", RUN_DTYPE)
 
 
 def pages_table(run_dir: Path, samples: int, env_cfg: EnvConfig, split: str = "test") -> str:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from launch.configs import preset_model, write_service_config
+from launch.evaluation import served_as
 from launch.follow import sft_source
 from launch.run_config import RunConfig
 from launch.run_plan import RUN_DTYPE, eval_dtype
@@ -50,9 +51,7 @@ def reused_sft_eval(cfg: RunConfig, run_dir: Path, dtype: str | None) -> Path | 
     done = run_dir / "eval_sft" / "metrics.json"
     if not (cfg.launch.eval_samples and cfg.launch.resume and done.exists()):
         return None
-    metrics = json.loads(done.read_text())
-    served = metrics.get("server_dtype", RUN_DTYPE)  # runs before the key: the run's
-    same = metrics.get("split", "test") == cfg.launch.eval_split and served == (dtype or RUN_DTYPE)
+    same = served_as(json.loads(done.read_text())) == (cfg.launch.eval_split, dtype or RUN_DTYPE)
     return done if same else None  # else it runs again
 
 

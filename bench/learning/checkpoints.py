@@ -87,7 +87,7 @@ def table(rows: list[dict[str, Any]], split: str, n: int) -> str:
 def evaluate_checkpoint(run_dir: Path, step: int, split: str, n: int, dtype: str) -> dict[str, Any]:
     """``step``'s checkpoint on a server of its own with every core, in the SFT evaluation's
     dtype (``dtype``: its ``server_dtype``): its metrics, which name that dtype too."""
-    from launch.evaluation import evaluation_argv
+    from launch.evaluation import evaluation_argv, record_server_dtype
     from launch.run_plan import RUN_DTYPE
     from launch.threads import available_cores, light_env, plan_threads
     from launch.vllm_server import server_env, start_bridge_server
@@ -111,18 +111,15 @@ def evaluate_checkpoint(run_dir: Path, step: int, split: str, n: int, dtype: str
             )
     finally:
         server.stop()
-    path = run_dir / f"eval_{label}" / "metrics.json"
-    metrics = json.loads(path.read_text()) | {"server_dtype": dtype}
-    path.write_text(json.dumps(metrics, indent=2) + "\n")
-    return metrics
+    return record_server_dtype(run_dir / f"eval_{label}" / "metrics.json", dtype)
 
 
 def _served(metrics: dict[str, Any]) -> tuple[str, int, str]:
     """What an evaluation must share with the SFT one to pair with it: split, rows, dtype."""
-    from launch.run_plan import RUN_DTYPE
+    from launch.evaluation import served_as
 
-    split = metrics.get("split", "test")
-    return split, int(metrics["n"]), metrics.get("server_dtype", RUN_DTYPE)
+    split, dtype = served_as(metrics)
+    return split, int(metrics["n"]), dtype
 
 
 def _env_value(env_file: Path, key: str) -> Any:
