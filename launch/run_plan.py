@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import secrets
 import shlex
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 from api.config import TOKEN_ENV as API_TOKEN_ENV
 from api.config import ApiConfig
+from launch.lifeline import die_with_parent
 from launch.placement import Placement, PlacementError, plan_placement, visible_gpus
 from launch.run_config import RunConfig
 from launch.supervisor import PY, ServiceFailed
@@ -145,12 +147,24 @@ def eval_dtype(cfg: RunConfig, device: str) -> str | None:
         return choice
     if device != "cpu" or lora:
         return None
-    import torch
+    precision = cfg.trainer.grpo.precision
+    if precision == "auto":
+        precision = cpu_precision()
+    return "bfloat16" if precision == "bf16" else None
 
-    from trainer.precision import choose_precision
 
-    dtype, _ = choose_precision(cfg.trainer.grpo.precision, torch.device("cpu"))
-    return "bfloat16" if dtype == torch.bfloat16 else None
+def cpu_precision() -> str:
+    """What ``--precision auto`` resolves to on this CPU (``bf16``/``fp32``), learnt in a
+    child process (``python -m trainer.precision``, ~2 s) so that the launcher never imports
+    torch."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = [PY, "-m", "trainer.precision", "--precision", "auto", "--device", "cpu"]
+    out = subprocess.run(
+        argv, env=env, capture_output=True, text=True, timeout=300, preexec_fn=die_with_parent()
+    )
+    if out.returncode != 0:
+        raise ServiceFailed(f"{shlex.join(argv)} exited {out.returncode}:\n{out.stderr[-2000:]}")
+    return out.stdout.split()[0]
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ asked. The choice and its reason are logged (trainer.model.load_model).
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -107,3 +108,24 @@ def choose_precision(
         return torch.float32, f"auto: fp32 on {device.type}"
     native, why = cpu_native_bf16(source)
     return (torch.bfloat16 if native else torch.float32), f"auto: {why}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print what ``--precision`` resolves to here (``bf16`` or ``fp32``), then why. The
+    launcher asks this in a child process, so it never imports torch itself."""
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.precision",
+        description="The compute dtype --precision resolves to on this machine: prints bf16 "
+        "or fp32 on the first line, the reason on the second.",
+    )
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    args = parser.parse_args(argv)
+    dtype, why = choose_precision(args.precision, torch.device(args.device))
+    print("bf16" if dtype == torch.bfloat16 else "fp32")
+    print(why)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -74,13 +74,18 @@ def test_the_real_source_agrees_with_the_cpu_flags() -> None:
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="oneDNN x86 ISA knob")
-def test_emulated_bf16_resolves_to_fp32_on_any_x86_cpu() -> None:
+def test_emulated_bf16_resolves_to_fp32_on_any_x86_cpu(tmp_path: Path) -> None:
     """ONEDNN_MAX_CPU_ISA=AVX2 makes bf16 matmuls emulated, as on issue 21's AVX2-only CPU:
     auto must pick fp32 whether this CPU has the bf16 flags (caught by the measurement) or
-    not (caught by the flags)."""
+    not (caught by the flags). Asked as the launcher asks it for ``--eval-dtype auto``
+    (``python -m trainer.precision`` in a child), so the launcher itself never imports torch
+    and keeps the run's dtype for the evaluations."""
     code = (
-        "import torch; from trainer.precision import choose_precision; "
-        "d, why = choose_precision('auto', torch.device('cpu')); print(d, '|', why)"
+        "import sys; from pathlib import Path; from launch.configs import resolve_for_run; "
+        "from launch.run_plan import eval_dtype; "
+        "cfg = resolve_for_run(['--eval-server', 'own'], 'http://127.0.0.1:1', "
+        f"['http://127.0.0.1:2'], Path({str(tmp_path)!r})); "
+        "print(eval_dtype(cfg, 'cpu'), 'torch' in sys.modules)"
     )
     env = {
         **os.environ,
@@ -88,15 +93,12 @@ def test_emulated_bf16_resolves_to_fp32_on_any_x86_cpu() -> None:
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": str(Path(__file__).parent.resolve().parents[2]),
     }
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    ).stdout
-    assert out.startswith("torch.float32 |"), out
+    run = {"env": env, "capture_output": True, "text": True, "timeout": 300, "check": True}
+    out = subprocess.run([sys.executable, "-c", code], **run).stdout
+    assert out.split() == ["None", "False"], out
+    argv = [sys.executable, "-m", "trainer.precision", "--precision", "auto"]
+    dtype, why = subprocess.run(argv, **run).stdout.splitlines()
+    assert dtype == "fp32" and why.startswith("auto: "), why
 
 
 def test_the_cpu_preset_trains_with_auto(caplog: pytest.LogCaptureFixture) -> None:
