@@ -20,7 +20,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from launch.cost_probe import Estimate, PhaseShape
+from launch.cost_estimate import Estimate, PhaseShape
 
 Rows = list[tuple[list[int], list[int]]]
 """Sequences of one pass with their loss masks (1 = a target token)."""

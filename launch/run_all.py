@@ -31,7 +31,8 @@ from api.config import TOKEN_ENV as API_TOKEN_ENV
 from api.config import check_exposure
 from launch import progress, verifiers_env
 from launch.configs import launcher_config, resolve_for_run, write_service_configs
-from launch.cost_probe import CostProbe, LongRun
+from launch.cost_estimate import LongRun
+from launch.cost_probe import CostProbe
 from launch.eval_table import eval_table
 from launch.evaluation import (
     evaluate,

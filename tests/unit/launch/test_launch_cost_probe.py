@@ -8,20 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from launch import cost_probe
-from launch.cost_measure import measure_step, sft_examples
-from launch.cost_probe import (
-    CostProbe,
+from launch import cost_estimate, cost_probe
+from launch.cost_estimate import (
     Estimate,
     LongRun,
     PhaseShape,
     grpo_shape,
     long_run_lines,
-    measure_in_child,
     phase_line,
     sft_shape,
     tiny_command,
 )
+from launch.cost_measure import measure_step, sft_examples
+from launch.cost_probe import CostProbe, measure_in_child
 from launch.run_config import resolve_run
 from trainer.config import GrpoConfig, SftConfig
 
@@ -64,7 +63,7 @@ def test_grpo_probe_packs_a_group_and_counts_its_extra_forwards(tiny_model_dir: 
 def test_a_large_micro_batch_is_probed_with_fewer_rows_and_scaled() -> None:
     sft = SftConfig(batch_size=16, micro_batch_size=16, max_seq_len=2048)
     shape = sft_shape(sft, 100)
-    assert shape.rows == cost_probe.MAX_PROBE_TOKENS // 2048
+    assert shape.rows == cost_estimate.MAX_PROBE_TOKENS // 2048
     assert shape.rows * shape.scale == 16
     assert f"scaled x{16 // shape.rows}" in shape.describe()
 
@@ -225,7 +224,7 @@ def test_the_launcher_runs_the_tiny_preset_in_the_same_run_dir(
     def launch(cfg, plan, stack, argv):
         runs.append((cfg.preset, plan.run_dir))
         if cfg.preset == "cpu-smol":
-            raise LongRun(cost_probe.tiny_argv(argv))
+            raise LongRun(cost_estimate.tiny_argv(argv))
         return 0
 
     monkeypatch.setattr(run_all, "launch", launch)
@@ -246,7 +245,7 @@ def test_the_evaluations_are_estimated_at_the_sft_steps_flop_rate() -> None:
     sft = Estimate(PhaseShape("SFT", 30, 0, 1024, 8, 1), 30.0, "bf16")
     params = 135_000_000
     rate = 6.0 * params * 8 * 1024 / 30.0
-    est = cost_probe.evaluation_estimate(sft, params, 512, 1024)
+    est = cost_estimate.evaluation_estimate(sft, params, 512, 1024)
     assert est.step_s == pytest.approx(2.0 * params * 512 * 1024 / rate)  # 640 s
     assert est.total_s == pytest.approx(2 * est.step_s)
     line = phase_line(est, "AMD EPYC, bf16, native bf16")
