@@ -6,6 +6,12 @@
 # `-m gpu` without CUDA); that is not a failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# Python writes its bytecode caches (__pycache__, git-ignored) during the suite even where the
+# environment says not to (PYTHONDONTWRITEBYTECODE=1, as some CI sandboxes set): otherwise
+# every process that imports the test venvs' packages (verifiers, atroposlib, verifiers'
+# episode programs) or this repository compiles them from source again, each time
+# (docs/TESTING.md, "Bytecode").
+unset PYTHONDONTWRITEBYTECODE
 PY=${PY:-.venv/bin/python}
 WORKERS=${PYTEST_WORKERS:-2}
 XDIST=()
