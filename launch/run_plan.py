@@ -167,6 +167,27 @@ def cpu_precision() -> str:
     return out.stdout.split()[0]
 
 
+def packing_note(cfg: RunConfig) -> str | None:
+    """Where a Shop-R1 GRPO group (its prompt budget + ``group_size`` completions) does not
+    fit ``trainer.grpo.micro_batch_tokens`` with ``packing: prefix_tree``: the trainer then
+    cuts the group's tree, and every part computes the prompt again (down to one sequence a
+    part; docs/results/session_episodes.md). A note saying so, else None."""
+    env, grpo = cfg.env, cfg.trainer.grpo
+    group = env.max_prompt_tokens + env.group_size * env.max_tokens
+    if (
+        not cfg.launch.shop_r1_env
+        or grpo.packing != "prefix_tree"
+        or group <= grpo.micro_batch_tokens
+    ):
+        return None
+    return (
+        f"a GRPO group can hold {group} tokens (a {env.max_prompt_tokens}-token prompt + "
+        f"{env.group_size} x {env.max_tokens}) but trainer.grpo.micro_batch_tokens is "
+        f"{grpo.micro_batch_tokens}: such a group is cut into micro-batches that each compute "
+        f"its prompt again; --trainer.grpo.micro-batch-tokens {group} or more keeps it whole"
+    )
+
+
 @dataclass(frozen=True)
 class RunPlan:
     """The launcher's decisions for one run (:func:`plan_run`)."""

@@ -349,3 +349,23 @@ def test_both_evaluations_serve_in_the_dtype_the_trainer_computed_in(tmp_path: P
     lora = _run(["--weight-bridge-mode", "lora_only", "--eval-dtype", "bfloat16"], tmp_path)
     with pytest.raises(ValueError, match="LoRA run"):
         eval_dtype(lora, "cpu")
+
+
+def test_a_group_over_the_micro_batch_budget_is_named_before_the_run(tmp_path: Path) -> None:
+    """Whole sessions as GRPO prompts (3,968 tokens) at cpu-smol's ``micro_batch_tokens``
+    3072: the launcher says the group's prompt will be computed again per part, and what
+    budget keeps a group whole; the presets as they are, a budget that fits and the padded
+    path (which never shares a prompt) get no note."""
+    from launch.run_plan import packing_note
+
+    session = ["--preset", "cpu-smol", "--episode", "session", "--env.max-prompt-tokens", "3968"]
+    note = packing_note(_run(session, tmp_path))
+    assert note is not None and "a GRPO group can hold 4992 tokens" in note, note
+    assert "micro_batch_tokens is 3072" in note and "--trainer.grpo.micro-batch-tokens 4992" in note
+    for flags in (
+        ["--preset", "cpu-smol"],
+        ["--preset", "cpu-tiny"],
+        [*session, "--trainer.grpo.micro-batch-tokens", "8192"],
+        [*session, "--trainer.grpo.packing", "padded"],
+    ):
+        assert packing_note(_run(flags, tmp_path)) is None, flags
