@@ -99,12 +99,14 @@ def sft_examples(sft: Any, model_dir: str | Path, n: int) -> Rows | None:
     if not (Path(sft.data_dir) / "train.jsonl").exists():
         return None
     from trainer.model import load_tokenizer
-    from trainer.sft_data import LazySplit, epoch_order, load_or_build_dataset
+    from trainer.sft_data import LazySplit, load_or_build_dataset
 
     data = load_or_build_dataset(sft.data_dir, sft.num_sessions)
     tok = load_tokenizer(str(model_dir))
-    split = LazySplit(data["train"], tok, sft.max_seq_len, sft.latest_only, sft.episode)
-    order = epoch_order(len(split), sft.seed, 0)
+    split = LazySplit(
+        data["train"], tok, sft.max_seq_len, sft.latest_only, sft.episode, sft.stratify
+    )
+    order = split.order(sft.seed, 0)
     found = split.take(order[: 4 * n])[:n]
     return [(e.tokens, e.loss_mask) for e in found] or None
 

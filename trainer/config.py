@@ -198,6 +198,11 @@ class SftConfig(CommonConfig):
     as one conversation, one sequence per window of it with every assistant turn a target
     (env_server/sessions.py). A batch then holds whole sessions: at least ``batch_size``
     sequences. Train the env's rollouts (``env.episode``) in the same form."""
+    stratify: Literal["none", "action_type"] = "none"
+    """``none``: each epoch's rows shuffled; ``action_type``: shuffled within each gold action
+    type (click / type_and_submit / terminate) and dealt so that every batch holds the
+    types in the training split's proportions, whichever rows a seed draws (a short SFT's
+    type mix otherwise follows its sample's; docs/results/sft_stratify.md). Steps only."""
     eval_every: int = 150
     """Measure validation loss every this many steps (and at the end): 3 times in the default
     450 steps (each reads the model and never changes it; ~2.5 s apiece on the tiny model)."""
@@ -217,6 +222,11 @@ class SftConfig(CommonConfig):
     def _check_batch(self) -> SftConfig:
         if self.batch_size % self.micro_batch_size:
             raise ValueError("batch_size must be a multiple of micro_batch_size")
+        if self.stratify != "none" and self.episode == "session":
+            raise ValueError(
+                "stratify: action_type balances steps; a session holds steps of every type, "
+                "so it does not apply to episode: session"
+            )
         if self.max_eval_samples is not None:
             self.eval_examples = min(self.eval_examples, self.max_eval_samples)
             self.eval_generate = min(self.eval_generate, self.max_eval_samples)

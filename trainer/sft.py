@@ -25,7 +25,6 @@ from trainer.run import Run, release_freed_memory, start_run
 from trainer.sft_data import (
     LazySplit,
     SftExample,
-    epoch_order,
     load_or_build_dataset,
 )
 
@@ -44,7 +43,8 @@ def train(cfg: SftConfig) -> Run:
         latest_only=cfg.latest_only,
         episode=cfg.episode,
     )
-    train_set, val_set = split(data["train"]), split(data["validation"])
+    train_set = split(data["train"], stratify=cfg.stratify)
+    val_set = split(data["validation"])
     held_out = val_set.first(cfg.eval_examples)
     log.info("SFT: %d train / %d validation rows", len(train_set), len(val_set))
     bar = tqdm(
@@ -101,7 +101,7 @@ def _next_batch(rows: LazySplit, cfg: SftConfig, state) -> list[SftExample]:
     """The next ``batch_size`` examples of the shuffled rows (a row that does not fit is
     skipped); the cursor (epoch, index) lives in the checkpoint."""
     batch: list[SftExample] = []
-    order = epoch_order(len(rows), cfg.seed, state.data_epoch)
+    order = rows.order(cfg.seed, state.data_epoch)
     drawn = 0
     while len(batch) < cfg.batch_size:
         if drawn > len(rows):
@@ -110,7 +110,7 @@ def _next_batch(rows: LazySplit, cfg: SftConfig, state) -> list[SftExample]:
         while len(want) < cfg.batch_size - len(batch):
             if state.data_index >= len(order):
                 state.data_epoch, state.data_index = state.data_epoch + 1, 0
-                order = epoch_order(len(rows), cfg.seed, state.data_epoch)
+                order = rows.order(cfg.seed, state.data_epoch)
             want.append(order[state.data_index])
             state.data_index += 1
         drawn += len(want)

@@ -142,14 +142,29 @@ class LazySplit:
     encoded by :func:`encode_session` into one example per window."""
 
     def __init__(
-        self, rows: Any, tokenizer: Any, max_seq_len: int, latest_only: bool, episode: str = "step"
+        self,
+        rows: Any,
+        tokenizer: Any,
+        max_seq_len: int,
+        latest_only: bool,
+        episode: str = "step",
+        stratify: str = "none",
     ) -> None:
         self.rows, self.max_seq_len, self.episode = rows, max_seq_len, episode
+        self.stratify = stratify
+        self._labels: list[str] | None = None
         self.units: list[list[int]] | None = None
+        if stratify not in ("none", "action_type"):
+            raise ValueError(f"stratify: {stratify!r} is not 'none' or 'action_type'")
         if episode == "session":
             if latest_only:
                 raise ValueError(
                     "latest_only shows one page; it does not apply to episode: session"
+                )
+            if stratify != "none":
+                raise ValueError(
+                    "stratify: action_type balances steps; a session holds steps of every "
+                    "type, so it does not apply to episode: session"
                 )
             ids = (
                 rows["session_id"]
@@ -192,6 +207,21 @@ class LazySplit:
             self._done[i] = ex
         return [ex for i in indices for ex in self._done[i] or []]
 
+    def order(self, seed: int, epoch: int) -> list[int]:
+        """The rows (sessions) of an epoch in the order a run draws them: shuffled
+        (:func:`epoch_order`), or with ``stratify: action_type`` shuffled within each action
+        type and interleaved so that every batch holds the types in the split's proportions
+        (:func:`stratified_order`). A pure function of (seed, epoch) either way."""
+        if self.stratify == "none":
+            return epoch_order(len(self), seed, epoch)
+        if self._labels is None:
+            rows = self.rows
+            actions = (
+                rows["action"] if hasattr(rows, "column_names") else [r["action"] for r in rows]
+            )
+            self._labels = [json.loads(a)["type"] for a in actions]
+        return stratified_order(self._labels, seed, epoch)
+
     def first(self, n: int) -> list[SftExample]:
         """The first ``n`` examples that fit (held-out losses read these)."""
         out: list[SftExample] = []
@@ -213,3 +243,24 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
     run sees exactly the order the uninterrupted run would have."""
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
     return torch.randperm(n, generator=g).tolist()
+
+
+def stratified_order(labels: list[str], seed: int, epoch: int) -> list[int]:
+    """Indices ``0..len(labels)-1`` shuffled as :func:`epoch_order` shuffles them, then dealt
+    so that every prefix holds each label in its share of the whole, to within one: at each
+    position the label furthest behind its share comes next (ties: the label first in sorted
+    order), with that label's indices in shuffled order. A batch of the order then has the
+    split's mix of labels, whichever rows the seed draws."""
+    queues: dict[str, list[int]] = {}
+    for i in epoch_order(len(labels), seed, epoch):
+        queues.setdefault(labels[i], []).append(i)
+    names = sorted(queues)
+    share = {k: len(queues[k]) / len(labels) for k in names}
+    taken = dict.fromkeys(names, 0)
+    out: list[int] = []
+    for pos in range(1, len(labels) + 1):
+        left = [k for k in names if taken[k] < len(queues[k])]
+        k = max(left, key=lambda k: (pos * share[k] - taken[k], -names.index(k)))
+        out.append(queues[k][taken[k]])
+        taken[k] += 1
+    return out

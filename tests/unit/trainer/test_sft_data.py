@@ -5,6 +5,7 @@ encoded first when every row fits, and a row that does not fit is skipped where 
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -15,7 +16,13 @@ from transformers import AutoTokenizer
 from env_server.data.dataset import build_dataset
 from trainer.config import SftConfig
 from trainer.sft import _next_batch
-from trainer.sft_data import LazySplit, encode_example, encode_split, epoch_order
+from trainer.sft_data import (
+    LazySplit,
+    encode_example,
+    encode_split,
+    epoch_order,
+    stratified_order,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -113,3 +120,35 @@ def test_no_row_fits_is_an_error(tiny_model_dir: Path) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     with pytest.raises(ValueError, match="no example fits max_seq_len=20"):
         _batches(LazySplit(rows, tok, 20, latest_only=False), 1, 4)
+
+
+def test_stratified_order_deals_every_batch_the_splits_type_mix() -> None:
+    labels = ["click"] * 40 + ["type_and_submit"] * 32 + ["terminate"] * 24  # 5 : 4 : 3
+    orders = {seed: stratified_order(labels, seed, 0) for seed in (0, 1)}
+    for order in orders.values():
+        assert sorted(order) == list(range(len(labels)))  # a permutation of the rows
+        for end in range(1, len(labels) + 1):  # every prefix within one of each type's share
+            for kind, share in (
+                ("click", 5 / 12),
+                ("type_and_submit", 4 / 12),
+                ("terminate", 3 / 12),
+            ):
+                assert abs(sum(labels[i] == kind for i in order[:end]) - end * share) < 1
+        assert [labels[i] for i in order[:12]].count("terminate") == 3
+    assert orders[0] != orders[1]  # the seed still draws which rows
+    assert stratified_order(labels, 0, 0) == orders[0]  # and is all it depends on
+    assert stratified_order(labels, 0, 1) != orders[0]
+
+
+def test_lazy_split_stratifies_by_the_gold_action_type(tiny_model_dir: Path) -> None:
+    rows = build_dataset(num_sessions=30, seed=0)["train"].to_list()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    types = [json.loads(r["action"])["type"] for r in rows]
+    split = LazySplit(rows, tok, 1024, latest_only=False, stratify="action_type")
+    assert split.order(3, 0) == stratified_order(types, 3, 0)
+    plain = LazySplit(rows, tok, 1024, latest_only=False)
+    assert plain.order(3, 0) == epoch_order(len(rows), 3, 0)
+    with pytest.raises(ValueError, match="does not apply to episode: session"):
+        LazySplit(rows, tok, 1024, latest_only=False, episode="session", stratify="action_type")
+    with pytest.raises(ValueError, match="does not apply to episode: session"):
+        SftConfig(episode="session", stratify="action_type")
