@@ -15,6 +15,12 @@ and ``<out>/result.json`` + the table (``--report`` rebuilds both from the files
 seed SFT, RL and RL - SFT (paired on the same rows, with its SE), then the mean over the
 seeds, their standard deviation and the range. Extra launcher options after ``--``.
 
+``--sft-from DIR`` (``{seed}`` in it is the seed) reuses an SFT model trained before with the
+run's SFT settings and that seed (e.g. by a study on the validation split): it is copied in as
+the seed's SFT model, so ``make run`` skips its SFT. After the run its settings are compared
+with the run's own SFT config (any difference but paths is an error), and the table's time
+adds that SFT's training time (its ``metrics.jsonl``) and says so.
+
   flock /tmp/heavy.lock .venv/bin/python -m bench.learning.seeds --out runs/seeds --seeds 0 1 2
   python -m bench.learning.seeds --out docs/results/make_run_seeds --report
 """
@@ -75,6 +81,38 @@ def seed_artifacts(src: Path, dst: Path) -> None:
             shutil.copytree(src / rel, dst / rel)
 
 
+SFT_PATH_KEYS = {"model_name", "save_path", "data_dir", "resume", "overwrite"}
+"""Trainer settings that name where things are, not what is trained."""
+
+
+def reuse_sft(src: Path, artifacts: Path) -> dict[str, Any]:
+    """Copy the SFT model at ``src`` (its final model, not its checkpoints) in as
+    ``artifacts``' SFT model; what the seed's ``times.json`` records of it."""
+    if not (src / "model.safetensors").exists():
+        raise SystemExit(f"--sft-from: no SFT model at {src}")
+    dst = artifacts / paths.SMOL_SFT_MODEL_DIR.relative_to(paths.ARTIFACTS)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("checkpoints"), dirs_exist_ok=True)
+    steps = [json.loads(line) for line in (src / "metrics.jsonl").read_text().splitlines()]
+    train_s = steps[-1]["time"] - steps[0]["time"] + steps[0]["step_s"]
+    return {"from": str(src), "train_s": round(train_s, 1), "steps": len(steps)}
+
+
+def check_reused_sft(src: Path, run_dir: Path) -> None:
+    """The reused SFT model was trained with the run's SFT settings (paths aside)."""
+    import yaml
+
+    ran = yaml.safe_load((run_dir / "config" / "trainer_sft.yaml").read_text())["trainer"]["sft"]
+    had = json.loads((src / "trainer_config.json").read_text())
+    differ = sorted(
+        k for k in (ran.keys() | had.keys()) - SFT_PATH_KEYS if ran.get(k) != had.get(k)
+    )
+    if differ:
+        raise SystemExit(
+            f"--sft-from {src}: trained with other SFT settings than the run's: "
+            + ", ".join(f"{k} {had.get(k)!r} (run: {ran.get(k)!r})" for k in differ)
+        )
+
+
 def keep(out: Path) -> None:
     """Copy what a finished run shows (evaluations, configs, metrics, eval.md) beside its
     console."""
@@ -118,6 +156,9 @@ def run_seed(args: argparse.Namespace, seed: int) -> None:
         shutil.rmtree(run_dir)
     artifacts.mkdir(parents=True, exist_ok=True)
     seed_artifacts(args.from_artifacts, artifacts)
+    reused = None
+    if args.sft_from:
+        reused = reuse_sft(Path(args.sft_from.format(seed=seed)), artifacts)
     env = {**os.environ, "SHOP_R1_ARTIFACTS": str(artifacts)}
     run_args = ["--seed", str(seed), "--run-dir", str(run_dir), *args.launcher_args]
     argv = ["make", "-s", "-C", str(REPO), "run", f"RUN_ARGS={shlex.join(run_args)}"]
@@ -129,9 +170,13 @@ def run_seed(args: argparse.Namespace, seed: int) -> None:
     text = (out / "console.log").read_text(errors="replace")
     times = {"wall_s": round(wall, 1), "phases_s": phase_times(text), "exit": rc}
     times["machine"] = machine()
+    if reused:
+        times["sft_reused"] = reused
     (out / "times.json").write_text(json.dumps(times, indent=2) + "\n")
     if rc != 0:
         raise SystemExit(f"seed {seed}: make run exited {rc}; see {out}/console.log")
+    if reused:
+        check_reused_sft(Path(reused["from"]), run_dir)
     keep(out)
     if not args.keep_artifacts:
         shutil.rmtree(artifacts)
@@ -212,8 +257,12 @@ def report(args: argparse.Namespace) -> int:
     lines = [f"| seed | time | {head} |"]
     lines.append("|---" * (2 + len(metrics)) + "|")
     for s, row in rows.items():
-        wall = row["times"].get("wall_s")
-        cells = [str(s), f"{wall / 60:.0f} min" if wall else "?"]
+        wall, reused = row["times"].get("wall_s"), row["times"].get("sft_reused")
+        when = f"{wall / 60:.0f} min" if wall else "?"
+        if wall and reused:
+            total = (wall + reused["train_s"]) / 60
+            when = f"{total:.0f} min (SFT reused: {reused['train_s'] / 60:.0f} min of it)"
+        cells = [str(s), when]
         for key, _, unit in metrics:
             r = row[key]
             se = f" ± {r['se']:.1f}" if "se" in r else ""
@@ -266,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         help="where the base model and the dataset are copied from (default: this checkout's)",
     )
     p.add_argument("--keep-artifacts", action="store_true", help="keep each seed's SFT model")
+    p.add_argument(
+        "--sft-from",
+        help="reuse the SFT model trained before with this seed, e.g. runs/val/sft{seed}",
+    )
     p.add_argument("--report", action="store_true", help="the table of the finished seeds")
     p.add_argument("launcher_args", nargs="*", help="after --: more launch/run_all.sh options")
     args = p.parse_args(argv)

@@ -199,3 +199,33 @@ def test_a_stopped_bench_interrupts_the_whole_run(tmp_path: Path) -> None:
     finally:
         signal.signal(signal.SIGUSR1, old)
     assert got.read_text() == "int\n"
+
+
+def test_a_reused_sft_model_is_copied_in_timed_and_checked_against_the_run(
+    tmp_path: Path,
+) -> None:
+    src, artifacts, run_dir = tmp_path / "val" / "sft1", tmp_path / "art", tmp_path / "run"
+    (src / "checkpoints" / "step_000030").mkdir(parents=True)
+    (src / "model.safetensors").write_text("weights")
+    steps = [
+        {"step": 1, "time": 1000.0, "step_s": 30.0},
+        {"step": 2, "time": 1025.5, "step_s": 25.5},
+    ]
+    (src / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    settings = {"seed": 1, "stratify": "action_type", "lr": 1e-4, "save_path": str(src)}
+    (src / "trainer_config.json").write_text(json.dumps(settings))
+    got = seeds.reuse_sft(src, artifacts)
+    assert got == {"from": str(src), "train_s": 55.5, "steps": 2}
+    sft = artifacts / paths.SMOL_SFT_MODEL_DIR.relative_to(paths.ARTIFACTS)
+    assert (sft / "model.safetensors").read_text() == "weights"
+    assert not (sft / "checkpoints").exists()
+    (run_dir / "config").mkdir(parents=True)
+    ran = dict(settings, save_path=str(sft))  # paths differ: that is fine
+    (run_dir / "config" / "trainer_sft.yaml").write_text(json.dumps({"trainer": {"sft": ran}}))
+    seeds.check_reused_sft(src, run_dir)
+    ran["stratify"] = "none"
+    (run_dir / "config" / "trainer_sft.yaml").write_text(json.dumps({"trainer": {"sft": ran}}))
+    with pytest.raises(SystemExit, match="stratify 'action_type' \\(run: 'none'\\)"):
+        seeds.check_reused_sft(src, run_dir)
+    with pytest.raises(SystemExit, match="no SFT model at"):
+        seeds.reuse_sft(tmp_path / "missing", artifacts)
