@@ -44,11 +44,16 @@ def sft_done(cfg: RunConfig) -> bool:
     return (Path(cfg.trainer.sft.save_path) / "model.safetensors").exists()
 
 
+def sft_eval_file(run_dir: Path) -> Path:
+    """Where a run's SFT evaluation writes its metrics."""
+    return run_dir / "eval_sft" / "metrics.json"
+
+
 def reused_sft_eval(cfg: RunConfig, run_dir: Path, dtype: str | None) -> Path | None:
     """The SFT evaluation a ``--resume`` reads back instead of running it again, if any: one
     of the same split, served in the same dtype (``dtype``: the run's ``eval_dtype``, None for
     the run's servers'), so that the RL evaluation pairs with it."""
-    done = run_dir / "eval_sft" / "metrics.json"
+    done = sft_eval_file(run_dir)
     if not (cfg.launch.eval_samples and cfg.launch.resume and done.exists()):
         return None
     same = served_as(json.loads(done.read_text())) == (cfg.launch.eval_split, dtype or RUN_DTYPE)
@@ -162,10 +167,15 @@ def resume_plan(cfg: RunConfig, run_dir: Path) -> str:
     elif not left:
         grpo += ": only its final weights are synced to vLLM again"
     parts.append(grpo)
-    dtype = eval_dtype(cfg, cfg.launch.trainer_device) if shop_r1 else None
-    if shop_r1 and cfg.launch.eval_samples and reused_sft_eval(cfg, run_dir, dtype):
+    evaluates = shop_r1 and cfg.launch.eval_samples
+    # the dtype (a child process on a CPU run with `auto`) only where there is one to compare
+    if evaluates and sft_eval_file(run_dir).exists():
+        read_back = reused_sft_eval(cfg, run_dir, eval_dtype(cfg, cfg.launch.trainer_device))
+    else:
+        read_back = None
+    if evaluates and read_back:
         parts.append("the SFT evaluation is read back, the RL evaluation runs")
-    elif shop_r1 and cfg.launch.eval_samples:
+    elif evaluates:
         parts.append("the SFT and RL evaluations run")
     if cfg.verifiers is not None and cfg.launch.verifiers_eval_env_args is not None:
         before = (run_dir / "eval_verifiers_before.jsonl").exists()

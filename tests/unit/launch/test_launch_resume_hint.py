@@ -163,10 +163,16 @@ def test_another_model_has_no_preparation(art: Path, tmp_path: Path) -> None:
     assert hint == "GRPO resumes from its step-2 checkpoint (1 step left)"
 
 
-def test_the_sft_evaluation_is_read_back(art: Path, tmp_path: Path) -> None:
+def test_the_sft_evaluation_is_read_back(
+    art: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _built(art)
     _sft_done(art)
     run_dir = tmp_path / "run"
+    auto = ["--eval-samples", "4", "--eval-server", "own", "--eval-dtype", "auto"]
+    with monkeypatch.context() as m:  # no SFT evaluation to compare: `auto` is not resolved
+        m.setattr("launch.prepare.eval_dtype", lambda *a: pytest.fail("dtype resolved"))
+        assert _hint(run_dir, *auto).endswith("; the SFT and RL evaluations run")
     assert _hint(run_dir, "--eval-samples", "4").endswith("; the SFT and RL evaluations run")
     (run_dir / "eval_sft").mkdir(parents=True)
     (run_dir / "eval_sft" / "metrics.json").write_text("{}")
