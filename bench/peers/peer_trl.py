@@ -78,7 +78,7 @@ def _plan(a: argparse.Namespace, work: Path, steps: int | None, save_every: int)
     from bench.peers.settings import resolve, run_all_argv
 
     argv = run_all_argv(
-        a.preset, work / "ours", steps, save_every, 10**6, a.model, a.keep_constant_groups
+        a.preset, work / "ours", steps, save_every, 10**6, a.model, a.keep_constant_groups, a.seed
     )
     return resolve(argv, save_every)
 
@@ -238,6 +238,13 @@ def main() -> None:
         "--keep-constant-groups",
         action="store_true",
         help="ours trains constant groups too (at advantage 0), as TRL does",
+    )
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="both sides' seed (default: the preset's): the row order, sampling and "
+        "training; one --work-dir and --out per seed",
     )
     ap.add_argument("--smoke", action="store_true", help="label the result a smoke test")
     a = ap.parse_args()

@@ -110,10 +110,12 @@ def run_all_argv(
     keep: int,
     model: str | None = None,
     keep_constant_groups: bool = False,
+    seed: int | None = None,
 ) -> list[str]:
     """``launch/run_all.sh`` arguments of our side: no SFT-vs-RL evaluation, a checkpoint
     every ``save_every`` steps, ``keep`` of them kept, self-certainty off (see NOT_MATCHED);
-    ``steps`` None: the preset's step count."""
+    ``steps`` None: the preset's step count; ``seed`` (None: the preset's) is every
+    service's seed, and TRL's side reads it from the same resolved settings."""
     trainer = f"--save-every {save_every} --keep-checkpoints {keep} --self-certainty-alpha 0"
     argv = [
         "--preset",
@@ -130,6 +132,8 @@ def run_all_argv(
         argv += ["--model", model]
     if keep_constant_groups:
         argv.append("--keep-constant-groups")
+    if seed is not None:
+        argv += ["--seed", str(seed)]
     return argv
 
 

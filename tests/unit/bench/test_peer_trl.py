@@ -169,6 +169,16 @@ def test_trl_vllm_colocate_adds_only_its_generation_keywords(tmp_path: Path) -> 
     assert "bf16" in colocate["generation"] and "colocate" in colocate["generation"]
 
 
+def test_a_seed_reaches_both_sides(tmp_path: Path) -> None:
+    default = resolve(run_all_argv("cpu-tiny", tmp_path / "ours", 2, 1, 9), 1)
+    plan = resolve(run_all_argv("cpu-tiny", tmp_path / "ours", 2, 1, 9, seed=7), 1)
+    assert default.grpo.seed != 7
+    assert plan.run_all_argv[-2:] == ["--seed", "7"]  # ours: every service's seed
+    assert plan.grpo.seed == 7 and plan.env.seed == 7  # the row order both sides walk
+    assert trl_args(plan, tmp_path / "trl", bf16=False)["seed"] == 7  # TRL's training
+    assert matched(plan)["seed"] == 7
+
+
 def test_requirements_are_checked_against_the_venv() -> None:
     meta = "\n".join(
         [
