@@ -21,7 +21,7 @@ from settings.ports import API_URL, HOST, VLLM_PORT
 from trainer import loss_config, weights_config
 from trainer.gail import GailConfig
 from trainer.loss_config import PolicyLoss, PpoLoss
-from trainer.weights_config import BroadcastWeights, WeightTransport
+from trainer.weights_config import BroadcastWeights, SyncDeadlines, WeightTransport
 from vllm_patching.protocol import BridgeMode
 
 
@@ -231,35 +231,6 @@ class SftConfig(CommonConfig):
             self.eval_examples = min(self.eval_examples, self.max_eval_samples)
             self.eval_generate = min(self.eval_generate, self.max_eval_samples)
         return self
-
-
-class SyncDeadlines(BaseModel):
-    """Seconds each phase of a weight sync may wait on an inference server before the sync
-    fails with an error naming the phase, the server and the deadline (docs/BRIDGE.md,
-    docs/FAULT_TOLERANCE.md). Flags: ``--sync-deadline.apply 60``."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
-
-    check: float = Field(30.0, gt=0)
-    """A server's /bridge/health or /bridge/info (its run_id and version)."""
-    connect: float = Field(120.0, gt=0)
-    """Setting the data plane up: /init_weight_transfer_engine and the gloo rendezvous."""
-    stage: float = Field(60.0, gt=0)
-    """/bridge/stage: the receivers on other hosts start listening (broadcast)."""
-    transfer: float = Field(300.0, gt=0)
-    """The gloo broadcast of the packed weights to receivers on other hosts."""
-    apply: float = Field(300.0, gt=0)
-    """Pause, load, set the version, resume: /bridge/apply, /bridge/reload, /bridge/lora/load."""
-    close: float = Field(30.0, gt=0)
-    """/shutdown_weight_transfer_engine when the trainer drops its data plane."""
-
-    def of(self, phase: str) -> float:
-        return float(getattr(self, phase))
-
-    def group_s(self) -> float:
-        """The gloo group's own timeout (trainer and workers): the longest of its waits, so
-        a call abandoned by the trainer, or left in a woken worker, ends by itself."""
-        return max(self.connect, self.transfer)
 
 
 class GrpoConfig(CommonConfig):

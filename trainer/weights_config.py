@@ -4,7 +4,8 @@ trainer/bridge/ holds one class per transport). Each member holds only its own f
 field of another transport (``reload_every`` with ``broadcast``) is refused when the file is
 read, naming the key. The old pair ``weight_bridge_mode`` (``shared_vllm``, ``lora_only``,
 ``none``) + ``single_copy`` still sets it, layer by layer (:func:`fold_old_keys`), as do
-``reload_every``/``vllm_restart_interval`` (:data:`OLD_KEYS`). Imports no torch."""
+``reload_every``/``vllm_restart_interval`` (:data:`OLD_KEYS`). :class:`SyncDeadlines`: how long
+each phase of a sync may wait, whatever the transport. Imports no torch."""
 
 from __future__ import annotations
 
@@ -207,3 +208,32 @@ def with_old_keys(data: Any) -> Any:
                 raise ValueError(f"{old} and {new} are one setting: give it once ({new})")
             weights[key] = data.pop(old)
     return {**data, "weights": weights}
+
+
+class SyncDeadlines(BaseModel):
+    """Seconds each phase of a weight sync may wait on an inference server before the sync
+    fails with an error naming the phase, the server and the deadline (docs/BRIDGE.md,
+    docs/FAULT_TOLERANCE.md). Flags: ``--sync-deadline.apply 60``."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    check: float = Field(30.0, gt=0)
+    """A server's /bridge/health or /bridge/info (its run_id and version)."""
+    connect: float = Field(120.0, gt=0)
+    """Setting the data plane up: /init_weight_transfer_engine and the gloo rendezvous."""
+    stage: float = Field(60.0, gt=0)
+    """/bridge/stage: the receivers on other hosts start listening (broadcast)."""
+    transfer: float = Field(300.0, gt=0)
+    """The gloo broadcast of the packed weights to receivers on other hosts."""
+    apply: float = Field(300.0, gt=0)
+    """Pause, load, set the version, resume: /bridge/apply, /bridge/reload, /bridge/lora/load."""
+    close: float = Field(30.0, gt=0)
+    """/shutdown_weight_transfer_engine when the trainer drops its data plane."""
+
+    def of(self, phase: str) -> float:
+        return float(getattr(self, phase))
+
+    def group_s(self) -> float:
+        """The gloo group's own timeout (trainer and workers): the longest of its waits, so
+        a call abandoned by the trainer, or left in a woken worker, ends by itself."""
+        return max(self.connect, self.transfer)

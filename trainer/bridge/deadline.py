@@ -31,8 +31,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from typing import TypeVar
 
-from trainer.config import SyncDeadlines
 from trainer.faults import fault_point
+from trainer.weights_config import SyncDeadlines
 
 T = TypeVar("T")
 

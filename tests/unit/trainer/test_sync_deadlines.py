@@ -17,7 +17,8 @@ import pytest
 
 from trainer.bridge.deadline import SyncTimeout, bounded
 from trainer.bridge.http import ServerClient
-from trainer.config import GrpoConfig, SyncDeadlines
+from trainer.config import GrpoConfig
+from trainer.weights_config import SyncDeadlines
 
 pytestmark = pytest.mark.unit
 
