@@ -153,6 +153,7 @@ class LazySplit:
         self.rows, self.max_seq_len, self.episode = rows, max_seq_len, episode
         self.stratify = stratify
         self._labels: list[str] | None = None
+        self._order: tuple[int, int, list[int]] | None = None  # (seed, epoch, order) last drawn
         self.units: list[list[int]] | None = None
         if stratify not in ("none", "action_type"):
             raise ValueError(f"stratify: {stratify!r} is not 'none' or 'action_type'")
@@ -211,16 +212,22 @@ class LazySplit:
         """The rows (sessions) of an epoch in the order a run draws them: shuffled
         (:func:`epoch_order`), or with ``stratify: action_type`` shuffled within each action
         type and interleaved so that every batch holds the types in the split's proportions
-        (:func:`stratified_order`). A pure function of (seed, epoch) either way."""
+        (:func:`stratified_order`). A pure function of (seed, epoch) either way, so the last
+        one is kept: a run asks for it at every batch."""
+        if self._order is not None and self._order[:2] == (seed, epoch):
+            return self._order[2]
         if self.stratify == "none":
-            return epoch_order(len(self), seed, epoch)
-        if self._labels is None:
-            rows = self.rows
-            actions = (
-                rows["action"] if hasattr(rows, "column_names") else [r["action"] for r in rows]
-            )
-            self._labels = [json.loads(a)["type"] for a in actions]
-        return stratified_order(self._labels, seed, epoch)
+            order = epoch_order(len(self), seed, epoch)
+        else:
+            if self._labels is None:
+                rows = self.rows
+                actions = (
+                    rows["action"] if hasattr(rows, "column_names") else [r["action"] for r in rows]
+                )
+                self._labels = [json.loads(a)["type"] for a in actions]
+            order = stratified_order(self._labels, seed, epoch)
+        self._order = (seed, epoch, order)
+        return order
 
     def first(self, n: int) -> list[SftExample]:
         """The first ``n`` examples that fit (held-out losses read these)."""
