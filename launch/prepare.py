@@ -169,11 +169,12 @@ def resume_plan(cfg: RunConfig, run_dir: Path) -> str:
     parts.append(grpo)
     evaluates = shop_r1 and cfg.launch.eval_samples
     # the dtype (a child process on a CPU run with `auto`) only where there is one to compare
-    if evaluates and sft_eval_file(run_dir).exists():
-        read_back = reused_sft_eval(cfg, run_dir, eval_dtype(cfg, cfg.launch.trainer_device))
-    else:
-        read_back = None
-    if evaluates and read_back:
+    read_back = (
+        evaluates
+        and sft_eval_file(run_dir).exists()
+        and reused_sft_eval(cfg, run_dir, eval_dtype(cfg, cfg.launch.trainer_device))
+    )
+    if read_back:
         parts.append("the SFT evaluation is read back, the RL evaluation runs")
     elif evaluates:
         parts.append("the SFT and RL evaluations run")
