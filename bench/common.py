@@ -122,6 +122,12 @@ def pct(xs: Sequence[float], q: int) -> float:
     return float(statistics.quantiles(xs, n=100)[q - 1])
 
 
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Mean, sample standard deviation (0 for one value), min and max (a result over seeds)."""
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return {"mean": statistics.fmean(values), "sd": sd, "min": min(values), "max": max(values)}
+
+
 def overhead(direct: Sequence[float], through: Sequence[float]) -> dict[str, float]:
     """Throughput lost going through the stack, from paired interleaved repetitions.
 

@@ -34,14 +34,13 @@ import re
 import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, machine
+from bench.common import REPO, machine, spread
 from env_server.eval_stats import paired_difference
 from settings import paths
 
@@ -232,12 +231,6 @@ def test_rows(artifacts: Path) -> list[dict] | None:
     from env_server.data.dataset import load_or_build
 
     return load_or_build(data)["test"].to_list()
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    """Mean, sample standard deviation (0 for one value), min and max."""
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return {"mean": statistics.fmean(values), "sd": sd, "min": min(values), "max": max(values)}
 
 
 def report(args: argparse.Namespace) -> int:

@@ -25,11 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from bench.common import spread
 
 OWN_FLAGS = ("--out", "--work-dir", "--seed")
 """peer_trl options this bench sets for each seed."""
@@ -107,12 +108,6 @@ def seed_row(res: Mapping[str, Any]) -> dict[str, Any]:
         "same_wall": {k: 100 * v for k, v in wall["diff"]["exact"].items()}
         | {"point": wall["point"]},
     }
-
-
-def spread(values: Sequence[float]) -> dict[str, float]:
-    """Mean, sample standard deviation (0 for one value), min and max."""
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return {"mean": statistics.fmean(values), "sd": sd, "min": min(values), "max": max(values)}
 
 
 def curve(results: Mapping[int, Mapping[str, Any]], png: Path) -> None:
