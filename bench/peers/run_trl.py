@@ -14,7 +14,10 @@ per optimizer step: end time, where the step's time went, TRL's logged metrics) 
 Where a step's time goes is measured by wrapping four of GRPOTrainer's methods (the
 generation of completions, the reward call, the whole generate-and-score phase, the
 checkpoint), with vLLM also its weight push (``sync_weights``, inside the generation), and by
-the step callbacks; nothing in TRL's computation is changed.
+the step callbacks; nothing in TRL's computation is changed. One thing in its weight push is:
+where vLLM's CPU engine has packed its linear weights, TRL's own push fails, and
+:func:`reload_through_vllm` loads the same tensors through vLLM's layerwise reload instead
+(recorded as ``vllm_sync``; docs/results/peer_trl_vllm.md).
 """
 
 from __future__ import annotations
@@ -61,6 +64,47 @@ def _vllm_summary(trainer: Any) -> dict[str, str]:
 
     config = trainer.vllm_generation.llm.llm_engine.model_config
     return {"vllm_version": vllm.__version__, "vllm_dtype": str(config.dtype)}
+
+
+def vllm_packed_linears(model: Any) -> int:
+    """Linear layers whose weight vLLM's CPU engine has packed for its own GEMM kernels
+    (oneDNN or sgl-kernel: ``cpu_linear`` set, ``layer.weight`` emptied). TRL's colocate sync
+    cannot update those: ``model.load_weights`` finds no ``weight_loader`` on the emptied
+    parameter (AttributeError; docs/results/peer_trl_vllm.md)."""
+    return sum(
+        1
+        for m in model.modules()
+        if hasattr(m, "cpu_linear")
+        and getattr(m, "weight", None) is not None
+        and m.weight.numel() == 0
+    )
+
+
+def reload_through_vllm(generation: Any) -> None:
+    """Make TRL's colocate ``sync_weights`` work on vLLM's CPU engine: TRL still walks its own
+    parameters (its FSDP/PEFT handling unchanged), but instead of loading each into vLLM on
+    its own, the tensors are collected and loaded in one pass of vLLM's layerwise-reload
+    lifecycle (initialize -> ``load_weights`` -> finalize, which packs every layer again),
+    the way this stack's bridge loads them (``vllm_patching.engines.apply.apply_weights``,
+    also re-packing a tied ``lm_head``); then vLLM's prefix cache is reset again."""
+    from vllm_patching.engines.apply import apply_weights
+
+    llm = generation.llm
+    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    trl_sync = generation.sync_weights
+
+    def sync_weights() -> None:
+        got: list[tuple[str, Any]] = []
+        model.load_weights = lambda weights: got.extend((n, t.detach().clone()) for n, t in weights)
+        try:
+            trl_sync()
+        finally:
+            del model.load_weights
+        n = apply_weights(model, llm.llm_engine.model_config, got)
+        llm.reset_prefix_cache()
+        print(f"[trl] vLLM weight sync: {n} tensors through vLLM's layerwise reload", flush=True)
+
+    generation.sync_weights = sync_weights
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -119,7 +163,18 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "_save_checkpoint",
     ):
         _timed(trainer, name, clock)
+    vllm_sync = None
     if use_vllm:
+        runner = trainer.vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner
+        packed = vllm_packed_linears(runner.model)
+        vllm_sync = "TRL's load_weights, one parameter at a time"
+        if packed:
+            reload_through_vllm(trainer.vllm_generation)
+            vllm_sync = (
+                f"vLLM's layerwise reload ({packed} linear layers packed by vLLM's CPU engine, "
+                "which TRL's load_weights cannot update)"
+            )
+        print(f"[trl] vLLM weight sync: {vllm_sync}", flush=True)
         _timed(trainer.vllm_generation, "sync_weights", clock)
     state["probe"] = _dtype_probe(trainer.model, seen, "scoring" if use_vllm else "generation")
 
@@ -146,6 +201,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             "completion_tokens": logs.get("completions/mean_length"),
             "entropy": logs.get("entropy"),
             "loss": logs.get("loss"),
+            "vllm_logp_difference": logs.get("sampling/sampling_logp_difference/mean"),
         }
         metrics.write(json.dumps(row) + "\n")
         metrics.flush()
@@ -190,7 +246,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     summary = {
         "trl_version": trl.__version__,
         "generation": "vllm-colocate" if use_vllm else "transformers",
-        **(_vllm_summary(trainer) if use_vllm else {}),
+        **(_vllm_summary(trainer) | {"vllm_sync": vllm_sync} if use_vllm else {}),
         "trl_file": trl.__file__,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

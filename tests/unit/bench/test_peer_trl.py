@@ -316,3 +316,18 @@ def test_markdown_names_the_box_and_the_smoke_label() -> None:
     assert md.startswith("# GRPO: this stack vs TRL 1.16.0")
     assert "SMOKE TEST" in md and "Some CPU" in md and "| 16 samples | 16 / 16 |" in md
     assert "3.00x" in md  # 8 samples in 10 s vs 8 in 30 s
+
+
+def test_vllm_packed_linears_counts_the_layers_whose_weight_vllm_emptied() -> None:
+    """What decides whether TRL's colocate sync goes through vLLM's layerwise reload: vLLM's
+    CPU engine sets ``cpu_linear`` and empties ``weight`` of every linear it packs."""
+    import torch
+
+    from bench.peers.run_trl import vllm_packed_linears
+
+    packed, plain, kept = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    packed.cpu_linear = torch.nn.functional.linear
+    packed.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    kept.cpu_linear = torch.nn.functional.linear  # a fallback that keeps its weight
+    assert vllm_packed_linears(torch.nn.Sequential(packed, plain, kept)) == 1
+    assert vllm_packed_linears(torch.nn.Sequential(plain, kept)) == 0
