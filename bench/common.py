@@ -128,6 +128,13 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values), "sd": sd, "min": min(values), "max": max(values)}
 
 
+def finished_seeds(out: Path, done: str) -> list[int]:
+    """The seeds S whose folder ``out/seed<S>`` holds ``done`` (a relative path), in order."""
+    return sorted(
+        int(p.name[4:]) for p in out.glob("seed*") if p.name[4:].isdigit() and (p / done).exists()
+    )
+
+
 def overhead(direct: Sequence[float], through: Sequence[float]) -> dict[str, float]:
     """Throughput lost going through the stack, from paired interleaved repetitions.
 

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, machine, spread
+from bench.common import REPO, finished_seeds, machine, spread
 from env_server.eval_stats import paired_difference
 from settings import paths
 
@@ -235,11 +235,7 @@ def test_rows(artifacts: Path) -> list[dict] | None:
 
 def report(args: argparse.Namespace) -> int:
     """``result.json`` and the markdown table from the seeds' folders."""
-    seeds = sorted(
-        int(p.name[4:])
-        for p in args.out.glob("seed*")
-        if p.name[4:].isdigit() and (p / "eval_rl" / "metrics.json").exists()
-    )
+    seeds = finished_seeds(args.out, "eval_rl/metrics.json")
     if not seeds:
         raise SystemExit(f"no finished seed under {args.out}")
     test = test_rows(args.from_artifacts)  # read once: every seed answered the same rows

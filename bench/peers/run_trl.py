@@ -66,6 +66,11 @@ def _vllm_summary(trainer: Any) -> dict[str, str]:
     return {"vllm_version": vllm.__version__, "vllm_dtype": str(config.dtype)}
 
 
+def vllm_model(generation: Any) -> Any:
+    """The model of TRL's colocated vLLM engine (the object TRL's own push loads into)."""
+    return generation.llm.llm_engine.model_executor.driver_worker.model_runner.model
+
+
 def vllm_packed_linears(model: Any) -> int:
     """Linear layers whose weight vLLM's CPU engine has packed for its own GEMM kernels
     (oneDNN or sgl-kernel: ``cpu_linear`` set, ``layer.weight`` emptied). TRL's colocate sync
@@ -89,8 +94,7 @@ def reload_through_vllm(generation: Any) -> None:
     also re-packing a tied ``lm_head``); then vLLM's prefix cache is reset again."""
     from vllm_patching.engines.apply import apply_weights
 
-    llm = generation.llm
-    model = llm.llm_engine.model_executor.driver_worker.model_runner.model
+    llm, model = generation.llm, vllm_model(generation)
     trl_sync = generation.sync_weights
 
     def sync_weights() -> None:
@@ -165,8 +169,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         _timed(trainer, name, clock)
     vllm_sync = None
     if use_vllm:
-        runner = trainer.vllm_generation.llm.llm_engine.model_executor.driver_worker.model_runner
-        packed = vllm_packed_linears(runner.model)
+        packed = vllm_packed_linears(vllm_model(trainer.vllm_generation))
         vllm_sync = "TRL's load_weights, one parameter at a time"
         if packed:
             reload_through_vllm(trainer.vllm_generation)

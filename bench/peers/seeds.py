@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.common import spread
+from bench.common import finished_seeds, spread
 
 OWN_FLAGS = ("--out", "--work-dir", "--seed")
 """peer_trl options this bench sets for each seed."""
@@ -86,8 +86,8 @@ def load(path: Path) -> dict[str, Any]:
 
 def _comparison(res: Mapping[str, Any], wall: bool) -> dict[str, Any]:
     """The last comparison after the same samples (``wall`` False) or the one after the same
-    wall time (``wall`` True: the point named "... min of training")."""
-    rows = [c for c in res["eval"]["comparisons"] if c["point"].endswith("of training") == wall]
+    wall time (``wall`` True: the one with ``wall_s``, bench/peers/evaluate.py)."""
+    rows = [c for c in res["eval"]["comparisons"] if ("wall_s" in c) == wall]
     if not rows:
         raise SystemExit(f"no comparison after the same {'wall time' if wall else 'samples'}")
     return rows[-1]
@@ -173,11 +173,7 @@ def table(rows: Mapping[int, Mapping[str, Any]], summary: Mapping[str, Any]) -> 
 
 def report(out: Path) -> int:
     """``result.json``, ``table.md`` and ``curve.png`` from the finished seeds under ``out``."""
-    found = sorted(
-        int(p.name[4:])
-        for p in out.glob("seed*")
-        if p.name[4:].isdigit() and (p / "peer.json").exists()
-    )
+    found = finished_seeds(out, "peer.json")
     if not found:
         raise SystemExit(f"no finished seed under {out} (seed<S>/peer.json)")
     results = {s: load(out / f"seed{s}" / "peer.json") for s in found}
