@@ -18,8 +18,9 @@ key) and the markdown table beside it (``.md``), which it also prints.
   the env's order, chat-templated and fitted to max_prompt_tokens by env_server's own code,
   checked token for token), the reward (env_server's ``score`` under the preset's variant),
   group size, prompts per step, learning rate and schedule, AdamW settings, gradient
-  clipping, Dr. GRPO advantages (TRL ``loss_type="dr_grpo"``, ``scale_rewards="none"``; ours
-  ``scale_advantages: false``), KL weight, clip range, temperature, completion budget,
+  clipping, the advantages as the preset scales them (ours ``scale_advantages``; TRL
+  ``scale_rewards="group"`` where it is true, ``"none"`` where not; cpu-smol: true), TRL's
+  ``loss_type="dr_grpo"``, KL weight, clip range, temperature, completion budget,
   precision (TRL gets ours' choice: ``bf16=True`` is accelerate's bf16 autocast on CPU, fp32
   weights; the dtype it really computes in is probed and recorded), checkpoint cadence.
   What cannot be equal, and why, is listed in the result (``not_matched``).

@@ -30,8 +30,8 @@ NOT_MATCHED = {
     "API's staleness bound behind, PPO-clipped); TRL without vLLM and num_iterations=1: the "
     "ratio is exactly 1 (on-policy, the clip never binds)",
     "loss_normaliser": "ours: the step's trained tokens (`loss_aggregation: token`); TRL "
-    "`dr_grpo`: sequences x max_completion_length, a constant (both: advantages not divided "
-    "by the group's std)",
+    "`dr_grpo`: sequences x max_completion_length, a constant (the advantages are held "
+    "equal: see `settings.advantages`)",
     "constant_groups": "ours (preset default): groups whose rewards are all equal are dropped "
     "before training, so every trained sequence has signal; TRL trains them at advantage 0 "
     "(--keep-constant-groups runs ours TRL's way)",
