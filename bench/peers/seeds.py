@@ -7,8 +7,9 @@ sampling and training) into ``<out>/seed<S>/`` (``peer.json`` and its ``.md``, t
 - per seed: samples trained per minute of each side (steps 2..N) and their ratio, each side's
   start-up (launch to step 1), and validation exact match of the start model and of each
   side's last checkpoint, with the paired difference (this stack - TRL) after the same samples
-  and after the same wall time;
-- over the seeds: mean, sample standard deviation and range of the ratio and of the two
+  and after the same wall time; the paper's mean reward of both last checkpoints, with its
+  paired difference;
+- over the seeds: mean, sample standard deviation and range of the ratio and of the three
   paired differences;
 - ``curve.png``: validation exact match against minutes since step 1, both sides, every seed.
 
@@ -105,6 +106,8 @@ def seed_row(res: Mapping[str, Any]) -> dict[str, Any]:
         "samples": {"ours": same["samples_ours"], "trl": same["samples_trl"]},
         "exact": {"ours": 100 * same["ours"]["exact"], "trl": 100 * same["trl"]["exact"]},
         "same_samples": {k: 100 * v for k, v in same["diff"]["exact"].items()},
+        "reward": {"ours": same["ours"]["reward"], "trl": same["trl"]["reward"]},
+        "reward_same_samples": dict(same["diff"]["reward"]),
         "same_wall": {k: 100 * v for k, v in wall["diff"]["exact"].items()}
         | {"point": wall["point"]},
     }
@@ -146,8 +149,9 @@ def _pm(d: Mapping[str, float]) -> str:
 def table(rows: Mapping[int, Mapping[str, Any]], summary: Mapping[str, Any]) -> str:
     lines = [
         "| seed | samples / min (ours / TRL) | ratio | start-up s (ours / TRL) | exact: start "
-        "-> ours / TRL (samples) | ours - TRL, same samples | ours - TRL, same wall time |",
-        "|---|---|---|---|---|---|---|",
+        "-> ours / TRL (samples) | ours - TRL, same samples | ours - TRL, same wall time | "
+        "paper's reward, ours / TRL, same samples (diff) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s, r in rows.items():
         sp, st, ex, n = r["samples_per_min"], r["startup_s"], r["exact"], r["samples"]
@@ -155,7 +159,9 @@ def table(rows: Mapping[int, Mapping[str, Any]], summary: Mapping[str, Any]) -> 
             f"| {s} | {sp['ours']:.1f} / {sp['trl']:.1f} | {r['ratio']:.2f}x | "
             f"{st['ours']:.0f} / {st['trl']:.0f} | {r['start_exact']:.1f} -> {ex['ours']:.1f} / "
             f"{ex['trl']:.1f} ({n['ours']} / {n['trl']}) | {_pm(r['same_samples'])} pts | "
-            f"{_pm(r['same_wall'])} pts ({r['same_wall']['point']}) |"
+            f"{_pm(r['same_wall'])} pts ({r['same_wall']['point']}) | "
+            f"{r['reward']['ours']:.1f} / {r['reward']['trl']:.1f} "
+            f"({_pm(r['reward_same_samples'])}) |"
         )
     if len(rows) > 1:
         cell = {
@@ -166,7 +172,7 @@ def table(rows: Mapping[int, Mapping[str, Any]], summary: Mapping[str, Any]) -> 
             f"| mean of {len(rows)} | | {summary['ratio']['mean']:.2f}x (sd "
             f"{summary['ratio']['sd']:.2f}, {summary['ratio']['min']:.2f} to "
             f"{summary['ratio']['max']:.2f}) | | | {cell['same_samples']} pts | "
-            f"{cell['same_wall']} pts |"
+            f"{cell['same_wall']} pts | {cell['reward_same_samples']} |"
         )
     return "\n".join(lines)
 
@@ -182,6 +188,7 @@ def report(out: Path) -> int:
         "ratio": spread([r["ratio"] for r in rows.values()]),
         "same_samples": spread([r["same_samples"]["diff"] for r in rows.values()]),
         "same_wall": spread([r["same_wall"]["diff"] for r in rows.values()]),
+        "reward_same_samples": spread([r["reward_same_samples"]["diff"] for r in rows.values()]),
     }
     text = table(rows, summary)
     first = next(iter(results.values()))

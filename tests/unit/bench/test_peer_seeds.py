@@ -36,6 +36,9 @@ def test_one_seed_row_reads_the_rates_the_last_points_and_both_comparisons() -> 
     assert row["same_samples"]["diff"] == pytest.approx(12.109375)
     assert row["same_wall"]["point"] == "11.0 min of training"
     assert row["same_wall"]["diff"] == pytest.approx(100 * (0.1796875 - 0.11328125))
+    same = [c for c in res["eval"]["comparisons"] if "wall_s" not in c][-1]
+    assert row["reward"] == {"ours": same["ours"]["reward"], "trl": same["trl"]["reward"]}
+    assert row["reward_same_samples"] == same["diff"]["reward"]
 
 
 def test_the_report_gives_each_seed_and_the_spread_and_draws_the_curve(tmp_path: Path) -> None:
@@ -54,6 +57,9 @@ def test_the_report_gives_each_seed_and_the_spread_and_draws_the_curve(tmp_path:
     table = (tmp_path / "table.md").read_text()
     assert "| 0 | 30.0 / 10.0 | 3.00x |" in table
     assert "| mean of 2 | | 2.50x (sd 0.71, 2.00 to 3.00) |" in table
+    reward = result["seeds"]["0"]["reward_same_samples"]["diff"]
+    assert result["summary"]["reward_same_samples"]["mean"] == pytest.approx(reward)
+    assert f"({reward:+.1f} ± " in table.splitlines()[2]  # seed 0's row: the reward column
     png = (tmp_path / "curve.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
