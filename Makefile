@@ -19,18 +19,22 @@ setup: $(STAMP)
 # faster (measured in docs/results/suite_timings.md); pip does it where uv cannot be
 # installed. uv reads no pip configuration: procutil/pip_install.py prints pip's settings
 # (pip.conf and PIP_* variables) as uv's flags, and says how they are ranked and ordered.
-# `--compile-bytecode` writes the .pyc files pip writes.
+# No bytecode is compiled at install (pip's default, uv's --compile-bytecode): that compiled
+# all ~25,800 modules of the venv (65 CPU-seconds) where a run or the suite imports a part of
+# them. tests/run.sh and the launcher (launch/run_all.py) let the first process that imports
+# a module write its .pyc instead (they drop PYTHONDONTWRITEBYTECODE), so what runs is
+# compiled once (docs/TESTING.md, "Bytecode").
 
 $(STAMP): $(REQS) requirements-nodeps.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip uv || $(PY) -m pip install --upgrade pip
 	@set -ef; \
 	if [ -x $(VENV)/bin/uv ]; then \
-	  install="$(VENV)/bin/uv pip install --python $(PY) --index-strategy unsafe-best-match --compile-bytecode $$($(PY) procutil/pip_install.py)"; \
+	  install="$(VENV)/bin/uv pip install --python $(PY) --index-strategy unsafe-best-match $$($(PY) procutil/pip_install.py)"; \
 	  uninstall="$(VENV)/bin/uv pip uninstall --python $(PY)"; \
 	else \
 	  echo "uv is not installable here: installing with pip"; \
-	  install="$(PY) -m pip install"; \
+	  install="$(PY) -m pip install --no-compile"; \
 	  uninstall="$(PY) -m pip uninstall -y"; \
 	fi; \
 	run() { echo "$$*"; "$$@"; }; \

@@ -357,6 +357,10 @@ def resume_hint(run_dir: Path, argv: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # The services write their bytecode caches even where the environment says not to
+    # (PYTHONDONTWRITEBYTECODE=1, as some sandboxes set): the install compiles none (Makefile),
+    # so the first process that imports a module writes its .pyc and the rest read it.
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     layers, asked = parse_run(argv)  # the run the user asked for
     lc = asked.launch
     if lc.resume and (lc.run_dir is None or not lc.run_dir.is_dir()):
