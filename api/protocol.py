@@ -181,6 +181,11 @@ class Backpressure(BaseModel):
 
     wanted: int = Field(description="Groups this env may push now without overfilling.")
     policy_version: int = Field(description="Weight version the trainer reported last.")
+    skipped_batches: int = Field(
+        0,
+        description="Batches a trainer skipped (a non-finite gradient: trained on, the version "
+        "unchanged). An env that samples in lockstep with the versions samples again for one.",
+    )
 
 
 # --- batches ------------------------------------------------------------------------------

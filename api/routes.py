@@ -89,8 +89,11 @@ def register_env(body: RegisterEnvRequest, request: Request) -> RegisterEnvRespo
 @router.get("/backpressure", response_model=Backpressure, tags=["envs"])
 def backpressure(request: Request, env: str = Query(pattern=ENV_NAME_PATTERN)) -> Backpressure:
     """How many groups `env` may push now so the queue stays within the staleness bound."""
-    wanted, version = store_of(request).wanted(env)
-    return Backpressure(wanted=wanted, policy_version=version)
+    store = store_of(request)
+    wanted, version = store.wanted(env)
+    return Backpressure(
+        wanted=wanted, policy_version=version, skipped_batches=store.skipped_batches
+    )
 
 
 @router.post(

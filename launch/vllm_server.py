@@ -107,7 +107,15 @@ def server_env(
     return env
 
 
-SERVER_DEFAULTS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "2048"]
+CPU_MAX_MODEL_LEN = 2048
+"""A CPU server's context length where its file and flags set none."""
+SERVER_DEFAULTS = [
+    "--enforce-eager",
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    str(CPU_MAX_MODEL_LEN),
+]
 """vLLM options of a server on the CPU, for what its file and flags leave unset (a server on
 CUDA gets none of them: CUDA graphs, the model's dtype and its context length stay vLLM's)."""
 

@@ -28,7 +28,7 @@ M = TypeVar("M", bound=BaseModel)
 Layer = tuple[str, Mapping[str, Any]]
 RUN_KEYS = {"name", "description", "preset", "recipe", "env_args", "trainer_args"}
 RUN_KEYS |= {"model", "seed", "weight_bridge_mode", "single_copy", "training_steps", "sft_steps"}
-RUN_KEYS |= {"num_sessions", "episode", "keep_constant_groups"}
+RUN_KEYS |= {"num_sessions", "episode", "keep_constant_groups", "reproducible"}
 RUN_KEYS |= {"base", "launch", "api", "env", "trainer", "vllm", "verifiers"}
 """A run file's top-level keys (``RunConfig``'s fields and ``base``): what a service checks a
 file against without importing the other services."""

@@ -97,6 +97,7 @@ SLOW_FIRST = (
     "test_prefix_tree_models",
     "test_fuzz_bridge_server",
     "test_fuzz_api_server",
+    "test_env_lockstep",
     "test_trainer_grpo",
     "test_trainer_gail",
     "test_trainer_sft",

