@@ -17,8 +17,14 @@ from settings.cli import is_secret
 from settings.layers import Layer, has_path, nest, read_recipe, resolve
 from settings.paths import PRESETS_DIR
 
-SERVICE_FILES = {"api": "api", "env": "env", "trainer_grpo": "trainer.grpo"}
-"""``<run>/config/<name>.yaml`` -> the section of the run it holds."""
+SERVICE_FILES = {
+    "api": "api",
+    "env": "env",
+    "trainer_sft": "trainer.sft",
+    "trainer_grpo": "trainer.grpo",
+}
+"""``<run>/config/<name>.yaml`` -> the section of the run it holds (``trainer_sft`` also where
+the SFT model is reused: what the run would have trained it with)."""
 LAUNCHER_VLLM_KEYS = {"model", "host", "port", "weight_bridge_mode", "single_copy"}
 LAUNCHER_VLLM_KEYS |= {"bridge_config", "served_model_name"}
 """vLLM options the launcher sets for every server itself (the run file's are not used)."""
@@ -140,7 +146,7 @@ def vllm_values(cfg: RunConfig) -> dict[str, Any]:
 
 
 def write_service_configs(run_dir: Path, cfg: RunConfig) -> dict[str, Path]:
-    """Every service's file: ``api``, ``env``, ``trainer_grpo`` and ``vllm`` (and
+    """Every service's file: ``api``, ``env``, ``trainer_sft``, ``trainer_grpo`` and ``vllm`` (and
     ``verifiers`` when the run has that env)."""
     files = {n: write_service_config(run_dir, n, cfg, s) for n, s in SERVICE_FILES.items()}
     if cfg.verifiers is not None:

@@ -17,7 +17,12 @@ import yaml
 from api.config import parse_config as parse_api
 from env_server.config import parse_config as parse_env
 from env_server.reward import RewardConfig, score
-from launch.configs import resolve_for_run, write_service_config, write_service_configs
+from launch.configs import (
+    SERVICE_FILES,
+    resolve_for_run,
+    write_service_config,
+    write_service_configs,
+)
 from launch.run_config import RunConfig, parse_args
 from launch.vllm_server import server_argv
 from settings.layers import RecipeError, read_recipe
@@ -38,12 +43,9 @@ def _run(argv: list[str], run_dir: Path, environ: dict[str, str] | None = None) 
 
 
 def _resolve(argv: list[str], run_dir: Path) -> dict[str, Any]:
-    """What launch/run_all.sh ``argv`` hands the API, the env and the GRPO trainer."""
+    """What launch/run_all.sh ``argv`` hands the API, the env and the two trainer commands."""
     r = _run(argv, run_dir)
-    return {
-        n: reduce(getattr, s.split("."), r)
-        for n, s in (("api", "api"), ("env", "env"), ("trainer_grpo", "trainer.grpo"))
-    }
+    return {n: reduce(getattr, s.split("."), r) for n, s in SERVICE_FILES.items()}
 
 
 def _preset(name: str) -> dict:
@@ -215,9 +217,11 @@ def test_the_resolved_files_are_what_the_services_parse(tmp_path: Path) -> None:
         "api.yaml",
         "env.yaml",
         "trainer_grpo.yaml",
+        "trainer_sft.yaml",  # also where the SFT model is reused: what it would be trained with
         "vllm.yaml",
     ]
     assert parse_api(["--config", str(files["api"])]) == confs["api"]
+    assert _trainer("sft", ["--config", str(files["trainer_sft"])]) == confs["trainer_sft"]
     assert parse_env(["--config", str(files["env"])]) == confs["env"]
     grpo = _trainer("grpo", ["--config", str(files["trainer_grpo"])])
     assert grpo == confs["trainer_grpo"] and grpo.training_steps == 5
