@@ -79,7 +79,15 @@ def _plan(a: argparse.Namespace, work: Path, steps: int | None, save_every: int)
     from bench.peers.settings import resolve, run_all_argv
 
     argv = run_all_argv(
-        a.preset, work / "ours", steps, save_every, 10**6, a.model, a.keep_constant_groups, a.seed
+        a.preset,
+        work / "ours",
+        steps,
+        save_every,
+        10**6,
+        a.model,
+        a.keep_constant_groups,
+        a.seed,
+        a.reproducible,
     )
     return resolve(argv, save_every)
 
@@ -247,6 +255,12 @@ def main() -> None:
         help="both sides' seed (default: the preset's): the row order, sampling and "
         "training; one --work-dir and --out per seed",
     )
+    ap.add_argument(
+        "--reproducible",
+        action="store_true",
+        help="ours runs with run_all's --reproducible: every batch sampled on-policy (by the "
+        "weights that train on it) in lockstep, as TRL samples, and seeded",
+    )
     ap.add_argument("--smoke", action="store_true", help="label the result a smoke test")
     a = ap.parse_args()
     if a.model:
@@ -293,7 +307,9 @@ def main() -> None:
         "trl_version": trl["summary"]["trl_version"],
         "trl_generation": trl["summary"].get("generation", "transformers"),
         "settings": matched(plan),
-        "not_matched": not_matched(trl["summary"].get("generation", "transformers")),
+        "not_matched": not_matched(
+            trl["summary"].get("generation", "transformers"), plan.reproducible
+        ),
         "order": a.order,
         "ours": ours,
         "trl": trl,

@@ -64,14 +64,27 @@ VLLM_COLOCATE_NOT_MATCHED = {
 }
 """What differs instead when TRL generates with vLLM in its process (``vllm-colocate``)."""
 
+REPRODUCIBLE_IMPORTANCE_RATIO = (
+    "ours (--reproducible): every batch sampled by the weights that train on it (the env "
+    "samples a batch only once its version is live: on-policy, as TRL), pi_trainer / pi_vLLM "
+    "of the sampled tokens PPO-clipped; TRL: "
+)
+"""The importance-ratio difference when ours runs with ``--reproducible`` (lockstep); TRL's
+half of the sentence follows from its generation."""
 
-def not_matched(generation: str = "transformers") -> dict[str, str]:
-    """The differences of a comparison whose TRL side generates by ``generation``."""
+
+def not_matched(generation: str = "transformers", reproducible: bool = False) -> dict[str, str]:
+    """The differences of a comparison whose TRL side generates by ``generation``, ours
+    ``reproducible`` (on-policy lockstep) or not."""
     if generation not in TRL_GENERATION:
         raise ValueError(f"TRL generation {generation!r}: one of {TRL_GENERATION}")
+    out = dict(NOT_MATCHED)
     if generation == "vllm-colocate":
-        return NOT_MATCHED | VLLM_COLOCATE_NOT_MATCHED
-    return dict(NOT_MATCHED)
+        out |= VLLM_COLOCATE_NOT_MATCHED
+    if reproducible:
+        trl_half = out["importance_ratio"].split("; TRL", 1)[1]
+        out["importance_ratio"] = REPRODUCIBLE_IMPORTANCE_RATIO + trl_half.lstrip(": ")
+    return out
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,8 @@ class Plan:
     grpo: GrpoConfig
     """The trainer's resolved config."""
     eval_samples: int
+    reproducible: bool = False
+    """Ours runs with ``--reproducible``: seeded, on-policy lockstep sampling."""
 
     @property
     def batch_size(self) -> int:
@@ -111,11 +126,13 @@ def run_all_argv(
     model: str | None = None,
     keep_constant_groups: bool = False,
     seed: int | None = None,
+    reproducible: bool = False,
 ) -> list[str]:
     """``launch/run_all.sh`` arguments of our side: no SFT-vs-RL evaluation, a checkpoint
     every ``save_every`` steps, ``keep`` of them kept, self-certainty off (see NOT_MATCHED);
     ``steps`` None: the preset's step count; ``seed`` (None: the preset's) is every
-    service's seed, and TRL's side reads it from the same resolved settings."""
+    service's seed, and TRL's side reads it from the same resolved settings;
+    ``reproducible``: ours samples on-policy in lockstep (``--reproducible``)."""
     trainer = f"--save-every {save_every} --keep-checkpoints {keep} --self-certainty-alpha 0"
     argv = [
         "--preset",
@@ -134,6 +151,8 @@ def run_all_argv(
         argv.append("--keep-constant-groups")
     if seed is not None:
         argv += ["--seed", str(seed)]
+    if reproducible:
+        argv.append("--reproducible")
     return argv
 
 
@@ -156,7 +175,17 @@ def resolve(argv: list[str], save_every: int) -> Plan:
             "TRL has one temperature for both"
         )
     steps = grpo.training_steps
-    return Plan(cfg.preset, model, steps, save_every, argv, env, grpo, cfg.launch.eval_samples)
+    return Plan(
+        cfg.preset,
+        model,
+        steps,
+        save_every,
+        argv,
+        env,
+        grpo,
+        cfg.launch.eval_samples,
+        cfg.reproducible,
+    )
 
 
 def compute_precision(plan: Plan) -> tuple[bool, str]:

@@ -24,6 +24,7 @@ from bench.peers.report import (
 )
 from bench.peers.settings import (
     NOT_MATCHED,
+    TRL_GENERATION,
     matched,
     not_matched,
     requirement_problems,
@@ -331,3 +332,18 @@ def test_vllm_packed_linears_counts_the_layers_whose_weight_vllm_emptied() -> No
     kept.cpu_linear = torch.nn.functional.linear  # a fallback that keeps its weight
     assert vllm_packed_linears(torch.nn.Sequential(packed, plain, kept)) == 1
     assert vllm_packed_linears(torch.nn.Sequential(plain, kept)) == 0
+
+
+def test_reproducible_runs_ours_on_policy_and_says_so(tmp_path: Path) -> None:
+    default = resolve(run_all_argv("cpu-tiny", tmp_path / "ours", 2, 1, 9), 1)
+    plan = resolve(run_all_argv("cpu-tiny", tmp_path / "ours", 2, 1, 9, reproducible=True), 1)
+    assert not default.reproducible and "--reproducible" not in default.run_all_argv
+    assert plan.reproducible and plan.run_all_argv[-1] == "--reproducible"
+    for generation in TRL_GENERATION:
+        stale, lockstep = not_matched(generation), not_matched(generation, reproducible=True)
+        assert {k for k in stale if stale[k] != lockstep[k]} == {"importance_ratio"}
+        assert "staleness" in stale["importance_ratio"]
+        assert "on-policy" in lockstep["importance_ratio"]
+        assert "staleness" not in lockstep["importance_ratio"]
+        trl_half = stale["importance_ratio"].split("; TRL", 1)[1].lstrip(": ")
+        assert lockstep["importance_ratio"].endswith(trl_half)
