@@ -62,6 +62,7 @@ from launch.run_plan import (
     own_eval_server,
     packing_note,
     plan_run,
+    reproducible_note,
     trainer_argv,
     vllm_extra,
 )
@@ -378,8 +379,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if insecure:
         print(f"[run_all] WARNING: {insecure}", file=sys.stderr, flush=True)
-    if note := packing_note(asked):
-        print(f"[run_all] NOTE: {note}", flush=True)
+    for note in (packing_note(asked), reproducible_note(asked)):
+        if note:
+            print(f"[run_all] NOTE: {note}", flush=True)
     run_dir = lc.run_dir or RUNS_DIR / datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -172,6 +172,22 @@ def cpu_precision() -> str:
     return out.stdout.split()[0]
 
 
+def reproducible_note(cfg: RunConfig) -> str | None:
+    """What ``--reproducible`` gives with this run's vLLM settings (docs/RUNNING.md,
+    "Reproducible runs"), else None. vLLM's prefix cache is what lets two runs of one seed part
+    in their last digits: with it off, two 6-step cpu-smol runs ended byte-identical, at ~2.8x
+    the sampling time (docs/results/make_run_seeds.md)."""
+    if not cfg.reproducible:
+        return None
+    if cfg.vllm.enable_prefix_caching is False:
+        return "--reproducible with vLLM's prefix cache off: one seed gives the same run, bitwise"
+    return (
+        "--reproducible: seeded, on-policy batches in draw order; vLLM's prefix cache is on, "
+        "so two runs of one seed can part in the last digits after a few steps "
+        "(--no-vllm.enable-prefix-caching: bitwise, sampling ~2.8x slower)"
+    )
+
+
 def packing_note(cfg: RunConfig) -> str | None:
     """Where a Shop-R1 GRPO group (its prompt budget + ``group_size`` completions) does not
     fit ``trainer.grpo.micro_batch_tokens`` with ``packing: prefix_tree``: the trainer then

@@ -397,5 +397,12 @@ def test_a_reproducible_cpu_run_prefills_whole(tmp_path: Path) -> None:
         extra = vllm_extra(_run(["--reproducible", *flags], tmp_path))
         assert extra[-1] == "--no-enable-chunked-prefill"
         assert "--max-num-batched-tokens" not in extra
+    from launch.run_plan import reproducible_note
+
+    assert reproducible_note(_run([], tmp_path)) is None
+    cached = reproducible_note(_run(["--reproducible"], tmp_path))
+    assert cached and "prefix cache is on" in cached and "--no-vllm.enable-prefix-caching" in cached
+    off = ["--reproducible", "--no-vllm.enable-prefix-caching"]
+    assert "bitwise" in (reproducible_note(_run(off, tmp_path)) or "")
     gpu = _run(["--reproducible", "--preset", "gpu-0.5b"], tmp_path)
     assert "--no-enable-chunked-prefill" not in vllm_extra(gpu)  # CUDA generators rewind
