@@ -25,10 +25,25 @@ if TYPE_CHECKING:
 
 TRL_VERSION = "1.16.0"
 
+OURS_IMPORTANCE_RATIO = {
+    False: "ours: pi_trainer / pi_vLLM of the sampled tokens (rollouts up to the API's "
+    "staleness bound behind, PPO-clipped)",
+    True: "ours (--reproducible): every batch sampled by the weights that train on it (the env "
+    "samples a batch only once its version is live: on-policy, as TRL), pi_trainer / pi_vLLM "
+    "of the sampled tokens PPO-clipped",
+}
+"""Our half of the importance-ratio difference, by whether ours runs ``--reproducible``."""
+TRL_IMPORTANCE_RATIO = {
+    "transformers": "TRL without vLLM and num_iterations=1: the ratio is exactly 1 (on-policy, "
+    "the clip never binds)",
+    "vllm-colocate": "TRL with vLLM: the same ratio, on-policy (num_iterations=1, weights "
+    "pushed into vLLM before each step's generation), with TRL's default truncated "
+    "importance-sampling correction (vllm_importance_sampling_correction)",
+}
+"""TRL's half, by how it generates (``TRL_GENERATION``)."""
+
 NOT_MATCHED = {
-    "importance_ratio": "ours: pi_trainer / pi_vLLM of the sampled tokens (rollouts up to the "
-    "API's staleness bound behind, PPO-clipped); TRL without vLLM and num_iterations=1: the "
-    "ratio is exactly 1 (on-policy, the clip never binds)",
+    "importance_ratio": f"{OURS_IMPORTANCE_RATIO[False]}; {TRL_IMPORTANCE_RATIO['transformers']}",
     "loss_normaliser": "ours: the step's trained tokens (`loss_aggregation: token`); TRL "
     "`dr_grpo`: sequences x max_completion_length, a constant (the advantages are held "
     "equal: see `settings.advantages`)",
@@ -53,24 +68,13 @@ trainer's process (``use_vllm=True, vllm_mode="colocate"``) on the venv's vllm-c
 mode cannot run here: its weight sync needs CUDA (docs/results/peer_trl_vllm.md)."""
 
 VLLM_COLOCATE_NOT_MATCHED = {
-    "importance_ratio": "ours: pi_trainer / pi_vLLM of the sampled tokens (rollouts up to the "
-    "API's staleness bound behind, PPO-clipped); TRL with vLLM: the same ratio, on-policy "
-    "(num_iterations=1, weights pushed into vLLM before each step's generation), with TRL's "
-    "default truncated importance-sampling correction (vllm_importance_sampling_correction)",
+    "importance_ratio": f"{OURS_IMPORTANCE_RATIO[False]}; {TRL_IMPORTANCE_RATIO['vllm-colocate']}",
     "generation": "ours: vLLM (fp32, eager, continuous batching, its own core(s)) while the "
     "trainer trains; TRL: vLLM in the trainer's process (colocate, external_launcher), then "
     "training, in turn; TRL builds its LLM without a dtype or enforce_eager, so vLLM's CPU "
     "default applies: the fp32 checkpoint downcast to bf16, compiled (no setting changes it)",
 }
 """What differs instead when TRL generates with vLLM in its process (``vllm-colocate``)."""
-
-REPRODUCIBLE_IMPORTANCE_RATIO = (
-    "ours (--reproducible): every batch sampled by the weights that train on it (the env "
-    "samples a batch only once its version is live: on-policy, as TRL), pi_trainer / pi_vLLM "
-    "of the sampled tokens PPO-clipped; TRL: "
-)
-"""The importance-ratio difference when ours runs with ``--reproducible`` (lockstep); TRL's
-half of the sentence follows from its generation."""
 
 
 def not_matched(generation: str = "transformers", reproducible: bool = False) -> dict[str, str]:
@@ -82,8 +86,8 @@ def not_matched(generation: str = "transformers", reproducible: bool = False) ->
     if generation == "vllm-colocate":
         out |= VLLM_COLOCATE_NOT_MATCHED
     if reproducible:
-        trl_half = out["importance_ratio"].split("; TRL", 1)[1]
-        out["importance_ratio"] = REPRODUCIBLE_IMPORTANCE_RATIO + trl_half.lstrip(": ")
+        ours, trl = OURS_IMPORTANCE_RATIO[True], TRL_IMPORTANCE_RATIO[generation]
+        out["importance_ratio"] = f"{ours}; {trl}"
     return out
 
 
