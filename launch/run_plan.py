@@ -180,11 +180,14 @@ def reproducible_note(cfg: RunConfig) -> str | None:
     if not cfg.reproducible:
         return None
     if cfg.vllm.enable_prefix_caching is False:
-        return "--reproducible with vLLM's prefix cache off: one seed gives the same run, bitwise"
+        return (
+            "--reproducible with vLLM's prefix cache off: one seed gives the same run, bitwise "
+            "(measured on CPU)"
+        )
     return (
         "--reproducible: seeded, on-policy batches in draw order; vLLM's prefix cache is on, "
         "so two runs of one seed can part in the last digits after a few steps "
-        "(--no-vllm.enable-prefix-caching: bitwise, sampling ~2.8x slower)"
+        "(--no-vllm.enable-prefix-caching: bitwise on CPU, sampling ~2.8x slower)"
     )
 
 

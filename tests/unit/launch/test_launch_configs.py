@@ -397,6 +397,12 @@ def test_a_reproducible_cpu_run_prefills_whole(tmp_path: Path) -> None:
         extra = vllm_extra(_run(["--reproducible", *flags], tmp_path))
         assert extra[-1] == "--no-enable-chunked-prefill"
         assert "--max-num-batched-tokens" not in extra
+    gpu = _run(["--reproducible", "--preset", "gpu-0.5b"], tmp_path)
+    assert "--no-enable-chunked-prefill" not in vllm_extra(gpu)  # CUDA generators rewind
+
+
+def test_the_launcher_says_what_reproducible_gives_with_the_prefix_cache(tmp_path: Path) -> None:
+    """vLLM's prefix cache is where two runs of a seed part: the NOTE says which a run gets."""
     from launch.run_plan import reproducible_note
 
     assert reproducible_note(_run([], tmp_path)) is None
@@ -404,5 +410,3 @@ def test_a_reproducible_cpu_run_prefills_whole(tmp_path: Path) -> None:
     assert cached and "prefix cache is on" in cached and "--no-vllm.enable-prefix-caching" in cached
     off = ["--reproducible", "--no-vllm.enable-prefix-caching"]
     assert "bitwise" in (reproducible_note(_run(off, tmp_path)) or "")
-    gpu = _run(["--reproducible", "--preset", "gpu-0.5b"], tmp_path)
-    assert "--no-enable-chunked-prefill" not in vllm_extra(gpu)  # CUDA generators rewind
