@@ -4,7 +4,9 @@
     python -m env_server.evaluate --split test --predictions preds.jsonl
 
 A predictions file has one JSON object per line: ``session_id``, ``step`` and ``completion``
-(the model's raw text). With ``--inference-url`` the model is asked greedily (temperature 0).
+(the model's raw text). With ``--inference-url`` the model is asked greedily (temperature 0), and
+each line also holds the ``token_ids`` the server sampled (the text of a token that is not
+valid UTF-8 on its own depends on the detokenizer; the ids do not).
 Prints the table, writes ``metrics.json``, ``predictions.jsonl`` and ``confusion.png``.
 
 Besides the paper's metrics, ``metrics.json`` splits the mean Shop-R1 reward into its parts
@@ -25,9 +27,12 @@ import logging
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from env_server.eval_stats import compute_metrics, format_table, oracle_exact_match, plot_confusion
+
+if TYPE_CHECKING:
+    from env_server.inference import Completion
 
 PROGRESS_LINE = "rows done %d/%d"
 """Logged as completions arrive (about every 2% of the rows); launch/run_all.sh's console
@@ -49,15 +54,15 @@ async def generate_completions(
     latest_only: bool = False,
     concurrency: int = CONCURRENCY,
     on_done: Callable[[int, int], None] | None = None,
-) -> list[str]:
-    """Greedy completions of ``rows`` from an :class:`~env_server.inference.InferenceClient`;
-    ``on_done(done, total)`` is called as each one arrives."""
+) -> list[Completion]:
+    """Greedy completions of ``rows`` from an :class:`~env_server.inference.InferenceClient`
+    (text and token ids); ``on_done(done, total)`` is called as each one arrives."""
     from env_server.rollout import prompt_ids
 
     sem = asyncio.Semaphore(concurrency)
     done = 0
 
-    async def one(row: Mapping[str, Any]) -> str:
+    async def one(row: Mapping[str, Any]) -> Completion:
         nonlocal done
         async with sem:  # encoded when its turn comes: the first requests go out at once
             ids = prompt_ids(row, tokenizer, max_prompt_tokens, latest_only)
@@ -65,7 +70,7 @@ async def generate_completions(
         done += 1
         if on_done is not None:
             on_done(done, len(rows))
-        return batch.completions[0].text
+        return batch.completions[0]
 
     return list(await asyncio.gather(*(one(r) for r in rows)))
 
@@ -93,7 +98,9 @@ def log_progress(done: int, total: int) -> None:
         log.info(PROGRESS_LINE, done, total)
 
 
-async def _predict_with_model(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]:
+async def _predict_with_model(
+    args: argparse.Namespace, rows: list[dict[str, Any]]
+) -> list[Completion]:
     from transformers import AutoTokenizer
 
     from env_server.inference import InferenceClient, wait_ready
@@ -216,21 +223,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.episode == "session":  # histories come from the split's earlier rows
         rows = as_episodes(rows)
     rows = rows[: args.limit]
+    token_ids: list[list[int]] | None = None  # a predictions file gives text only
     if args.predictions:
         completions = read_predictions(args.predictions, rows)
     else:
-        completions = asyncio.run(_predict_with_model(args, rows))
+        asked = asyncio.run(_predict_with_model(args, rows))
+        completions, token_ids = [c.text for c in asked], [c.token_ids for c in asked]
     m = compute_metrics([json.loads(r["action"]) for r in rows], completions)
     m["oracle_exact_match"] = oracle_exact_match([r["alternatives"] for r in rows])
     m["split"], m["source"] = args.split, str(args.predictions or args.inference_url)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "metrics.json").write_text(json.dumps(m, indent=2) + "\n")
     with (args.out_dir / "predictions.jsonl").open("w") as f:
-        for r, c in zip(rows, completions, strict=True):
-            f.write(
-                json.dumps({"session_id": r["session_id"], "step": r["step"], "completion": c})
-                + "\n"
-            )
+        for i, (r, c) in enumerate(zip(rows, completions, strict=True)):
+            rec: dict[str, Any] = {
+                "session_id": r["session_id"],
+                "step": r["step"],
+                "completion": c,
+            }
+            if token_ids is not None:
+                rec["token_ids"] = token_ids[i]
+            f.write(json.dumps(rec) + "\n")
     plot_confusion(m, args.out_dir / "confusion.png")
     print(format_table(m))
     print(f"wrote {args.out_dir}/metrics.json, predictions.jsonl, confusion.png", file=sys.stderr)

@@ -220,7 +220,8 @@ class EnvService:
             c.latest_only,
             c.concurrency,
         )
-        m = compute_metrics([json.loads(r["action"]) for r in self.val_rows], completions)
+        texts = [c.text for c in completions]
+        m = compute_metrics([json.loads(r["action"]) for r in self.val_rows], texts)
         flat = {k: v for k, v in m.items() if isinstance(v, (int, float))}
         log.info("eval (policy version ~%d): %s", self.api.policy_version, json.dumps(flat))
         self._record("eval", {"policy_version": self.api.policy_version, **flat})

@@ -43,6 +43,7 @@ def test_evaluate_cli_prints_paper_table(vllm_server, tmp_path, capsys) -> None:
     assert (out / "confusion.png").stat().st_size > 1000
     preds = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert len(preds) == 12 and all(isinstance(p["completion"], str) for p in preds)
+    assert all(p["token_ids"] and all(isinstance(t, int) for t in p["token_ids"]) for p in preds)
 
     # The predictions file it wrote evaluates to the same numbers without the server.
     again = evaluate_main(

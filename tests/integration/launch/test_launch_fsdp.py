@@ -9,9 +9,11 @@ curve and what the user sees (test_launch_run_all's ``check_what_the_user_sees``
 Each run: two GRPO steps at lr 1e-2 (the weights move far: KL 0.5-10 at step 2), every step
 checkpointed (sharded, ``dcp/``), gathered to rank 0 and synced (every server reports weight
 version 2), every process gone at the end (``check_run``); then vLLM's greedy completions of
-the RL evaluation (``eval_rl/predictions.jsonl``, asked of the servers after the last sync)
-equal transformers' greedy generation from the trainer's last checkpoint (its ``model/``
-export: the whole model, or the adapter on the SFT base).
+the RL evaluation (the token ids in ``eval_rl/predictions.jsonl``, asked of the servers after
+the last sync) equal transformers' greedy generation from the trainer's last checkpoint (its
+``model/`` export: the whole model, or the adapter on the SFT base). Token ids, not text: a
+run once ended on a model repeating one byte-level token, which transformers decodes to
+U+FFFD and vLLM to nothing, so equal tokens gave unequal text (suite_timings.md, U).
 
 The 3-step SFT model of the shared fixture answers the same degenerate text before and after
 such an update, so the greedy comparison alone cannot reveal a sync that never happened. The
@@ -139,7 +141,10 @@ def mean_abs_diff(a: list[float], b: list[float]) -> float:
 @torch.no_grad()
 def transformers_greedy(
     model_dir: Path, ckpt_model: Path, data_dir: Path, lora: bool, n: int
-) -> list[str]:
+) -> list[list[int]]:
+    """transformers' greedy completion token ids of the first ``n`` test rows (ids, not text: a
+    byte-level token that is not valid UTF-8 alone decodes to U+FFFD here and to nothing in
+    vLLM's incremental detokenizer, so equal tokens can give unequal text)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from env_server.data.dataset import load_or_build
@@ -155,7 +160,7 @@ def transformers_greedy(
     model.eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = load_or_build(data_dir)["test"].to_list()[:n]
-    texts = []
+    completions = []
     for row in rows:
         ids = prompt_ids(row, tok, PROMPT_TOKENS, False)
         out = model.generate(
@@ -166,8 +171,8 @@ def transformers_greedy(
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
         )
-        texts.append(tok.decode(out[0, len(ids) :], skip_special_tokens=True))
-    return texts
+        completions.append(out[0, len(ids) :].tolist())
+    return completions
 
 
 def test_two_rank_trainer_drives_vllm_in_shared_vllm_and_lora_only(
@@ -214,7 +219,7 @@ def test_two_rank_trainer_drives_vllm_in_shared_vllm_and_lora_only(
         else:
             check_two_servers(run_dir, out, tmp_path)
         preds = (run_dir / "eval_rl" / "predictions.jsonl").read_text().splitlines()
-        served = [json.loads(x)["completion"] for x in preds]
+        served = [json.loads(x)["token_ids"] for x in preds]
         want = transformers_greedy(sft, ckpt / "model", data, lora, EVAL[mode])
         assert served == want, mode
         assert list(served_lps) == servers, served_lps.keys()
