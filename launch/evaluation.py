@@ -1,6 +1,7 @@
 """The evaluations of ``launch/run_all.sh``: ``python -m env_server.evaluate`` on the test
 split (``launch.eval_split``) against a vLLM server, once before GRPO (the SFT model) and once
-after (the trainer's final weights). launch/eval_table.py compares the two.
+after (the trainer's final weights, :func:`evaluate_rl`, which writes the run's ``eval.md``
+with launch/eval_table.py's comparison of the two).
 
 On the CPU a run's evaluations get a server of their own (:func:`evaluation_server`,
 ``launch.eval_server``): nothing else computes while one runs, so that server has every core,
@@ -20,17 +21,21 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import httpx
 
 from env_server.config import EnvConfig
+from launch.eval_table import eval_table
 from launch.follow import eval_source
 from launch.procs import ManagedProcess
-from launch.run_plan import RUN_DTYPE, RunPlan, vllm_extra
+from launch.run_plan import RUN_DTYPE, RunPlan, own_eval_server, vllm_extra
 from launch.supervisor import PY, ServiceFailed, Stack, finish_step, start_step
 from launch.threads import light_env
 
 if TYPE_CHECKING:
     from launch.run_config import RunConfig
+    from launch.vllm_server import BridgeServer
 
 
 def final_model(save_path: str | Path, steps: int) -> Path | None:
@@ -174,3 +179,43 @@ def pages_table(run_dir: Path, samples: int, env_cfg: EnvConfig, split: str = "t
     }
     changed = what_changed(rows, runs["SFT"], runs["RL"])
     return f"{compare_pages(rows, runs)}\n\nWhat RL changed, per gold action and page:\n\n{changed}"
+
+
+def eval_samples(cfg: RunConfig) -> int:
+    """Test rows of the SFT-vs-RL evaluation: Shop-R1's, none without its env."""
+    return cfg.launch.eval_samples if cfg.launch.shop_r1_env else 0
+
+
+def evaluate_rl(
+    cfg: RunConfig,
+    plan: RunPlan,
+    server: BridgeServer,
+    files: dict[str, Path],
+    stack: Stack,
+    sft: dict[str, Any],
+) -> None:
+    """The trainer's final weights against the SFT model: eval.md. A server of their own with
+    every core loads them from the trainer's last checkpoint (``launch.eval_server``; not a
+    LoRA adapter), or ``server`` answers with the weights the trainer synced last."""
+    samples, model, save = eval_samples(cfg), cfg.model, cfg.trainer.grpo.save_path
+    split, env_file = cfg.launch.eval_split, files["env"]
+    health = httpx.get(f"{server.base_url}/bridge/health", timeout=10).json()
+    version = f"weight version {health.get('weight_version')}, mode {cfg.weight_bridge_mode}"
+    final = final_model(save, cfg.trainer.grpo.training_steps)
+    if own_eval_server(cfg, plan.device) and final is not None:
+        with evaluation_server(cfg, plan, files["vllm"], stack, final, "rl") as url:
+            rl = evaluate("rl", url, samples, plan.run_dir, env_file, split, plan.eval_dtype)
+        dtype = f" in {plan.eval_dtype}" if plan.eval_dtype else ""
+        how = f"loaded from {final} by an evaluation server{dtype} (the run's servers: {version})"
+    else:
+        rl = evaluate("rl", server.base_url, samples, plan.run_dir, env_file, split)
+        how = f"as served by vLLM after the last sync ({version})"
+    note = (
+        f"{samples} {split} steps, greedy. SFT = {model}; RL = the trainer's final "
+        f"weights ({save}) {how}."
+    )
+    table = eval_table(sft, rl, note)
+    table += "\nPer page kind (`python -m env_server.page_report`):\n\n"
+    table += pages_table(plan.run_dir, samples, cfg.env, split) + "\n"
+    (plan.run_dir / "eval.md").write_text(table)
+    print(table, flush=True)

@@ -2,16 +2,18 @@
 the preset's base model (the tiny model, or SmolLM2 for cpu-smol), the dataset and the SFT
 cold start (``python -m trainer sft``); the check that the rollouts stay within the
 sequence length the SFT model was trained on; and what a ``--resume`` of a stopped run will
-do (``resume_plan``, from the same decisions). docs/TRAINER.md describes SFT.
+do (``resume_plan``, from the same decisions; ``resume_hint``: the command, and that).
+docs/TRAINER.md describes SFT.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 
-from launch.configs import preset_model, write_service_config
+from launch.configs import preset_model, resolve_for_run, write_service_config
 from launch.evaluation import served_as
 from launch.follow import sft_source
 from launch.run_config import RunConfig
@@ -183,3 +185,25 @@ def resume_plan(cfg: RunConfig, run_dir: Path) -> str:
         runs = "is read back" if before else "runs"
         parts.append(f"the verifiers env's held-out evaluation before training {runs}")
     return "; ".join(parts)
+
+
+def resume_hint(run_dir: Path, argv: list[str]) -> str:
+    """How to continue this run: the same flags with ``--resume``, and what that will do from
+    the state the run is in now (``launch.prepare.resume_plan``: the command resolved as its
+    launch will resolve it, against the files the stopped run left)."""
+    valued = ("--run-dir", "--launch.run-dir")  # either spelling: the hint gives its own
+    flags = ("--resume", "--no-resume", "--launch.resume", "--no-launch.resume")
+    rest, skip = [], False
+    for a in argv:
+        if skip or a in valued or a in flags or a.startswith(tuple(f"{v}=" for v in valued)):
+            skip = a in valued
+            continue
+        rest.append(a)
+    args = ["--resume", "--run-dir", str(run_dir), *rest]
+    cmd = shlex.join(["launch/run_all.sh", *args])
+    try:
+        url = "http://127.0.0.1:0"  # the run's ports and URLs decide nothing of it
+        what = resume_plan(resolve_for_run(args, url, [url], run_dir, warn=False), run_dir)
+    except Exception as e:  # noqa: BLE001 -- the hint must never hide why the run stopped
+        what = f"what it will redo could not be worked out: {type(e).__name__}: {e}"
+    return f"[run_all] to continue this run: {cmd}\n[run_all]   --resume: {what}"

@@ -30,17 +30,16 @@ import httpx
 from api.config import TOKEN_ENV as API_TOKEN_ENV
 from api.config import check_exposure
 from launch import progress, verifiers_env
-from launch.configs import launcher_config, resolve_for_run, write_service_configs
+from launch.configs import launcher_config, write_service_configs
 from launch.cost_estimate import LongRun
 from launch.cost_probe import CostProbe
-from launch.eval_table import eval_table
 from launch.evaluation import (
+    eval_samples,
     evaluate,
+    evaluate_rl,
     evaluation_argv,
     evaluation_server,
-    final_model,
     finish_evaluation,
-    pages_table,
     start_evaluation,
 )
 from launch.follow import LogSource, grpo_source
@@ -49,7 +48,7 @@ from launch.prepare import (
     context_warning,
     prepare_embedded,
     prepares_embedded,
-    resume_plan,
+    resume_hint,
     reused_sft_eval,
 )
 from launch.procs import ManagedProcess, tail
@@ -164,11 +163,6 @@ def prepare(cfg: RunConfig, plan: RunPlan, probe: CostProbe) -> list[str]:
     return envs
 
 
-def eval_samples(cfg: RunConfig) -> int:
-    """Test rows of the SFT-vs-RL evaluation: Shop-R1's, none without its env."""
-    return cfg.launch.eval_samples if cfg.launch.shop_r1_env else 0
-
-
 def write_configs(cfg: RunConfig, plan: RunPlan, envs: list[str]) -> dict[str, Path]:
     """Each service's file under ``<run>/config/``; where to follow the run."""
     files = write_service_configs(plan.run_dir, cfg)
@@ -263,41 +257,6 @@ def train(
         stack.stop(name)
 
 
-def evaluate_rl(
-    cfg: RunConfig,
-    plan: RunPlan,
-    server: BridgeServer,
-    files: dict[str, Path],
-    stack: Stack,
-    sft: dict[str, Any],
-) -> None:
-    """The trainer's final weights against the SFT model: eval.md. A server of their own with
-    every core loads them from the trainer's last checkpoint (``launch.eval_server``; not a
-    LoRA adapter), or ``server`` answers with the weights the trainer synced last."""
-    samples, model, save = eval_samples(cfg), cfg.model, cfg.trainer.grpo.save_path
-    split, env_file = cfg.launch.eval_split, files["env"]
-    health = httpx.get(f"{server.base_url}/bridge/health", timeout=10).json()
-    version = f"weight version {health.get('weight_version')}, mode {cfg.weight_bridge_mode}"
-    final = final_model(save, cfg.trainer.grpo.training_steps)
-    if own_eval_server(cfg, plan.device) and final is not None:
-        with evaluation_server(cfg, plan, files["vllm"], stack, final, "rl") as url:
-            rl = evaluate("rl", url, samples, plan.run_dir, env_file, split, plan.eval_dtype)
-        dtype = f" in {plan.eval_dtype}" if plan.eval_dtype else ""
-        how = f"loaded from {final} by an evaluation server{dtype} (the run's servers: {version})"
-    else:
-        rl = evaluate("rl", server.base_url, samples, plan.run_dir, env_file, split)
-        how = f"as served by vLLM after the last sync ({version})"
-    note = (
-        f"{samples} {split} steps, greedy. SFT = {model}; RL = the trainer's final "
-        f"weights ({save}) {how}."
-    )
-    table = eval_table(sft, rl, note)
-    table += "\nPer page kind (`python -m env_server.page_report`):\n\n"
-    table += pages_table(plan.run_dir, samples, cfg.env, split) + "\n"
-    (plan.run_dir / "eval.md").write_text(table)
-    print(table, flush=True)
-
-
 def launch(cfg: RunConfig, plan: RunPlan, stack: Stack, argv: list[str]) -> int:
     """The run ``cfg`` (resolved with the launcher's decisions, ``plan``), phase by phase;
     ``argv``: the command line, for the cost probe's advice."""
@@ -332,28 +291,6 @@ def launch(cfg: RunConfig, plan: RunPlan, stack: Stack, argv: list[str]) -> int:
     say(f"reward curve: {plan.run_dir / 'reward_curve.png'}")
     say(f"the run's page: {build_report(plan.run_dir)} (open it in a browser)")
     return 0
-
-
-def resume_hint(run_dir: Path, argv: list[str]) -> str:
-    """How to continue this run: the same flags with ``--resume``, and what that will do from
-    the state the run is in now (``launch.prepare.resume_plan``: the command resolved as its
-    launch will resolve it, against the files the stopped run left)."""
-    valued = ("--run-dir", "--launch.run-dir")  # either spelling: the hint gives its own
-    flags = ("--resume", "--no-resume", "--launch.resume", "--no-launch.resume")
-    rest, skip = [], False
-    for a in argv:
-        if skip or a in valued or a in flags or a.startswith(tuple(f"{v}=" for v in valued)):
-            skip = a in valued
-            continue
-        rest.append(a)
-    args = ["--resume", "--run-dir", str(run_dir), *rest]
-    cmd = shlex.join(["launch/run_all.sh", *args])
-    try:
-        url = "http://127.0.0.1:0"  # the run's ports and URLs decide nothing of it
-        what = resume_plan(resolve_for_run(args, url, [url], run_dir, warn=False), run_dir)
-    except Exception as e:  # noqa: BLE001 -- the hint must never hide why the run stopped
-        what = f"what it will redo could not be worked out: {type(e).__name__}: {e}"
-    return f"[run_all] to continue this run: {cmd}\n[run_all]   --resume: {what}"
 
 
 def main(argv: list[str] | None = None) -> int:

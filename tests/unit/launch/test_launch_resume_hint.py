@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.run_all import resume_hint
+from launch.prepare import resume_hint
 from settings import paths
 
 pytestmark = pytest.mark.unit
