@@ -110,7 +110,8 @@ class CostProbe:
     """The launcher's probe of one run (``cfg``: its ``RunConfig`` resolved for the run;
     ``argv``: its command line, for the cpu-tiny command; ``trainer_env``: what the thread
     plan gives the GRPO trainer, whose ``OMP_NUM_THREADS`` the GRPO probe's torch uses; the
-    SFT runs alone in the launcher's environment, and so does its probe). :meth:`before_sft` estimates SFT and GRPO at once (the
+    SFT runs alone in the launcher's environment, and so does its probe; ``run_dir``: the
+    run's directory, where the probe process logs, ``cost_probe.log``). :meth:`before_sft` estimates SFT and GRPO at once (the
     GRPO probe then runs on the base model: the same architecture as the SFT model it will
     train), :meth:`before_grpo` repeats the GRPO line, or probes GRPO when SFT did not run.
     A probe that fails says so and the run goes on."""
@@ -121,11 +122,12 @@ class CostProbe:
         argv: Sequence[str],
         trainer_env: Mapping[str, str] | None = None,
         measure: Any = None,
+        run_dir: Path | None = None,
     ) -> None:
         lc = cfg.launch
         self.cfg, self.argv = cfg, list(argv)
-        log = Path(lc.run_dir or tempfile.gettempdir()) / "cost_probe.log"
-        self.measure = measure or partial(measure_in_child, log=log)
+        self.log = Path(run_dir or lc.run_dir or tempfile.gettempdir()) / "cost_probe.log"
+        self.measure = measure or partial(measure_in_child, log=self.log)
         omp = (trainer_env or {}).get("OMP_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS")
         self.threads = int(omp) if omp and omp.isdigit() else None  # GRPO's
         omp = os.environ.get("OMP_NUM_THREADS")

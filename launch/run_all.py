@@ -260,7 +260,7 @@ def train(
 def launch(cfg: RunConfig, plan: RunPlan, stack: Stack, argv: list[str]) -> int:
     """The run ``cfg`` (resolved with the launcher's decisions, ``plan``), phase by phase;
     ``argv``: the command line, for the cost probe's advice."""
-    probe = CostProbe(cfg, argv, plan.threads.trainer_env)  # the trainer's threads
+    probe = CostProbe(cfg, argv, plan.threads.trainer_env, run_dir=plan.run_dir)
     envs = prepare(cfg, plan, probe)
     if cfg.launch.prepare_only:
         say(f"prepared {cfg.model}")
@@ -352,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # let the shutdown finish
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         stack.stop_all()
-        print(f"[run_all] stopped {[p.pid for p in stack.procs]}", flush=True)
+        if stack.procs:  # nothing started (--long-run tiny before training): nothing to say
+            print(f"[run_all] stopped {[p.pid for p in stack.procs]}", flush=True)
         if hint:  # once everything stopped: no trainer writes a checkpoint after it is read
             print(resume_hint(run_dir, argv), file=sys.stderr, flush=True)
     assert tiny is not None  # only a LongRun gets here

@@ -239,6 +239,32 @@ def test_the_launcher_runs_the_tiny_preset_in_the_same_run_dir(
     assert rc == 0 and runs == [("cpu-smol", run_dir), ("cpu-tiny", run_dir)]
 
 
+def test_the_probe_logs_in_the_run_dir_the_launcher_chose(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``cost_probe.log`` lands in the run's directory also where no ``--run-dir`` was given
+    (``make run``: the launcher names it ``runs/<timestamp>``), not in the temp dir."""
+    from launch import run_all
+
+    seen: list[tuple[Path, Path]] = []
+
+    def prepare(cfg, plan, probe):
+        seen.append((probe.log, plan.run_dir))
+        return []
+
+    monkeypatch.setattr(run_all, "RUNS_DIR", tmp_path / "runs")
+    monkeypatch.setattr(run_all, "prepare", prepare)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        rc = run_all.main(["--preset", "cpu-smol", "--prepare-only", "--no-fork-services"])
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    [(log, run_dir)] = seen
+    assert rc == 0 and run_dir.parent == tmp_path / "runs"
+    assert log == run_dir / "cost_probe.log"
+
+
 def test_the_evaluations_are_estimated_at_the_sft_steps_flop_rate() -> None:
     """Two evaluations of 512 steps of 1,024 tokens (forwards: 2 FLOP a parameter a token)
     at the rate an SFT step of 8 x 1,024 tokens (6 FLOP a parameter a token) reached."""
