@@ -168,7 +168,8 @@ def long_run_lines(
         f"[run_all] NOTE: preset {preset} would take ~{_duration(total)} on this CPU "
         f"({parts}), over {LONG_RUN_S / 60:.0f} min: its model's steps are measured at {steps} "
         f"(fp32 where the CPU has no native bf16, trainer/precision.py).",
-        f"[run_all] NOTE: the tiny preset runs the same pipeline in minutes: {tiny_command(argv)}",
+        "[run_all] NOTE: the tiny preset runs the same pipeline on the project's own 4-layer "
+        f"model, seconds a step (~40 min in all on 2 cores, docs/RUNNING.md): {tiny_command(argv)}",
         f"[run_all] NOTE: running the tiny preset instead, as --long-run tiny asks (what make run "
         f"asks; --long-run warn keeps {preset})."
         if switch
