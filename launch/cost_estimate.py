@@ -132,8 +132,11 @@ def tiny_command(argv: Sequence[str]) -> str:
 
 def tiny_argv(argv: Sequence[str]) -> list[str]:
     """The run's launcher options with the tiny preset: its ``--preset``, ``--recipe``/
-    ``--config`` (a recipe names its model), ``--run-dir`` and ``--resume`` left out."""
+    ``--config`` (a recipe names its model), ``--run-dir``, ``--resume`` and ``--long-run``
+    (the tiny model's steps are not probed; ``make run`` passes ``--long-run tiny`` and a
+    user's ``RUN_ARGS`` may add another) left out."""
     valued = {"--preset", "--recipe", "--config", "--run-dir", "--launch.run-dir"}
+    valued |= {"--long-run", "--launch.long-run"}
     flags = {"--resume", "--launch.resume"}
     rest, skip = [], False
     for a in argv:

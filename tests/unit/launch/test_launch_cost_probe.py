@@ -96,15 +96,18 @@ def test_over_90_minutes_prints_why_and_the_tiny_preset_command() -> None:
     assert long_run_lines([_estimate("SFT", 30, 10.0)], "cpu-smol", argv) == []
 
 
-def test_tiny_command_drops_the_preset_recipe_run_dir_and_resume() -> None:
+def test_tiny_command_drops_the_preset_recipe_run_dir_resume_and_long_run() -> None:
     argv = [
         "--preset=cpu-smol",
+        "--long-run",  # make run's, then the user's (RUN_ARGS): neither matters to tiny
+        "tiny",
         "--recipe",
         "r.yaml",
         "--resume",
         "--run-dir=runs/a",
         "--seed",
         "3",
+        "--launch.long-run=warn",
     ]
     assert tiny_command(argv) == "launch/run_all.sh --preset cpu-tiny --seed 3"
 
