@@ -135,20 +135,11 @@ def tiny_argv(argv: Sequence[str]) -> list[str]:
     ``--config`` (a recipe names its model), ``--run-dir``, ``--resume`` and ``--long-run``
     (the tiny model's steps are not probed; ``make run`` passes ``--long-run tiny`` and a
     user's ``RUN_ARGS`` may add another) left out."""
-    valued = {"--preset", "--recipe", "--config", "--run-dir", "--launch.run-dir"}
-    valued |= {"--long-run", "--launch.long-run"}
-    flags = {"--resume", "--launch.resume"}
-    rest, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a in valued:
-            skip = True
-            continue
-        if a in flags or a.split("=", 1)[0] in valued:
-            continue
-        rest.append(a)
+    from launch.run_config import without_options  # not at import: the probe's child needs none
+
+    valued = ["--preset", "--recipe", "--config", "--run-dir", "--launch.run-dir"]
+    valued += ["--long-run", "--launch.long-run"]
+    rest = without_options(argv, valued, ["--resume", "--launch.resume"])
     return ["--preset", "cpu-tiny", *rest]
 
 

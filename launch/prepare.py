@@ -16,7 +16,7 @@ from pathlib import Path
 from launch.configs import preset_model, resolve_for_run, write_service_config
 from launch.evaluation import served_as
 from launch.follow import sft_source
-from launch.run_config import RunConfig
+from launch.run_config import RunConfig, without_options
 from launch.run_plan import RUN_DTYPE, eval_dtype
 from launch.supervisor import PY, run_step
 from trainer.checkpoint_files import checkpoint_step, missing_parts
@@ -193,13 +193,7 @@ def resume_hint(run_dir: Path, argv: list[str]) -> str:
     launch will resolve it, against the files the stopped run left)."""
     valued = ("--run-dir", "--launch.run-dir")  # either spelling: the hint gives its own
     flags = ("--resume", "--no-resume", "--launch.resume", "--no-launch.resume")
-    rest, skip = [], False
-    for a in argv:
-        if skip or a in valued or a in flags or a.startswith(tuple(f"{v}=" for v in valued)):
-            skip = a in valued
-            continue
-        rest.append(a)
-    args = ["--resume", "--run-dir", str(run_dir), *rest]
+    args = ["--resume", "--run-dir", str(run_dir), *without_options(argv, valued, flags)]
     cmd = shlex.join(["launch/run_all.sh", *args])
     try:
         url = "http://127.0.0.1:0"  # the run's ports and URLs decide nothing of it

@@ -113,6 +113,23 @@ class RunConfig(_Keys):
         return self
 
 
+def without_options(
+    argv: Sequence[str], valued: Sequence[str], flags: Sequence[str] = ()
+) -> list[str]:
+    """``argv`` less the options ``valued`` (with their value: ``--x v`` or ``--x=v``) and the
+    bare ``flags``: what a command derived from the run's (the tiny preset's, the resume
+    hint's) gives again its own way."""
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in valued:
+            skip = True
+        elif a not in flags and a.split("=", 1)[0] not in valued:
+            rest.append(a)
+    return rest
+
+
 def _dotted(args: str | None, section: str) -> list[str]:
     """``--env-args='--group-size 8'`` -> ``--env.group-size 8``."""
     return [f"--{section}.{a[2:]}" if a.startswith("--") else a for a in shlex.split(args or "")]
