@@ -1,0 +1,70 @@
+"""bench/peers/same_batch.py on the tiny model: given one batch, our GRPO step and TRL's
+GRPOTrainer step (trl==1.16.0, installed on first use as the peer bench does) compute the same
+gradient direction and make the same AdamW update.
+
+The batch is built, not sampled, so its reward spread is certain: each group holds the row's
+gold answer (the env's reward pays it the most), another row's answer, the gold answer cut
+short, and a non-answer (reward 0), with different lengths, so that the two loss normalisers
+(ours: the trained tokens; TRL ``dr_grpo``: sequences x max_completion_length) really differ.
+The preset is cpu-smol's (group-scaled advantages, prefix-tree packing), the tiny model in
+place of SmolLM2, and two groups of four.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.peers.data import ShopR1Reward
+from bench.peers.same_batch import one_batch
+from bench.peers.settings import resolve, run_all_argv
+from env_server.data.dataset import build_dataset
+from env_server.prompts import format_target
+from env_server.rollout import prompt_ids
+
+pytestmark = pytest.mark.integration
+GROUP, PROMPTS = 4, 2
+
+
+def test_our_grpo_step_is_trls_on_the_same_batch(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    argv = run_all_argv("cpu-smol", tmp_path / "plan", None, 1, 1, str(tiny_model_dir), seed=0)
+    argv += ["--env.group-size", str(GROUP), "--trainer.grpo.batch-size", str(GROUP * PROMPTS)]
+    plan = resolve(argv, 1)
+    assert (plan.group_size, plan.prompts_per_step) == (GROUP, PROMPTS)
+    assert plan.grpo.scale_advantages and plan.grpo.packing == "prefix_tree"
+    env = plan.env
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = build_dataset(num_sessions=40, seed=0)["train"].to_list()[: PROMPTS + 1]
+    reward = ShopR1Reward(env.reward_config())
+    batch = []
+    for i, row in enumerate(rows[:PROMPTS]):
+        gold = format_target(row["rationale"], json.loads(row["action"]))
+        other = format_target("", json.loads(rows[i + 1]["action"]))
+        texts = [gold, other, gold[: len(gold) // 2], "I would rather not say."]
+        comps = [tok(t)["input_ids"][: env.max_tokens - 1] + [tok.eos_token_id] for t in texts]
+        text_back = tok.batch_decode(comps, skip_special_tokens=True)
+        scores = reward([""] * GROUP, text_back, [row["action"]] * GROUP)
+        assert scores[0] == max(scores) > scores[3] == 0.0  # a certain spread
+        ids = prompt_ids(row, tok, env.max_prompt_tokens, env.latest_only)
+        batch.append({"row": row, "prompt": ids, "completions": comps, "scores": scores})
+    lengths = {len(c) for p in batch for c in p["completions"]}
+    assert len(lengths) > 2 and max(lengths) < env.max_tokens  # the normalisers differ
+
+    class Args:
+        trl_micro_batch = GROUP
+
+    got = one_batch(plan, str(tiny_model_dir), batch, tmp_path / "work", Args)
+    grad, update = got["gradient"], got["update"]
+    assert grad["tensors_nonzero_in_both"] == grad["tensors"]  # every tensor got a gradient
+    assert grad["cosine"] > 1 - 1e-6 and grad["tensor_cosine_min"] > 1 - 1e-4, grad
+    assert update["cosine"] > 1 - 1e-5, update
+    assert got["trl"]["reward"] == pytest.approx(got["reward_mean"], rel=1e-6)
+    assert got["lr"]["ours"] == got["lr"]["trl"] == plan.grpo.lr
+    # The lengths differ only by the normalisers' ratio and the std's (N-1)/N, both constant.
+    tokens = got["ours"]["tokens"]
+    ratio = (GROUP * PROMPTS * env.max_tokens / tokens) * (GROUP / (GROUP - 1)) ** 0.5
+    assert got["ours"]["grad_norm"] / got["trl"]["grad_norm"] == pytest.approx(ratio, rel=1e-3)
