@@ -25,7 +25,9 @@ start weights:
 
 Compared per batch: the cosine of the two gradients over the whole model and per tensor, their
 norms (before clipping), the rewards each side computed, and the cosine of the two parameter
-updates after the one AdamW step. Both sides compute in the precision our trainer picks on this
+updates after the one AdamW step, with the updates AdamW's first step predicts from each side's
+gradient (``update_check``: whether the updates differ only where a gradient's length meets
+Adam's eps). Both sides compute in the precision our trainer picks on this
 CPU (``--precision auto``). Written: ``--out`` (JSON) and ``table.md`` beside it. The loss
 normalisers differ by a constant (ours: the step's trained tokens; TRL ``dr_grpo``: sequences
 x max_completion_length), as do the advantage scales (ours: population std; TRL: sample std),
@@ -89,6 +91,34 @@ def cosines(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> dic
         "tensor_cosine_min": per[worst],
         "tensor_cosine_median": statistics.median(per.values()),
         "worst_tensor": worst,
+    }
+
+
+def adam_first_step(grads: Mapping[str, torch.Tensor], eps: float) -> dict[str, torch.Tensor]:
+    """AdamW's first update per unit of learning rate, without weight decay: the bias-corrected
+    moments are g and g^2, so it is g / (|g| + eps) -- a sign, except where |g| is near eps."""
+    return {n: g.double() / (g.double().abs() + eps) for n, g in grads.items()}
+
+
+def update_check(ours: Mapping[str, Any], trl: Mapping[str, Any], plan: Plan) -> dict[str, float]:
+    """Whether the two AdamW updates differ only through the gradients' lengths: the cosine of
+    the first steps predicted from each side's clipped gradient (it should match the measured
+    update cosine), and the same with ours' gradient rescaled to TRL's length (it should be 1
+    if the gradients point the same way)."""
+    g = plan.grpo
+    limit = g.max_grad_norm if g.max_grad_norm > 0 else float("inf")
+    scale = min(1.0, limit / (ours["stats"]["grad_norm"] + 1e-6))  # torch's clip factor
+    mine = {n: x * scale for n, x in ours["grads"].items()}
+    theirs = trl["grads"]  # read after TRL's clip
+    length = sum(float(x.double().pow(2).sum()) for x in theirs.values()) ** 0.5
+    mine_len = sum(float(x.double().pow(2).sum()) for x in mine.values()) ** 0.5
+    same_length = {n: x * (length / mine_len) for n, x in mine.items()}
+    eps, want = g.adam_eps, adam_first_step(theirs, g.adam_eps)
+    return {
+        "predicted_update_cosine": cosines(adam_first_step(mine, eps), want)["cosine"],
+        "same_length_update_cosine": cosines(adam_first_step(same_length, eps), want)["cosine"],
+        "clipped_length_ratio": mine_len / length,
+        "weight_decay_left_out": g.weight_decay,
     }
 
 
@@ -274,6 +304,7 @@ def one_batch(plan: Plan, model: str, batch: list[dict[str, Any]], work: Path, a
         "trl": trl["stats"],
         "gradient": cosines(ours["grads"], trl["grads"]),
         "update": cosines(ours["update"], trl["update"]),
+        "adamw_first_step": update_check(ours, trl, plan),
     }
 
 
@@ -284,16 +315,18 @@ def markdown(result: Mapping[str, Any]) -> str:
         f"{result['batches'][0]['precision']['trl']} (TRL)",
         "",
         "| batch | constant groups | reward mean | gradient cosine (tensor min / median) | "
-        "grad norm ours / TRL | update cosine (tensor min) |",
-        "|---|---|---|---|---|---|",
+        "grad norm ours / TRL | update cosine (tensor min) | AdamW's first step predicted: "
+        "update cosine / same-length gradients |",
+        "|---|---|---|---|---|---|---|",
     ]
     for i, b in enumerate(result["batches"]):
-        g, u = b["gradient"], b["update"]
+        g, u, p = b["gradient"], b["update"], b["adamw_first_step"]
         lines.append(
             f"| {i} | {b['constant_groups']} of {b['prompts']} | {b['reward_mean']:.3f} | "
             f"{g['cosine']:.6f} ({g['tensor_cosine_min']:.4f} / "
             f"{g['tensor_cosine_median']:.6f}) | {b['ours']['grad_norm']:.4g}"
-            f" / {b['trl']['grad_norm']:.4g} | {u['cosine']:.6f} ({u['tensor_cosine_min']:.4f}) |"
+            f" / {b['trl']['grad_norm']:.4g} | {u['cosine']:.6f} ({u['tensor_cosine_min']:.4f}) | "
+            f"{p['predicted_update_cosine']:.6f} / {p['same_length_update_cosine']:.6f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -306,7 +339,7 @@ def main() -> None:
     )
     ap.add_argument("--model", required=True, help="the start checkpoint (an SFT model folder)")
     ap.add_argument("--preset", default="cpu-smol", help="whose settings both sides take")
-    ap.add_argument("--batches", type=int, default=2, help="batches, each from the start model")
+    ap.add_argument("--batches", type=int, default=3, help="batches, each from the start model")
     ap.add_argument("--seed", type=int, default=0, help="the sampling seed (and the run's)")
     ap.add_argument(
         "--trl-micro-batch", type=int, default=8, help="completions per TRL forward/backward"

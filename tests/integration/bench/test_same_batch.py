@@ -62,6 +62,9 @@ def test_our_grpo_step_is_trls_on_the_same_batch(tiny_model_dir: Path, tmp_path:
     assert grad["tensors_nonzero_in_both"] == grad["tensors"]  # every tensor got a gradient
     assert grad["cosine"] > 1 - 1e-6 and grad["tensor_cosine_min"] > 1 - 1e-4, grad
     assert update["cosine"] > 1 - 1e-5, update
+    adam = got["adamw_first_step"]  # what is left of the update's difference: Adam's eps
+    assert adam["predicted_update_cosine"] == pytest.approx(update["cosine"], abs=1e-6)
+    assert adam["same_length_update_cosine"] > 1 - 1e-9, adam
     assert got["trl"]["reward"] == pytest.approx(got["reward_mean"], rel=1e-6)
     assert got["lr"]["ours"] == got["lr"]["trl"] == plan.grpo.lr
     # The lengths differ only by the normalisers' ratio and the std's (N-1)/N, both constant.

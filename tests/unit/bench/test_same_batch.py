@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.peers.same_batch import cosines, truncate_at_eos
+from bench.peers.same_batch import adam_first_step, cosines, truncate_at_eos
 
 pytestmark = pytest.mark.unit
 
@@ -33,3 +33,9 @@ def test_cosines_over_the_model_and_per_tensor() -> None:
         cosines(a, {"w": b["w"]})
     with pytest.raises(ValueError, match="no learning signal"):
         cosines(a, {"w": torch.zeros(2), "b": torch.zeros(1)})
+
+
+def test_adams_first_step_is_a_sign_but_near_eps() -> None:
+    g = {"w": torch.tensor([2.0, -3.0, 1e-8, 0.0])}
+    got = adam_first_step(g, eps=1e-8)["w"]
+    assert got.tolist() == pytest.approx([1.0, -1.0, 0.5, 0.0], rel=1e-6)
