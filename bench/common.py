@@ -171,9 +171,12 @@ def write_result(path: Path, key: str, value: Any) -> dict[str, Any]:
 def run_child(module: str, spec: dict[str, Any], timeout: float = 3600) -> dict[str, Any]:
     """One measured point in a fresh process (its memory, threads and kernels its own):
     ``python -m MODULE --child SPEC --child-result FILE``, which writes its result to FILE as
-    JSON (``write_child_result``)."""
+    JSON (``write_child_result``). The child dies with this process (a parent-death signal)."""
+    import functools
     import subprocess
     import tempfile
+
+    from procutil.parent_death import die_with
 
     with tempfile.TemporaryDirectory(prefix="bench-child-") as tmp:
         result = Path(tmp) / "result.json"
@@ -184,6 +187,7 @@ def run_child(module: str, spec: dict[str, Any], timeout: float = 3600) -> dict[
             text=True,
             timeout=timeout,
             check=False,
+            preexec_fn=functools.partial(die_with, os.getpid()),
         )
         if out.returncode != 0 or not result.exists():
             raise SystemExit(f"point {spec} failed:\n{out.stderr[-3000:]}")

@@ -37,6 +37,7 @@ so the gradients may differ in length, not in direction.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -283,18 +284,65 @@ def trl_step(
     }
 
 
-def one_batch(plan: Plan, model: str, batch: list[dict[str, Any]], work: Path, a: Any) -> dict:
+SIDES = {"ours": ours_step, "trl": trl_step}
+
+
+def run_side(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """One side on one batch, in its own process (``--child``): its gradient and update go to
+    ``<work>/tensors.safetensors`` (``grad/NAME``, ``update/NAME``), the rest is returned."""
+    from safetensors.torch import save_file
+
+    from bench.peers.settings import resolve
+
+    plan = resolve(list(spec["argv"]), 1)
+    batch = json.loads(Path(spec["batch"]).read_text())
+    work = Path(spec["work"])
+    if spec["side"] == "ours":
+        got = ours_step(plan, spec["model"], batch, work)
+    else:
+        got = trl_step(plan, spec["model"], batch, work, spec["bf16"], spec["micro"])
+    tensors = {f"grad/{n}": t.contiguous() for n, t in got.pop("grads").items()}
+    tensors |= {f"update/{n}": t.contiguous() for n, t in got.pop("update").items()}
+    work.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(work / "tensors.safetensors"))
+    return got
+
+
+def _load(work: Path) -> dict[str, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    flat = load_file(str(work / "tensors.safetensors"))
+    out: dict[str, dict[str, torch.Tensor]] = {"grads": {}, "update": {}}
+    for key, t in flat.items():
+        kind, name = key.split("/", 1)
+        out["grads" if kind == "grad" else "update"][name] = t
+    return out
+
+
+def one_batch(
+    plan: Plan, model: str, batch: list[dict[str, Any]], work: Path, micro: int
+) -> dict[str, Any]:
+    """Both sides on ``batch``, each in a fresh process (so neither inherits the other's
+    memory), and what they did compared."""
+    from bench.common import run_child
     from bench.peers.settings import compute_precision
 
     bf16, why = compute_precision(plan)
-    ours = ours_step(plan, model, batch, work / "ours")
-    trl = trl_step(plan, model, batch, work / "trl", bf16, a.trl_micro_batch)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "batch.json").write_text(json.dumps(batch))
+    spec = {"argv": plan.run_all_argv, "model": model, "batch": str(work / "batch.json")}
+    spec |= {"bf16": bf16, "micro": micro}
+    side = {
+        name: run_child(__name__, spec | {"side": name, "work": str(work / name)}) for name in SIDES
+    }
+    ours, trl = side["ours"], side["trl"]
+    ours |= _load(work / "ours")
+    trl |= _load(work / "trl")
     scores = [s for p in batch for s in p["scores"]]
-    constant = sum(len(set(p["scores"])) == 1 for p in batch)
     return {
         "prompts": len(batch),
         "completions": len(scores),
-        "constant_groups": constant,
+        "constant_groups": sum(len(set(p["scores"])) == 1 for p in batch),
         "reward_mean": statistics.fmean(scores),
         "completion_tokens_mean": statistics.fmean(len(c) for p in batch for c in p["completions"]),
         "precision": {"ours": ours["precision"], "trl": trl["precision"], "why": why},
@@ -337,7 +385,7 @@ def main() -> None:
         description=__doc__,
         formatter_class=argparse.RawTextHelpFormatter,
     )
-    ap.add_argument("--model", required=True, help="the start checkpoint (an SFT model folder)")
+    ap.add_argument("--model", help="the start checkpoint (an SFT model folder; required)")
     ap.add_argument("--preset", default="cpu-smol", help="whose settings both sides take")
     ap.add_argument("--batches", type=int, default=3, help="batches, each from the start model")
     ap.add_argument("--seed", type=int, default=0, help="the sampling seed (and the run's)")
@@ -345,6 +393,8 @@ def main() -> None:
         "--trl-micro-batch", type=int, default=8, help="completions per TRL forward/backward"
     )
     ap.add_argument("--work-dir", type=Path, default=Path("runs/same_batch"))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-result", type=Path, help=argparse.SUPPRESS)
     ap.add_argument(
         "--out",
         type=Path,
@@ -352,6 +402,13 @@ def main() -> None:
         help="the result (JSON, under the preset's key); the table goes beside it (table.md)",
     )
     a = ap.parse_args()
+    if a.child:
+        from bench.common import write_child_result
+
+        write_child_result(a.child_result, run_side(json.loads(a.child)))
+        return
+    if not a.model:
+        ap.error("--model is required")
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -372,7 +429,7 @@ def main() -> None:
         t0 = time.perf_counter()
         batch = sample_batch(sampler, tok, rows[b * n : (b + 1) * n], plan, a.seed * 100 + b)
         sampled = time.perf_counter() - t0
-        result = one_batch(plan, str(a.model), batch, work / f"batch{b}", a)
+        result = one_batch(plan, str(a.model), batch, work / f"batch{b}", a.trl_micro_batch)
         result["seconds"]["sampling"] = sampled
         batches.append(result)
         g = result["gradient"]

@@ -54,10 +54,7 @@ def test_our_grpo_step_is_trls_on_the_same_batch(tiny_model_dir: Path, tmp_path:
     lengths = {len(c) for p in batch for c in p["completions"]}
     assert len(lengths) > 2 and max(lengths) < env.max_tokens  # the normalisers differ
 
-    class Args:
-        trl_micro_batch = GROUP
-
-    got = one_batch(plan, str(tiny_model_dir), batch, tmp_path / "work", Args)
+    got = one_batch(plan, str(tiny_model_dir), batch, tmp_path / "work", micro=GROUP)
     grad, update = got["gradient"], got["update"]
     assert grad["tensors_nonzero_in_both"] == grad["tensors"]  # every tensor got a gradient
     assert grad["cosine"] > 1 - 1e-6 and grad["tensor_cosine_min"] > 1 - 1e-4, grad
