@@ -333,7 +333,8 @@ def one_batch(
     spec = {"argv": plan.run_all_argv, "model": model, "batch": str(work / "batch.json")}
     spec |= {"bf16": bf16, "micro": micro}
     side = {
-        name: run_child(__name__, spec | {"side": name, "work": str(work / name)}) for name in SIDES
+        name: run_child("bench.peers.same_batch", spec | {"side": name, "work": str(work / name)})
+        for name in SIDES
     }
     ours, trl = side["ours"], side["trl"]
     ours |= _load(work / "ours")
