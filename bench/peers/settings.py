@@ -46,7 +46,8 @@ NOT_MATCHED = {
     "importance_ratio": f"{OURS_IMPORTANCE_RATIO[False]}; {TRL_IMPORTANCE_RATIO['transformers']}",
     "loss_normaliser": "ours: the step's trained tokens (`loss_aggregation: token`); TRL "
     "`dr_grpo`: sequences x max_completion_length, a constant (the advantages are held "
-    "equal: see `settings.advantages`)",
+    "equal: see `settings.advantages`); on one identical batch they change only the "
+    "gradient's length, not its direction (docs/results/peer_same_batch.md)",
     "constant_groups": "ours (preset default): groups whose rewards are all equal are dropped "
     "before training, so every trained sequence has signal; TRL trains them at advantage 0 "
     "(--keep-constant-groups runs ours TRL's way)",
