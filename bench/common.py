@@ -172,11 +172,10 @@ def run_child(module: str, spec: dict[str, Any], timeout: float = 3600) -> dict[
     """One measured point in a fresh process (its memory, threads and kernels its own):
     ``python -m MODULE --child SPEC --child-result FILE``, which writes its result to FILE as
     JSON (``write_child_result``). The child dies with this process (a parent-death signal)."""
-    import functools
     import subprocess
     import tempfile
 
-    from procutil.parent_death import die_with
+    from launch.lifeline import die_with_parent
 
     with tempfile.TemporaryDirectory(prefix="bench-child-") as tmp:
         result = Path(tmp) / "result.json"
@@ -187,7 +186,7 @@ def run_child(module: str, spec: dict[str, Any], timeout: float = 3600) -> dict[
             text=True,
             timeout=timeout,
             check=False,
-            preexec_fn=functools.partial(die_with, os.getpid()),
+            preexec_fn=die_with_parent(),
         )
         if out.returncode != 0 or not result.exists():
             raise SystemExit(f"point {spec} failed:\n{out.stderr[-3000:]}")

@@ -31,9 +31,11 @@ if TYPE_CHECKING:
 
 
 def ours_step(plan: Plan, model: str, batch: list[dict[str, Any]], work: Path) -> dict[str, Any]:
-    """Our trainer's gradient (before clipping) and parameter update on ``batch``."""
-
+    """Our trainer's gradient (before clipping) and parameter update on ``batch``, each prompt's
+    completions made into the group the env would push (``env_server.rollout.build_group``)."""
     from api.protocol import ScoredGroup
+    from env_server.inference import Completion, CompletionBatch
+    from env_server.rollout import build_group
     from trainer.batch import flatten_groups
     from trainer.grpo_step import StepContext, accumulate
     from trainer.model import Reference, load_model
@@ -43,23 +45,17 @@ def ours_step(plan: Plan, model: str, batch: list[dict[str, Any]], work: Path) -
         update={"model_name": model, "save_path": str(work), "tensorboard": False}
     )
     lm = load_model(cfg)
+    tok, reward = lm.tokenizer, plan.env.reward_config()
     groups = []
-    for g, prompt in enumerate(batch):
-        p = prompt["prompt"]
-        seqs = [
-            {
-                "tokens": p + c,
-                "mask": [0] * len(p) + [1] * len(c),
-                "logprobs": [0.0] * (len(p) + len(c)),
-                "score": s,
-            }
-            for c, s in zip(prompt["completions"], prompt["scores"], strict=True)
+    for prompt in batch:
+        comps = [
+            Completion(tok.decode(c, skip_special_tokens=True), c, [0.0] * len(c), None)
+            for c in prompt["completions"]
         ]
-        groups.append(
-            ScoredGroup.model_validate(
-                {"group_id": f"g{g}", "env": "shop_r1", "policy_version": 0, "sequences": seqs}
-            )
+        group = build_group(
+            prompt["row"], CompletionBatch(prompt["prompt"], comps, 0), tok, reward, 0
         )
+        groups.append(ScoredGroup.model_validate(group))
     items, dropped = flatten_groups(groups, cfg.max_seq_len)
     if dropped or not all(i.trainable for i in items):
         raise ValueError(f"{dropped} sequences malformed or over max_seq_len {cfg.max_seq_len}")
@@ -153,7 +149,7 @@ def trl_step(
     }
 
 
-SIDES = {"ours": ours_step, "trl": trl_step}
+SIDES = ("ours", "trl")
 
 
 def run_side(spec: Mapping[str, Any]) -> dict[str, Any]:
