@@ -1,16 +1,18 @@
-"""One optimizer step of either trainer on a given batch, for ``bench/peers/same_batch.py``:
-ours (``trainer.grpo_step``) or TRL's ``GRPOTrainer`` (trl==1.16.0), each run in a fresh
-process so that neither inherits the other's memory (two SmolLM2 trainers' leftovers in one
-process went past 23.5 GiB):
+"""Optimizer steps of either trainer on given batches, one step per batch, for
+``bench/peers/same_batch.py``: ours (``trainer.grpo_step``) or TRL's ``GRPOTrainer``
+(trl==1.16.0), each run in a fresh process so that neither inherits the other's memory (two
+SmolLM2 trainers' leftovers in one process went past 23.5 GiB):
 
     python -m bench.peers.one_step --child SPEC --child-result FILE    (run_child writes both)
 
 SPEC (JSON): ``side`` (``ours`` or ``trl``), ``argv`` (the run_all arguments whose resolved
-settings both sides take, bench/peers/settings.py), ``model``, ``batch`` (a JSON file: per
-prompt its ``row``, ``prompt`` ids, ``completions`` ids and ``scores``), ``work`` (a folder),
-``bf16`` and ``micro`` (TRL's precision and completions per forward). The step's gradient and
-parameter update go to ``<work>/tensors.safetensors`` (``grad/NAME``, ``update/NAME``; read
-back with ``load_tensors``); FILE gets its learning rate, seconds, precision and statistics.
+settings both sides take, bench/peers/settings.py), ``model``, ``batches`` (a JSON file: a
+list of batches, each a list with per prompt its ``row``, ``prompt`` ids, ``completions`` ids
+and ``scores``), ``work`` (a folder), ``bf16`` and ``micro`` (TRL's precision and completions
+per forward). Step k's gradient and the parameter update since the start go to
+``<work>/step{k}.safetensors`` (``grad/NAME``, ``update/NAME``; read back with
+``load_tensors``); FILE and ``<work>/result.json`` get each step's learning rate, seconds and
+statistics, and the precision.
 """
 
 from __future__ import annotations
@@ -30,9 +32,23 @@ if TYPE_CHECKING:
     from bench.peers.settings import Plan
 
 
-def ours_step(plan: Plan, model: str, batch: list[dict[str, Any]], work: Path) -> dict[str, Any]:
-    """Our trainer's gradient (before clipping) and parameter update on ``batch``, each prompt's
-    completions made into the group the env would push (``env_server.rollout.build_group``)."""
+def _save_step(work: Path, step: int, grads: Mapping, update: Mapping) -> None:
+    """Step ``step``'s gradient and the update since the start, as ``<work>/step{step}.safetensors``
+    (``grad/NAME``, ``update/NAME``; read back with ``load_tensors``)."""
+    from safetensors.torch import save_file
+
+    tensors = {f"grad/{n}": t.contiguous() for n, t in grads.items()}
+    tensors |= {f"update/{n}": t.contiguous() for n, t in update.items()}
+    work.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(work / f"step{step}.safetensors"))
+
+
+def ours_steps(
+    plan: Plan, model: str, batches: list[list[dict[str, Any]]], work: Path
+) -> dict[str, Any]:
+    """Our trainer, one optimizer step per batch in turn: each step's gradient (before
+    clipping) and the update since the start go to ``work``; each prompt's completions are
+    made into the group the env would push (``env_server.rollout.build_group``)."""
     from api.protocol import ScoredGroup
     from env_server.inference import Completion, CompletionBatch
     from env_server.rollout import build_group
@@ -46,48 +62,58 @@ def ours_step(plan: Plan, model: str, batch: list[dict[str, Any]], work: Path) -
     )
     lm = load_model(cfg)
     tok, reward = lm.tokenizer, plan.env.reward_config()
-    groups = []
-    for prompt in batch:
-        comps = [
-            Completion(tok.decode(c, skip_special_tokens=True), c, [0.0] * len(c), None)
-            for c in prompt["completions"]
-        ]
-        group = build_group(
-            prompt["row"], CompletionBatch(prompt["prompt"], comps, 0), tok, reward, 0
-        )
-        groups.append(ScoredGroup.model_validate(group))
-    items, dropped = flatten_groups(groups, cfg.max_seq_len)
-    if dropped or not all(i.trainable for i in items):
-        raise ValueError(f"{dropped} sequences malformed or over max_seq_len {cfg.max_seq_len}")
-    for item in items:  # the trainer's own logprobs stand in: ratio 1, on-policy as TRL
-        item.logprobs_missing = True
     named = {n: p for n, p in lm.model.named_parameters() if p.requires_grad}
-    before = {n: p.detach().clone() for n, p in named.items()}
+    start = {n: p.detach().clone() for n, p in named.items()}
     opt = build_optimizer(lm.model, cfg)
     ref = Reference(lm) if cfg.kl_beta > 0 else None
     ctx = StepContext(lm, ref, opt, build_scheduler(opt, cfg), cfg)
-    t0 = time.perf_counter()
-    stats = accumulate(ctx, items)
-    grads = {n: p.grad.detach().clone() for n, p in named.items()}
-    grad_norm = clip_and_step(lm.model, opt, ctx.scheduler, cfg.max_grad_norm)
-    seconds = time.perf_counter() - t0
-    update = {n: p.detach() - before[n] for n, p in named.items()}
-    return {
-        "grads": grads,
-        "update": update,
-        "lr": opt.param_groups[0]["lr"],
-        "seconds": seconds,
-        "precision": str(lm.compute_dtype),
-        "stats": {k: stats[k] for k in ("loss", "score_mean", "clip_fraction", "tokens")}
-        | {"grad_norm": grad_norm},
-    }
+    steps = []
+    for step, batch in enumerate(batches):
+        groups = []
+        for prompt in batch:
+            comps = [
+                Completion(tok.decode(c, skip_special_tokens=True), c, [0.0] * len(c), None)
+                for c in prompt["completions"]
+            ]
+            group = build_group(
+                prompt["row"], CompletionBatch(prompt["prompt"], comps, 0), tok, reward, 0
+            )
+            groups.append(ScoredGroup.model_validate(group))
+        items, dropped = flatten_groups(groups, cfg.max_seq_len)
+        if dropped or not all(i.trainable for i in items):
+            raise ValueError(f"{dropped} sequences malformed or over max_seq_len {cfg.max_seq_len}")
+        for item in items:  # the trainer's own logprobs stand in: ratio 1, on-policy as TRL
+            item.logprobs_missing = True
+        lr = opt.param_groups[0]["lr"]
+        t0 = time.perf_counter()
+        stats = accumulate(ctx, items)
+        grads = {n: p.grad.detach().clone() for n, p in named.items()}
+        grad_norm = clip_and_step(lm.model, opt, ctx.scheduler, cfg.max_grad_norm)
+        seconds = time.perf_counter() - t0
+        _save_step(work, step, grads, {n: p.detach() - start[n] for n, p in named.items()})
+        del grads
+        steps.append(
+            {
+                "lr": lr,
+                "seconds": seconds,
+                "stats": {k: stats[k] for k in ("loss", "score_mean", "clip_fraction", "tokens")}
+                | {"grad_norm": grad_norm},
+            }
+        )
+    return {"precision": str(lm.compute_dtype), "steps": steps}
 
 
-def trl_step(
-    plan: Plan, model: str, batch: list[dict[str, Any]], work: Path, bf16: bool, micro: int
+def trl_steps(
+    plan: Plan,
+    model: str,
+    batches: list[list[dict[str, Any]]],
+    work: Path,
+    bf16: bool,
+    micro: int,
 ) -> dict[str, Any]:
-    """TRL's gradient (at its optimizer step) and parameter update on ``batch``: one
-    ``GRPOTrainer.train`` step whose generation returns ``batch``'s completions."""
+    """TRL's ``GRPOTrainer.train`` for one step per batch, its generation returning the
+    batches' completions: each step's gradient (at its optimizer step) and the update since
+    the start go to ``work``."""
     import torch
 
     from bench.peers.settings import ensure_trl, trl_args
@@ -101,10 +127,11 @@ def trl_step(
 
     env = plan.env
     tok = AutoTokenizer.from_pretrained(model)
-    data = trl_rows([p["row"] for p in batch], tok, env.max_prompt_tokens, env.latest_only)
+    rows = [p["row"] for batch in batches for p in batch]  # in order: trl_args does not shuffle
+    data = trl_rows(rows, tok, env.max_prompt_tokens, env.latest_only)
     tok.padding_side = "left"
     kw = trl_args(plan, work, bf16, micro_batch=micro)
-    kw |= {"max_steps": 1, "save_strategy": "no", "seed": plan.grpo.seed}
+    kw |= {"max_steps": len(batches), "save_strategy": "no", "seed": plan.grpo.seed}
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=ShopR1Reward(env.reward_config()),
@@ -113,70 +140,74 @@ def trl_step(
         processing_class=tok,
     )
     queued: dict[tuple[int, ...], deque[list[int]]] = defaultdict(deque)
-    for p in batch:
-        queued[tuple(p["prompt"])].extend(p["completions"])
+    for batch in batches:
+        for p in batch:
+            queued[tuple(p["prompt"])].extend(p["completions"])
 
     def replay(prompt_ids: list[list[int]], *_: Any, **__: Any) -> tuple[list, None]:
         return [queued[tuple(ids)].popleft() for ids in prompt_ids], None
 
     trainer._generate_single_turn = replay
     named = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
-    before = {n: p.detach().clone() for n, p in named.items()}
-    got: dict[str, Any] = {}
+    start = {n: p.detach().clone() for n, p in named.items()}
+    steps: list[dict[str, Any]] = []
+    grads: dict[str, torch.Tensor] = {}
+    clock = [time.perf_counter()]
 
     class Capture(TrainerCallback):
+        def on_train_begin(self, *_: Any, **__: Any) -> None:
+            clock[0] = time.perf_counter()
+
         def on_pre_optimizer_step(self, *_: Any, **kwargs: Any) -> None:
-            got["grads"] = {n: p.grad.detach().clone() for n, p in named.items()}
-            got["lr"] = kwargs["optimizer"].param_groups[0]["lr"]
+            grads.update({n: p.grad.detach().clone() for n, p in named.items()})
+            steps.append({"lr": kwargs["optimizer"].param_groups[0]["lr"]})
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            update = {n: p.detach() - start[n] for n, p in named.items()}
+            _save_step(work, len(steps) - 1, grads, update)
+            grads.clear()
+            now = time.perf_counter()
+            steps[-1]["seconds"], clock[0] = now - clock[0], now
 
         def on_log(self, _a: Any, _s: Any, _c: Any, logs: Any = None, **__: Any) -> None:
-            got.setdefault("logs", {}).update(logs or {})
+            keys = ("loss", "reward", "grad_norm", "frac_reward_zero_std")
+            if steps and logs and "loss" in logs:
+                steps[-1]["stats"] = {k: logs.get(k) for k in keys}
 
     trainer.add_callback(Capture())
-    t0 = time.perf_counter()
     trainer.train()
-    seconds = time.perf_counter() - t0
     if any(queued.values()):
-        raise RuntimeError("TRL did not ask for every completion of the batch")
-    logs = got.get("logs", {})
-    return {
-        "grads": got["grads"],
-        "update": {n: p.detach() - before[n] for n, p in named.items()},
-        "lr": got["lr"],
-        "seconds": seconds,
-        "precision": "bf16 autocast" if bf16 else str(torch.float32),
-        "stats": {k: logs.get(k) for k in ("loss", "reward", "grad_norm", "frac_reward_zero_std")},
-    }
+        raise RuntimeError("TRL did not ask for every completion of the batches")
+    if len(steps) != len(batches):
+        raise RuntimeError(f"TRL took {len(steps)} optimizer steps for {len(batches)} batches")
+    return {"precision": "bf16 autocast" if bf16 else str(torch.float32), "steps": steps}
 
 
 SIDES = ("ours", "trl")
 
 
 def run_side(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """One side on one batch, in its own process (``--child``): its gradient and update go to
-    ``<work>/tensors.safetensors`` (``grad/NAME``, ``update/NAME``), the rest is returned."""
-    from safetensors.torch import save_file
-
+    """One side on the batches, one optimizer step each, in its own process (``--child``):
+    each step's gradient and the update since the start go to ``<work>/step{k}.safetensors``,
+    the rest is returned."""
     from bench.peers.settings import resolve
 
     plan = resolve(list(spec["argv"]), 1)
-    batch = json.loads(Path(spec["batch"]).read_text())
+    batches = json.loads(Path(spec["batches"]).read_text())
     work = Path(spec["work"])
     if spec["side"] == "ours":
-        got = ours_step(plan, spec["model"], batch, work)
+        got = ours_steps(plan, spec["model"], batches, work)
     else:
-        got = trl_step(plan, spec["model"], batch, work, spec["bf16"], spec["micro"])
-    tensors = {f"grad/{n}": t.contiguous() for n, t in got.pop("grads").items()}
-    tensors |= {f"update/{n}": t.contiguous() for n, t in got.pop("update").items()}
-    work.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(work / "tensors.safetensors"))
+        got = trl_steps(plan, spec["model"], batches, work, spec["bf16"], spec["micro"])
+    (work / "result.json").write_text(json.dumps(got))  # all steps saved: --reuse-work-dir
     return got
 
 
-def load_tensors(work: Path) -> dict[str, dict[str, torch.Tensor]]:
+def load_tensors(work: Path, step: int) -> dict[str, dict[str, torch.Tensor]]:
+    """Step ``step``'s ``grads`` and the ``update`` since the start, as ``run_side`` saved them."""
     from safetensors.torch import load_file
 
-    flat = load_file(str(work / "tensors.safetensors"))
+    flat = load_file(str(work / f"step{step}.safetensors"))
     out: dict[str, dict[str, torch.Tensor]] = {"grads": {}, "update": {}}
     for key, t in flat.items():
         kind, name = key.split("/", 1)

@@ -1,45 +1,52 @@
-"""Same batch, both trainers: the gradient and the one-step update of this stack's GRPO step
-and of TRL's GRPOTrainer (trl==1.16.0) on one identical batch (issue 46 point 5: after the
-same samples TRL had learned more in every seed; is that in the update rule, or in what each
-side sampled?).
+"""Same batches, both trainers: the gradients and the updates of this stack's GRPO steps and
+of TRL's GRPOTrainer (trl==1.16.0) on identical batches (issue 46 point 5: after the same
+samples TRL had learned more in every seed; is that in the update rule, or in what each side
+sampled?).
 
     flock /tmp/heavy.lock .venv/bin/python -m bench.peers.same_batch --model SFT_DIR \\
-        --preset cpu-smol --batches 3
+        --preset cpu-smol --batches 3              # three one-step runs
+    ... --batches 1 --steps 4                      # one run of four steps
 
 Each batch holds the preset's ``prompts_per_step`` train rows (the env's order, continuing
 across batches) with ``group_size`` completions each, sampled once by transformers
 ``generate`` from ``--model`` at the preset's temperature, top-p and completion budget
-(seeded), and scored by the env's reward (``bench/peers/data.py``). Then, from the same
-start weights:
+(seeded per batch), and scored by the env's reward (``bench/peers/data.py``). A run takes
+``--steps`` batches and, from the same start weights, one optimizer step on each in turn:
 
 - ours: ``trainer.grpo_step.accumulate`` on those sequences with the preset's resolved
   ``GrpoConfig`` (prefix-tree packing, self-certainty off as in the peer bench), every group
   kept (TRL trains constant groups at advantage 0; ours' env would drop them), the inference
   logprobs marked missing so the trainer's own stand in (ratio 1, as TRL's on-policy ratio
   without vLLM); then ``clip_and_step``.
-- TRL: ``GRPOTrainer.train`` for one step on the same prompts (``trl_args``: dr_grpo, group
-  scaling, the same AdamW, clip and schedule), its generation replaced by the same
-  completions (``_generate_single_turn`` returns them; TRL decodes, rewards, computes the
-  advantages, the loss and the optimizer step itself). Its gradient is read when the
-  optimizer is about to step (after TRL's clip, which does not turn it).
+- TRL: ``GRPOTrainer.train`` for ``--steps`` steps on the same prompts in the same order
+  (``trl_args``: dr_grpo, group scaling, the same AdamW, clip and schedule, no shuffling),
+  its generation replaced by the same completions (``_generate_single_turn`` returns them;
+  TRL decodes, rewards, computes the advantages, the loss and the optimizer step itself). Its
+  gradient is read when the optimizer is about to step (after TRL's clip).
 
-Each side's step runs in a fresh process (``bench/peers/one_step.py``).
+Each side's run is a fresh process (``bench/peers/one_step.py``). After the first step the
+batches are off-policy for both sides alike (sampled from the start model, trained at ratio
+1), which is what a comparison of the update rules needs: the same data, step by step.
 
-Compared per batch: the cosine of the two gradients over the whole model and per tensor, their
-norms (before clipping), the rewards each side computed, and the cosine of the two parameter
-updates after the one AdamW step, with the updates AdamW's first step predicts from each side's
-gradient (``update_check``: whether the updates differ only where a gradient's length meets
-Adam's eps). Both sides compute in the precision our trainer picks on this
-CPU (``--precision auto``). Written: ``--out`` (JSON) and ``table.md`` beside it. The loss
+Compared per step (``compare_steps``): the cosine of the two gradients (each on its own side's
+weights) over the whole model and per tensor, their norms before clipping, the rewards each
+side computed, the cosine of the two updates since the start, and AdamW replayed on each
+side's gradients (``adamw_updates``, ``PREDICTIONS``): on ours' as clipped it should match the
+measured update cosine; on ours' before clipping, or rescaled to TRL's lengths, it says how
+much of the difference is our clipping or the gradients' lengths rather than their
+directions. Both sides compute in the precision our trainer picks on this CPU
+(``--precision auto``). Written: ``--out`` (JSON) and ``table.md`` beside it. The loss
 normalisers differ by a constant (ours: the step's trained tokens; TRL ``dr_grpo``: sequences
 x max_completion_length), as do the advantage scales (ours: population std; TRL: sample std),
-so the gradients may differ in length, not in direction.
+so the gradients may differ in length, not in direction; at the same ``max_grad_norm`` the
+longer one is clipped more often.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -47,10 +54,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.common import RESULTS, machine, write_result
+from bench.peers.compare_updates import compare_steps
 
 if TYPE_CHECKING:
-    import torch
-
     from bench.peers.settings import Plan
 
 
@@ -65,62 +71,6 @@ def truncate_at_eos(ids: Sequence[int], eos: Sequence[int], pad: int | None) -> 
     while out and pad is not None and out[-1] == pad and pad not in eos:
         out.pop()
     return out
-
-
-def cosines(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """The cosine of ``a`` and ``b`` as two vectors over every tensor, their norms, and the
-    per-tensor cosines (min, median, the worst tensor's name) over tensors nonzero in both."""
-    if set(a) != set(b):
-        raise ValueError(f"different tensors: {sorted(set(a) ^ set(b))[:5]}")
-    dot = na = nb = 0.0
-    per: dict[str, float] = {}
-    for name in sorted(a):
-        x, y = a[name].double().flatten(), b[name].double().flatten()
-        d, sx, sy = float(x @ y), float(x @ x), float(y @ y)
-        dot, na, nb = dot + d, na + sx, nb + sy
-        if sx > 0 and sy > 0:
-            per[name] = d / (sx * sy) ** 0.5
-    if na == 0 or nb == 0:
-        raise ValueError("a vector is zero: no learning signal in the batch")
-    worst = min(per, key=per.__getitem__)
-    return {
-        "cosine": dot / (na * nb) ** 0.5,
-        "norm_ours": na**0.5,
-        "norm_trl": nb**0.5,
-        "tensors": len(a),
-        "tensors_nonzero_in_both": len(per),
-        "tensor_cosine_min": per[worst],
-        "tensor_cosine_median": statistics.median(per.values()),
-        "worst_tensor": worst,
-    }
-
-
-def adam_first_step(grads: Mapping[str, torch.Tensor], eps: float) -> dict[str, torch.Tensor]:
-    """AdamW's first update per unit of learning rate, without weight decay: the bias-corrected
-    moments are g and g^2, so it is g / (|g| + eps) -- a sign, except where |g| is near eps."""
-    return {n: g.double() / (g.double().abs() + eps) for n, g in grads.items()}
-
-
-def update_check(ours: Mapping[str, Any], trl: Mapping[str, Any], plan: Plan) -> dict[str, float]:
-    """Whether the two AdamW updates differ only through the gradients' lengths: the cosine of
-    the first steps predicted from each side's clipped gradient (it should match the measured
-    update cosine), and the same with ours' gradient rescaled to TRL's length (it should be 1
-    if the gradients point the same way)."""
-    g = plan.grpo
-    limit = g.max_grad_norm if g.max_grad_norm > 0 else float("inf")
-    scale = min(1.0, limit / (ours["stats"]["grad_norm"] + 1e-6))  # torch's clip factor
-    mine = {n: x * scale for n, x in ours["grads"].items()}
-    theirs = trl["grads"]  # read after TRL's clip
-    length = sum(float(x.double().pow(2).sum()) for x in theirs.values()) ** 0.5
-    mine_len = sum(float(x.double().pow(2).sum()) for x in mine.values()) ** 0.5
-    same_length = {n: x * (length / mine_len) for n, x in mine.items()}
-    eps, want = g.adam_eps, adam_first_step(theirs, g.adam_eps)
-    return {
-        "predicted_update_cosine": cosines(adam_first_step(mine, eps), want)["cosine"],
-        "same_length_update_cosine": cosines(adam_first_step(same_length, eps), want)["cosine"],
-        "clipped_length_ratio": mine_len / length,
-        "weight_decay_left_out": g.weight_decay,
-    }
 
 
 def sample_batch(
@@ -161,65 +111,89 @@ def sample_batch(
     return out
 
 
-def one_batch(
-    plan: Plan, model: str, batch: list[dict[str, Any]], work: Path, micro: int
+def one_run(
+    plan: Plan,
+    model: str,
+    batches: list[list[dict[str, Any]]],
+    work: Path,
+    micro: int,
+    reuse: bool = False,
 ) -> dict[str, Any]:
-    """Both sides on ``batch``, each in a fresh process (so neither inherits the other's
-    memory), and what they did compared."""
+    """Both sides from the same start, one optimizer step per batch in turn, each side in a
+    fresh process (so neither inherits the other's memory), and what they did compared step
+    by step (``compare_steps``). ``reuse``: a side whose run on these batches finished in
+    ``work`` before (its ``result.json``) is not run again."""
     from bench.common import run_child
-    from bench.peers.one_step import SIDES, load_tensors
+    from bench.peers.one_step import SIDES
     from bench.peers.settings import compute_precision
 
     bf16, why = compute_precision(plan)
     work.mkdir(parents=True, exist_ok=True)
-    (work / "batch.json").write_text(json.dumps(batch))
-    spec = {"argv": plan.run_all_argv, "model": model, "batch": str(work / "batch.json")}
+    (work / "batches.json").write_text(json.dumps(batches))
+    spec = {"argv": plan.run_all_argv, "model": model, "batches": str(work / "batches.json")}
     spec |= {"bf16": bf16, "micro": micro}
-    side = {
-        name: run_child("bench.peers.one_step", spec | {"side": name, "work": str(work / name)})
-        for name in SIDES
-    }
+    # glibc keeps freed activations of a few MB in its heaps, fragmented: TRL's SmolLM2 run
+    # held ~12 GB after its first step and was OOM-killed at 23.9 GB in its second (23.5 GiB
+    # box). Allocations from 1 MiB up are then mapped and given back when freed.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    side = {}
+    for name in SIDES:
+        done = work / name / "result.json"
+        if reuse and done.exists():
+            print(f"[same_batch] reusing {done}", flush=True)
+            side[name] = json.loads(done.read_text())
+        else:
+            side[name] = run_child(
+                "bench.peers.one_step", spec | {"side": name, "work": str(work / name)}
+            )
     ours, trl = side["ours"], side["trl"]
-    ours |= load_tensors(work / "ours")
-    trl |= load_tensors(work / "trl")
-    scores = [s for p in batch for s in p["scores"]]
-    return {
-        "prompts": len(batch),
-        "completions": len(scores),
-        "constant_groups": sum(len(set(p["scores"])) == 1 for p in batch),
-        "reward_mean": statistics.fmean(scores),
-        "completion_tokens_mean": statistics.fmean(len(c) for p in batch for c in p["completions"]),
-        "precision": {"ours": ours["precision"], "trl": trl["precision"], "why": why},
-        "lr": {"ours": ours["lr"], "trl": trl["lr"]},
-        "seconds": {"ours": ours["seconds"], "trl": trl["seconds"]},
-        "ours": ours["stats"],
-        "trl": trl["stats"],
-        "gradient": cosines(ours["grads"], trl["grads"]),
-        "update": cosines(ours["update"], trl["update"]),
-        "adamw_first_step": update_check(ours, trl, plan),
-    }
+    steps = []
+    for batch, o, t, compared in zip(
+        batches, ours["steps"], trl["steps"], compare_steps(work, ours, trl, plan), strict=True
+    ):
+        scores = [s for p in batch for s in p["scores"]]
+        steps.append(
+            {
+                "prompts": len(batch),
+                "completions": len(scores),
+                "constant_groups": sum(len(set(p["scores"])) == 1 for p in batch),
+                "reward_mean": statistics.fmean(scores),
+                "completion_tokens_mean": statistics.fmean(
+                    len(c) for p in batch for c in p["completions"]
+                ),
+                "lr": {"ours": o["lr"], "trl": t["lr"]},
+                "seconds": {"ours": o["seconds"], "trl": t["seconds"]},
+                "ours": o["stats"],
+                "trl": t["stats"],
+            }
+            | compared
+        )
+    precision = {"ours": ours["precision"], "trl": trl["precision"], "why": why}
+    return {"precision": precision, "steps": steps}
 
 
 def markdown(result: Mapping[str, Any]) -> str:
+    first = result["runs"][0]["precision"]
     lines = [
         f"{result['preset']}, model `{result['model']}`, {result['machine'].get('cpu')}, "
-        f"{result['batches'][0]['precision']['ours']} (ours) / "
-        f"{result['batches'][0]['precision']['trl']} (TRL)",
+        f"{first['ours']} (ours) / {first['trl']} (TRL); each run from the start model, one "
+        "optimizer step per batch",
         "",
-        "| batch | constant groups | reward mean | gradient cosine (tensor min / median) | "
-        "grad norm ours / TRL | update cosine (tensor min) | AdamW's first step predicted: "
-        "update cosine / same-length gradients |",
-        "|---|---|---|---|---|---|---|",
+        "| run | step | constant groups | reward mean | gradient cosine (tensor min / median) | "
+        "grad norm ours / TRL (before clipping) | update since the start: cosine (tensor min) | "
+        "AdamW replayed: predicted / ours unclipped / same-length gradients |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for i, b in enumerate(result["batches"]):
-        g, u, p = b["gradient"], b["update"], b["adamw_first_step"]
-        lines.append(
-            f"| {i} | {b['constant_groups']} of {b['prompts']} | {b['reward_mean']:.3f} | "
-            f"{g['cosine']:.6f} ({g['tensor_cosine_min']:.4f} / "
-            f"{g['tensor_cosine_median']:.6f}) | {b['ours']['grad_norm']:.4g}"
-            f" / {b['trl']['grad_norm']:.4g} | {u['cosine']:.6f} ({u['tensor_cosine_min']:.4f}) | "
-            f"{p['predicted_update_cosine']:.6f} / {p['same_length_update_cosine']:.6f} |"
-        )
+    for r, run in enumerate(result["runs"]):
+        for k, b in enumerate(run["steps"]):
+            g, u, p = b["gradient"], b["update"], b["adamw_replayed"]
+            lines.append(
+                f"| {r} | {k + 1} | {b['constant_groups']} of {b['prompts']} | "
+                f"{b['reward_mean']:.3f} | {g['cosine']:.6f} ({g['tensor_cosine_min']:.4f} / "
+                f"{g['tensor_cosine_median']:.6f}) | {b['ours']['grad_norm']:.4g} / "
+                f"{b['trl']['grad_norm']:.4g} | {u['cosine']:.6f} ({u['tensor_cosine_min']:.4f}) | "
+                f"{p['predicted']:.6f} / {p['unclipped']:.6f} / {p['same_length']:.6f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -231,12 +205,21 @@ def main() -> None:
     )
     ap.add_argument("--model", required=True, help="the start checkpoint (an SFT model folder)")
     ap.add_argument("--preset", default="cpu-smol", help="whose settings both sides take")
-    ap.add_argument("--batches", type=int, default=3, help="batches, each from the start model")
+    ap.add_argument("--batches", type=int, default=3, help="runs, each from the start model")
+    ap.add_argument(
+        "--steps", type=int, default=1, help="optimizer steps a run, each on a batch of its own"
+    )
     ap.add_argument("--seed", type=int, default=0, help="the sampling seed (and the run's)")
     ap.add_argument(
         "--trl-micro-batch", type=int, default=8, help="completions per TRL forward/backward"
     )
     ap.add_argument("--work-dir", type=Path, default=Path("runs/same_batch"))
+    ap.add_argument(
+        "--reuse-work-dir",
+        action="store_true",
+        help="reuse what an earlier run with the same --work-dir and settings left: each run's "
+        "sampled batches and each side's finished steps",
+    )
     ap.add_argument(
         "--out",
         type=Path,
@@ -256,31 +239,45 @@ def main() -> None:
     plan = resolve(argv, 1)
     env = plan.env
     n = plan.prompts_per_step
-    rows = rows_in_env_order(env.data_dir, env.num_sessions, env.seed, n * a.batches)
+    rows = rows_in_env_order(env.data_dir, env.num_sessions, env.seed, n * a.batches * a.steps)
     tok = AutoTokenizer.from_pretrained(a.model)
     sampler = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
-    batches = []
-    for b in range(a.batches):
+    runs = []
+    for r in range(a.batches):
         t0 = time.perf_counter()
-        batch = sample_batch(sampler, tok, rows[b * n : (b + 1) * n], plan, a.seed * 100 + b)
+        saved = work / f"run{r}" / "batches.json"
+        if a.reuse_work_dir and saved.exists():
+            batches = json.loads(saved.read_text())
+            if len(batches) != a.steps:
+                raise SystemExit(f"{saved} holds {len(batches)} batches, not --steps {a.steps}")
+            print(f"[same_batch] reusing {saved}", flush=True)
+        else:
+            batches = [  # batch k: rows and seed of its own
+                sample_batch(sampler, tok, rows[k * n : (k + 1) * n], plan, a.seed * 100 + k)
+                for k in range(r * a.steps, (r + 1) * a.steps)
+            ]
         sampled = time.perf_counter() - t0
-        result = one_batch(plan, str(a.model), batch, work / f"batch{b}", a.trl_micro_batch)
-        result["seconds"]["sampling"] = sampled
-        batches.append(result)
-        g = result["gradient"]
-        print(
-            f"[same_batch] batch {b + 1}/{a.batches}: gradient cosine {g['cosine']:.6f} "
-            f"(tensor min {g['tensor_cosine_min']:.4f}), update cosine "
-            f"{result['update']['cosine']:.6f}, {result['constant_groups']} constant groups",
-            flush=True,
+        run = one_run(
+            plan, str(a.model), batches, work / f"run{r}", a.trl_micro_batch, a.reuse_work_dir
         )
+        run["sampling_seconds"] = sampled
+        runs.append(run)
+        for k, step in enumerate(run["steps"]):
+            print(
+                f"[same_batch] run {r + 1}/{a.batches} step {k + 1}/{a.steps}: gradient cosine "
+                f"{step['gradient']['cosine']:.6f}, update cosine {step['update']['cosine']:.6f} "
+                f"(AdamW replayed {step['adamw_replayed']['predicted']:.6f}), "
+                f"{step['constant_groups']} constant groups",
+                flush=True,
+            )
     out = {
         "preset": a.preset,
         "model": str(a.model),
         "seed": a.seed,
+        "steps": a.steps,
         "machine": machine(),
         "threads": torch.get_num_threads(),
-        "batches": batches,
+        "runs": runs,
     }
     write_result(a.out, a.preset, out)
     (a.out.parent / "table.md").write_text(markdown(out))

@@ -18,14 +18,32 @@ from pathlib import Path
 import pytest
 
 from bench.peers.data import ShopR1Reward
-from bench.peers.same_batch import one_batch
+from bench.peers.same_batch import one_run
 from bench.peers.settings import resolve, run_all_argv
 from env_server.data.dataset import build_dataset
 from env_server.prompts import format_target
 from env_server.rollout import prompt_ids
 
 pytestmark = pytest.mark.integration
-GROUP, PROMPTS = 4, 2
+GROUP, PROMPTS, STEPS = 4, 2, 2
+
+
+def spread_batch(rows: list[dict], tok, env, reward: ShopR1Reward) -> list[dict]:
+    """A group per row whose reward spread is certain (module docstring)."""
+    batch = []
+    for i, row in enumerate(rows[:-1]):
+        gold = format_target(row["rationale"], json.loads(row["action"]))
+        other = format_target("", json.loads(rows[i + 1]["action"]))
+        texts = [gold, other, gold[: len(gold) // 2], "I would rather not say."]
+        comps = [tok(t)["input_ids"][: env.max_tokens - 1] + [tok.eos_token_id] for t in texts]
+        text_back = tok.batch_decode(comps, skip_special_tokens=True)
+        scores = reward([""] * GROUP, text_back, [row["action"]] * GROUP)
+        assert scores[0] == max(scores) > scores[3] == 0.0  # a certain spread
+        ids = prompt_ids(row, tok, env.max_prompt_tokens, env.latest_only)
+        batch.append({"row": row, "prompt": ids, "completions": comps, "scores": scores})
+    lengths = {len(c) for p in batch for c in p["completions"]}
+    assert len(lengths) > 2 and max(lengths) < env.max_tokens  # the normalisers differ
+    return batch
 
 
 def test_our_grpo_step_is_trls_on_the_same_batch(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -38,33 +56,32 @@ def test_our_grpo_step_is_trls_on_the_same_batch(tiny_model_dir: Path, tmp_path:
     assert plan.grpo.scale_advantages and plan.grpo.packing == "prefix_tree"
     env = plan.env
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    rows = build_dataset(num_sessions=40, seed=0)["train"].to_list()[: PROMPTS + 1]
+    rows = build_dataset(num_sessions=40, seed=0)["train"].to_list()[: STEPS * PROMPTS + 1]
     reward = ShopR1Reward(env.reward_config())
-    batch = []
-    for i, row in enumerate(rows[:PROMPTS]):
-        gold = format_target(row["rationale"], json.loads(row["action"]))
-        other = format_target("", json.loads(rows[i + 1]["action"]))
-        texts = [gold, other, gold[: len(gold) // 2], "I would rather not say."]
-        comps = [tok(t)["input_ids"][: env.max_tokens - 1] + [tok.eos_token_id] for t in texts]
-        text_back = tok.batch_decode(comps, skip_special_tokens=True)
-        scores = reward([""] * GROUP, text_back, [row["action"]] * GROUP)
-        assert scores[0] == max(scores) > scores[3] == 0.0  # a certain spread
-        ids = prompt_ids(row, tok, env.max_prompt_tokens, env.latest_only)
-        batch.append({"row": row, "prompt": ids, "completions": comps, "scores": scores})
-    lengths = {len(c) for p in batch for c in p["completions"]}
-    assert len(lengths) > 2 and max(lengths) < env.max_tokens  # the normalisers differ
+    batches = [
+        spread_batch(rows[k * PROMPTS : (k + 1) * PROMPTS + 1], tok, env, reward)
+        for k in range(STEPS)
+    ]
 
-    got = one_batch(plan, str(tiny_model_dir), batch, tmp_path / "work", micro=GROUP)
+    steps = one_run(plan, str(tiny_model_dir), batches, tmp_path / "work", micro=GROUP)["steps"]
+    got = steps[0]
     grad, update = got["gradient"], got["update"]
     assert grad["tensors_nonzero_in_both"] == grad["tensors"]  # every tensor got a gradient
     assert grad["cosine"] > 1 - 1e-6 and grad["tensor_cosine_min"] > 1 - 1e-4, grad
     assert update["cosine"] > 1 - 1e-5, update
-    adam = got["adamw_first_step"]  # what is left of the update's difference: Adam's eps
-    assert adam["predicted_update_cosine"] == pytest.approx(update["cosine"], abs=1e-6)
-    assert adam["same_length_update_cosine"] > 1 - 1e-9, adam
+    adam = got["adamw_replayed"]  # what is left of the update's difference: Adam's eps
+    assert adam["predicted"] == pytest.approx(update["cosine"], abs=1e-6)
+    assert adam["same_length"] > 1 - 1e-9, adam
     assert got["trl"]["reward"] == pytest.approx(got["reward_mean"], rel=1e-6)
     assert got["lr"]["ours"] == got["lr"]["trl"] == plan.grpo.lr
     # The lengths differ only by the normalisers' ratio and the std's (N-1)/N, both constant.
     tokens = got["ours"]["tokens"]
     ratio = (GROUP * PROMPTS * env.max_tokens / tokens) * (GROUP / (GROUP - 1)) ** 0.5
     assert got["ours"]["grad_norm"] / got["trl"]["grad_norm"] == pytest.approx(ratio, rel=1e-3)
+    # Later steps: each side's gradient on its own weights, the updates since the start, and
+    # AdamW replayed on both sides' gradients (moments carried over, clipping as applied).
+    for k, later in enumerate(steps[1:], start=2):
+        grad, update, adam = later["gradient"], later["update"], later["adamw_replayed"]
+        assert grad["cosine"] > 1 - 1e-5, (k, grad)
+        assert adam["predicted"] == pytest.approx(update["cosine"], abs=1e-5), (k, adam, update)
+        assert adam["same_length"] > 1 - 1e-6, (k, adam)

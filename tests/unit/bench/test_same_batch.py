@@ -1,12 +1,14 @@
-"""bench/peers/same_batch.py's pure parts: how a sampled completion is cut, and the cosines
-(the comparison against TRL itself runs in tests/integration/bench/test_same_batch.py)."""
+"""The pure parts of bench/peers/same_batch.py and compare_updates.py: how a sampled completion
+is cut, the cosines, and AdamW's replay (the comparison against TRL itself runs in
+tests/integration/bench/test_same_batch.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bench.peers.same_batch import adam_first_step, cosines, truncate_at_eos
+from bench.peers.compare_updates import adamw_updates, cosines
+from bench.peers.same_batch import truncate_at_eos
 
 pytestmark = pytest.mark.unit
 
@@ -36,6 +38,77 @@ def test_cosines_over_the_model_and_per_tensor() -> None:
 
 
 def test_adams_first_step_is_a_sign_but_near_eps() -> None:
-    g = {"w": torch.tensor([2.0, -3.0, 1e-8, 0.0])}
-    got = adam_first_step(g, eps=1e-8)["w"]
-    assert got.tolist() == pytest.approx([1.0, -1.0, 0.5, 0.0], rel=1e-6)
+    g = torch.tensor([2.0, -3.0, 1e-8, 0.0])
+    (got,) = adamw_updates([g], [0.5], (0.9, 0.999), eps=1e-8)
+    assert got.tolist() == pytest.approx([-0.5, 0.5, -0.25, 0.0], rel=1e-6)
+
+
+def test_the_replay_is_torchs_adamw_step_by_step() -> None:
+    torch.manual_seed(0)
+    grads = [torch.randn(5, 3) * s for s in (1.0, 0.3, 2.0)]
+    lrs = [1e-2, 1e-2, 5e-3]
+    w = torch.nn.Parameter(torch.randn(5, 3))
+    start = w.detach().clone()
+    opt = torch.optim.AdamW([w], lr=lrs[0], betas=(0.9, 0.99), eps=1e-6, weight_decay=0.0)
+    got = adamw_updates(grads, lrs, (0.9, 0.99), eps=1e-6)
+    for g, lr, replayed in zip(grads, lrs, got, strict=True):
+        opt.param_groups[0]["lr"] = lr
+        w.grad = g.clone()
+        opt.step()
+        assert torch.allclose(replayed, (w.detach() - start).double(), atol=1e-6), replayed
+
+
+def test_compare_steps_replays_both_runs_and_names_our_clipping(tmp_path) -> None:
+    """Two synthetic runs of three AdamW steps whose gradients point the same way but differ
+    in length (ours ~10x TRL's, clipped at 1; TRL's never): the gradient cosines are 1, the
+    replay on ours' clipped gradients gives the measured update cosine, and with the lengths
+    made equal the updates are the same."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from bench.peers.compare_updates import compare_steps
+
+    grpo = SimpleNamespace(
+        max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, weight_decay=0.0
+    )
+    plan = SimpleNamespace(grpo=grpo)
+    torch.manual_seed(0)
+    shapes = {"a": (4, 3), "b": (5,)}
+    grads = [{n: torch.randn(s) * (1 + k) for n, s in shapes.items()} for k in range(3)]
+    lengths = {"ours": [10.0, 0.8, 3.0], "trl": [0.5, 0.04, 0.15]}  # ours clipped in steps 1, 3
+    results = {}
+    for side, norms in lengths.items():
+        params = {n: torch.nn.Parameter(torch.zeros(s)) for n, s in shapes.items()}
+        opt = torch.optim.AdamW(
+            params.values(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0
+        )
+        steps = []
+        for k, g in enumerate(grads):
+            total = sum(float(x.pow(2).sum()) for x in g.values()) ** 0.5
+            raw = {n: x * (norms[k] / total) for n, x in g.items()}
+            for n, p in params.items():
+                p.grad = raw[n].clone()
+            norm = float(torch.nn.utils.clip_grad_norm_(list(params.values()), grpo.max_grad_norm))
+            seen = raw if side == "ours" else {n: p.grad.clone() for n, p in params.items()}
+            opt.step()
+            tensors = {f"grad/{n}": seen[n] for n in shapes}
+            tensors |= {f"update/{n}": params[n].detach().clone() for n in shapes}
+            (tmp_path / side).mkdir(exist_ok=True)
+            save_file(tensors, str(tmp_path / side / f"step{k}.safetensors"))
+            steps.append({"lr": 1e-2, "stats": {"grad_norm": norm}})
+        results[side] = {"steps": steps}
+
+    got = compare_steps(tmp_path, results["ours"], results["trl"], plan)
+    assert len(got) == 3
+    for k, step in enumerate(got):
+        assert step["gradient"]["cosine"] == pytest.approx(1.0, abs=1e-12)
+        replay = step["adamw_replayed"]
+        assert replay["predicted"] == pytest.approx(step["update"]["cosine"], abs=1e-7), k
+        assert replay["same_length"] == pytest.approx(1.0, abs=1e-12), k
+    assert [s["adamw_replayed"]["ours_clip_factor"] for s in got] == pytest.approx(
+        [0.1, 1.0, 1 / 3], rel=1e-5
+    )
+    # clipping turned the later updates: the step-1 clip changed how much step 1 weighs
+    assert got[2]["update"]["cosine"] < 1 - 1e-4
+    assert got[2]["adamw_replayed"]["unclipped"] > got[2]["update"]["cosine"]
