@@ -1,13 +1,16 @@
-"""bench/peers/same_batch.py on the tiny model: given one batch, our GRPO step and TRL's
-GRPOTrainer step (trl==1.16.0, installed on first use as the peer bench does) compute the same
-gradient direction and make the same AdamW update.
+"""bench/peers/same_batch.py on the tiny model: given the same two batches, our GRPO steps and
+TRL's GRPOTrainer steps (trl==1.16.0, installed on first use as the peer bench does) compute
+the same gradient directions and make the same AdamW updates.
 
-The batch is built, not sampled, so its reward spread is certain: each group holds the row's
+Each batch is built, not sampled, so its reward spread is certain: each group holds the row's
 gold answer (the env's reward pays it the most), another row's answer, the gold answer cut
 short, and a non-answer (reward 0), with different lengths, so that the two loss normalisers
 (ours: the trained tokens; TRL ``dr_grpo``: sequences x max_completion_length) really differ.
 The preset is cpu-smol's (group-scaled advantages, prefix-tree packing), the tiny model in
-place of SmolLM2, and two groups of four.
+place of SmolLM2, and two groups of four a step. Step 1 is checked in full (the gradients'
+lengths as the normalisers predict them); at step 2 each side's gradient is taken on its own
+weights and AdamW's replay of both sides' gradients (moments carried over, each side's
+clipping) must predict the update since the start.
 """
 
 from __future__ import annotations
