@@ -168,10 +168,16 @@ def write_result(path: Path, key: str, value: Any) -> dict[str, Any]:
     return data
 
 
-def run_child(module: str, spec: dict[str, Any], timeout: float = 3600) -> dict[str, Any]:
+def run_child(
+    module: str,
+    spec: dict[str, Any],
+    timeout: float = 3600,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
     """One measured point in a fresh process (its memory, threads and kernels its own):
     ``python -m MODULE --child SPEC --child-result FILE``, which writes its result to FILE as
-    JSON (``write_child_result``). The child dies with this process (a parent-death signal)."""
+    JSON (``write_child_result``). The child dies with this process (a parent-death signal).
+    ``env``: variables set for the child on top of this process's environment."""
     import subprocess
     import tempfile
 
@@ -187,6 +193,7 @@ def run_child(module: str, spec: dict[str, Any], timeout: float = 3600) -> dict[
             timeout=timeout,
             check=False,
             preexec_fn=die_with_parent(),
+            env={**os.environ, **(env or {})},
         )
         if out.returncode != 0 or not result.exists():
             raise SystemExit(f"point {spec} failed:\n{out.stderr[-3000:]}")

@@ -134,8 +134,8 @@ def one_run(
     spec |= {"bf16": bf16, "micro": micro}
     # glibc keeps freed activations of a few MB in its heaps, fragmented: TRL's SmolLM2 run
     # held ~12 GB after its first step and was OOM-killed at 23.9 GB in its second (23.5 GiB
-    # box). Allocations from 1 MiB up are then mapped and given back when freed.
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    # box). The sides map allocations from 1 MiB up instead, given back when freed.
+    malloc = {"MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(1 << 20))}
     side = {}
     for name in SIDES:
         done = work / name / "result.json"
@@ -143,9 +143,8 @@ def one_run(
             print(f"[same_batch] reusing {done}", flush=True)
             side[name] = json.loads(done.read_text())
         else:
-            side[name] = run_child(
-                "bench.peers.one_step", spec | {"side": name, "work": str(work / name)}
-            )
+            child = spec | {"side": name, "work": str(work / name)}
+            side[name] = run_child("bench.peers.one_step", child, env=malloc)
     ours, trl = side["ours"], side["trl"]
     steps = []
     for batch, o, t, compared in zip(

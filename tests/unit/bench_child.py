@@ -1,6 +1,7 @@
 """``python -m tests.unit.bench_child --child SPEC --child-result FILE``: a measured point's
 child as ``bench.common.run_child`` starts one (test_bench_helpers.py): it writes the spec
-back with its own PID, or exits 3 without a result when the spec asks it to fail."""
+back with its own PID and ``BENCH_CHILD_ENV``, or exits 3 without a result when the spec
+asks it to fail."""
 
 import argparse
 import json
@@ -18,4 +19,6 @@ if __name__ == "__main__":
     print("RESULT {} (stdout is not where the result is read from)", flush=True)
     if spec.get("fail"):
         raise SystemExit(3)
-    write_child_result(a.child_result, {**spec, "pid": os.getpid()})
+    write_child_result(
+        a.child_result, {**spec, "pid": os.getpid(), "env": os.environ.get("BENCH_CHILD_ENV")}
+    )

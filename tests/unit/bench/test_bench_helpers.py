@@ -92,12 +92,15 @@ def test_each_table_goes_to_the_page_holding_its_markers(
 
 
 def test_a_childs_result_is_read_from_the_file_it_wrote() -> None:
-    """run_child starts ``python -m MODULE`` and reads the JSON file the child wrote; a child
-    that wrote none fails the point (whatever its stdout said)."""
+    """run_child starts ``python -m MODULE`` (with ``env`` on top of this environment) and reads
+    the JSON file the child wrote; a child that wrote none fails the point (whatever its stdout
+    said)."""
     import os
 
     got = run_child("tests.unit.bench_child", {"point": 3})
-    assert got["point"] == 3 and got["pid"] != os.getpid()
+    assert got["point"] == 3 and got["pid"] != os.getpid() and got["env"] is None
+    got = run_child("tests.unit.bench_child", {"point": 4}, env={"BENCH_CHILD_ENV": "set"})
+    assert got["env"] == "set" and "BENCH_CHILD_ENV" not in os.environ  # the child's alone
     with pytest.raises(SystemExit, match="failed"):
         run_child("tests.unit.bench_child", {"fail": True})
 
