@@ -10,9 +10,9 @@ settings both sides take, bench/peers/settings.py), ``model``, ``batches`` (a JS
 list of batches, each a list with per prompt its ``row``, ``prompt`` ids, ``completions`` ids
 and ``scores``), ``work`` (a folder), ``bf16`` and ``micro`` (TRL's precision and completions
 per forward). Step k's gradient and the parameter update since the start go to
-``<work>/step{k}.safetensors`` (``grad/NAME``, ``update/NAME``; read back with
-``load_tensors``); FILE and ``<work>/result.json`` get each step's learning rate, seconds and
-statistics, and the precision.
+``<work>/step{k}.safetensors`` (``grad/NAME``, ``update/NAME``; read back by
+``bench.peers.compare_updates.compare_steps``); FILE and ``<work>/result.json`` get each
+step's learning rate, seconds and statistics, and the precision.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 def _save_step(work: Path, step: int, grads: Mapping, update: Mapping) -> None:
     """Step ``step``'s gradient and the update since the start, as ``<work>/step{step}.safetensors``
-    (``grad/NAME``, ``update/NAME``; read back with ``load_tensors``)."""
+    (``grad/NAME``, ``update/NAME``; read by ``compare_updates.compare_steps``)."""
     from safetensors.torch import save_file
 
     tensors = {f"grad/{n}": t.contiguous() for n, t in grads.items()}
@@ -201,18 +201,6 @@ def run_side(spec: Mapping[str, Any]) -> dict[str, Any]:
         got = trl_steps(plan, spec["model"], batches, work, spec["bf16"], spec["micro"])
     (work / "result.json").write_text(json.dumps(got))  # all steps saved: --reuse-work-dir
     return got
-
-
-def load_tensors(work: Path, step: int) -> dict[str, dict[str, torch.Tensor]]:
-    """Step ``step``'s ``grads`` and the ``update`` since the start, as ``run_side`` saved them."""
-    from safetensors.torch import load_file
-
-    flat = load_file(str(work / f"step{step}.safetensors"))
-    out: dict[str, dict[str, torch.Tensor]] = {"grads": {}, "update": {}}
-    for key, t in flat.items():
-        kind, name = key.split("/", 1)
-        out["grads" if kind == "grad" else "update"][name] = t
-    return out
 
 
 def main() -> None:
