@@ -211,8 +211,8 @@ def accumulate(
         extra["extra_adv_shift"] = float((adv - base_adv).abs().mean())
     trainable = [i for mb in mbs for i in mb.items]
     n_tokens = sum(sum(i.mask[1:]) for i in trainable)
-    normaliser = float(n_tokens if cfg.loss.loss_aggregation == "token" else len(trainable))
     settings = LossSettings.from_config(cfg)
+    normaliser = settings.step_normaliser(n_tokens, len(trainable))
     keys = ("kl", "clipped", "ratio", "iw", "iw_truncated", "tokens", "mismatch_masked")
     sums = dict.fromkeys(keys, 0.0)
     loss_total = 0.0

@@ -33,8 +33,15 @@ class _Loss(BaseModel):
     mismatch_mask_high: float | None = Field(None, gt=1)
     """ICEPOP / MIS masking: a token whose trainer/inference probability ratio is above this
     (e.g. 2 or 5) gets no policy-gradient term (None: no upper bound)."""
-    loss_aggregation: Literal["token", "sequence"] = "token"
-    """Average the loss over all tokens of the step, or per sequence then over sequences."""
+    loss_aggregation: Literal["token", "sequence", "constant"] = "token"
+    """Average the loss over all tokens of the step (``token``), per sequence then over
+    sequences (``sequence``), or sum it over the step's tokens and divide by a constant, its
+    sequences x ``constant_length`` (``constant``: Dr. GRPO, TRL's ``dr_grpo``), so a token
+    weighs the same whatever the length of its sequence or of the step."""
+    constant_length: int | None = Field(None, gt=0)
+    """With ``loss_aggregation constant``: the tokens per sequence of its normaliser (Dr. GRPO
+    and TRL take the completion budget, the env's ``max_tokens``). Required there, refused
+    with another aggregation."""
 
     @model_validator(mode="after")
     def _check_weights(self) -> _Loss:
@@ -42,6 +49,16 @@ class _Loss(BaseModel):
             raise ValueError("tis_cap must be >= 1 (a cap below 1 down-weights every token)")
         if self.tis_level == "sequence" and self.tis_cap is None:
             raise ValueError("tis_level sequence needs tis_cap (the truncation of its weight)")
+        if self.loss_aggregation == "constant" and self.constant_length is None:
+            raise ValueError(
+                "loss_aggregation constant needs constant_length (tokens per sequence of its "
+                "normaliser; Dr. GRPO and TRL's dr_grpo use the completion budget, max_tokens)"
+            )
+        if self.loss_aggregation != "constant" and self.constant_length is not None:
+            raise ValueError(
+                f"constant_length is the normaliser of loss_aggregation constant; this loss "
+                f"aggregates by {self.loss_aggregation}"
+            )
         return self
 
 

@@ -38,7 +38,7 @@ from trainer.loss import KlEstimator, kl_estimate, safe_exp
 if TYPE_CHECKING:
     from trainer.config import GrpoConfig
 
-Aggregation = Literal["token", "sequence"]
+Aggregation = Literal["token", "sequence", "constant"]
 IsLevel = Literal["token", "sequence"]
 
 
@@ -48,9 +48,10 @@ class LossInput:
 
     ``advantages`` is per sequence (``[B]``) or per token (``[B, T]``, e.g. an environment's
     own token-level advantages). ``normaliser`` makes gradient accumulation exact: the total
-    number of masked tokens in the whole optimizer step (``aggregation="token"``) or the number
+    number of masked tokens in the whole optimizer step (``aggregation="token"``), the number
     of sequences in it (``"sequence"``: each sequence's tokens are averaged first, then
-    sequences are averaged)."""
+    sequences are averaged), or its sequences x a constant length (``"constant"``: the
+    tokens' sum over that; :meth:`LossSettings.step_normaliser`)."""
 
     logprobs: torch.Tensor
     inference_logprobs: torch.Tensor
@@ -80,9 +81,13 @@ class LossSettings:
     kl_beta: float = 0.0
     kl_estimator: KlEstimator = "k3"
     aggregation: Aggregation = "token"
+    constant_length: int | None = None
+    """``aggregation="constant"``: tokens per sequence of the normaliser."""
 
     def __post_init__(self) -> None:
         get_loss(self.loss_type)  # refuses an unknown name, listing the registered ones
+        if (self.aggregation == "constant") != (self.constant_length is not None):
+            raise ValueError("constant_length goes with aggregation constant, and only there")
         for name, value, allowed in (
             ("aggregation", self.aggregation, Aggregation),
             ("tis_level", self.tis_level, IsLevel),
@@ -106,7 +111,18 @@ class LossSettings:
             kl_beta=cfg.kl_beta,
             kl_estimator=cfg.kl_estimator,
             aggregation=loss.loss_aggregation,
+            constant_length=loss.constant_length,
         )
+
+    def step_normaliser(self, tokens: float, sequences: int) -> float:
+        """A whole optimizer step's normaliser (``LossInput.normaliser``) from its trained
+        tokens and sequences: the tokens (``token``), the sequences (``sequence``) or the
+        sequences x ``constant_length`` (``constant``)."""
+        if self.aggregation == "token":
+            return float(tokens)
+        if self.aggregation == "sequence":
+            return float(sequences)
+        return float(sequences * self.constant_length)
 
     @property
     def clip_range(self) -> tuple[float, float]:
@@ -237,7 +253,7 @@ def finish(
         kl = torch.where(m, kl_estimate(imp.lp, inp.ref_logprobs.float(), s.kl_estimator), zeros)
         per_token = per_token + s.kl_beta * kl
     per_token = per_token * mf
-    if s.aggregation == "token":
+    if s.aggregation in ("token", "constant"):  # the normalisers differ (step_normaliser)
         loss = per_token.sum() / inp.normaliser
     else:
         per_seq = per_token.sum(-1) / mf.sum(-1).clamp_min(1.0)

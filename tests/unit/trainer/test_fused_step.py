@@ -83,3 +83,26 @@ def test_not_fused_with_several_micro_batches_or_dropout(
     assert fused(ctx, ctx.work.split(mbs[:1]))
     wet = _cfg(micro_model_dir, tmp_path, "prefix_tree", lora_r=4, lora_dropout=0.1)
     assert has_dropout(load_model(wet).model) and not has_dropout(lm.model)
+
+
+@pytest.mark.parametrize("packing", ["prefix_tree", "padded"])
+def test_constant_aggregation_scales_the_token_steps_gradients(
+    micro_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, packing: str
+) -> None:
+    """``loss_aggregation constant`` (Dr. GRPO) over several micro-batches: the whole step's
+    normaliser, its sequences x ``constant_length``, so every gradient is the ``token``
+    step's times tokens / (sequences x length), whichever micro-batch a token is in."""
+    groups = make_groups(True, 4) + make_groups(False, 5, n_groups=2)
+    token = _cfg(micro_model_dir, tmp_path, packing)
+    loss = {"type": "ppo", "loss_aggregation": "constant", "constant_length": 16}
+    constant = _cfg(micro_model_dir, tmp_path, packing, loss=loss)
+    _, st_t, g_t = _step(token, groups, False, monkeypatch)
+    _, st_c, g_c = _step(constant, groups, False, monkeypatch)
+    assert st_t["micro_batches"] == st_c["micro_batches"] > 1
+    assert st_t["tokens"] == st_c["tokens"] > 0
+    scale = st_t["tokens"] / (st_t["sequences_trained"] * 16)
+    assert scale != pytest.approx(1.0)
+    assert st_c["loss"] == pytest.approx(st_t["loss"] * scale, rel=1e-5)
+    for name in g_t:
+        assert g_t[name].abs().max() > 0, name
+        torch.testing.assert_close(g_c[name], g_t[name] * scale, rtol=1e-5, atol=1e-8, msg=name)

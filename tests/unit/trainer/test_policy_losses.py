@@ -5,6 +5,8 @@ gradient, every sum) that the single ``policy_loss`` function gave before the re
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -223,3 +225,42 @@ def test_settings_from_config_field_by_field() -> None:
     )
     default = LossSettings.from_config(GrpoConfig())
     assert (default.loss_type, default.kl_beta, default.clip_range) == ("ppo", 0.001, (0.8, 1.2))
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_constant_aggregation_is_the_token_sum_over_sequences_times_the_length(
+    loss_type: str,
+) -> None:
+    """Dr. GRPO's normaliser (TRL's ``dr_grpo``): the step's token sum over its sequences x
+    ``constant_length``, so the loss and every gradient are the ``token`` aggregation's
+    times tokens / (sequences x length) -- here 7 / (2 x 16)."""
+    knobs = dict(loss_type=loss_type, clip_low=0.2, clip_high=0.28, kl_beta=0.1)
+    token = LossSettings(**knobs)  # type: ignore[arg-type]
+    constant = LossSettings(**knobs, aggregation="constant", constant_length=16)  # type: ignore[arg-type]
+    assert token.step_normaliser(7, 2) == 7.0 and constant.step_normaliser(7, 2) == 32.0
+    assert LossSettings(aggregation="sequence").step_normaliser(7, 2) == 2.0
+    outs, grads = [], []
+    for s in (token, constant):
+        inp, lp = _inputs(SEQ_ADV, True, "token")
+        inp = dataclasses.replace(inp, normaliser=s.step_normaliser(7, 2))
+        out = compute_loss(inp, s)
+        out.loss.backward()
+        outs.append(out)
+        grads.append(lp.grad)
+    scale = 7.0 / 32.0
+    torch.testing.assert_close(outs[1].loss.detach(), outs[0].loss.detach() * scale)
+    torch.testing.assert_close(grads[1], grads[0] * scale)
+    assert grads[0].abs().sum() > 0
+    assert outs[1].sums == outs[0].sums  # the logged sums do not depend on the normaliser
+
+
+def test_constant_aggregation_needs_its_length_and_only_it_takes_one() -> None:
+    with pytest.raises(ValueError, match="loss_aggregation constant needs constant_length"):
+        GrpoConfig(loss_aggregation="constant")
+    with pytest.raises(ValueError, match="constant_length is the normaliser of"):
+        GrpoConfig(loss={"type": "ppo", "constant_length": 128})
+    cfg = GrpoConfig(loss={"type": "gspo", "loss_aggregation": "constant", "constant_length": 128})
+    s = LossSettings.from_config(cfg)
+    assert (s.loss_type, s.aggregation, s.constant_length) == ("gspo", "constant", 128)
+    with pytest.raises(ValueError, match="constant_length goes with aggregation constant"):
+        LossSettings(aggregation="constant")
