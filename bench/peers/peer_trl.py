@@ -76,20 +76,20 @@ def _run(name: str, argv: list[str], log: Path, env: dict[str, str] | None = Non
 
 def _plan(a: argparse.Namespace, work: Path, steps: int | None, save_every: int) -> Plan:
     """The run's resolved settings; ``steps`` None: the preset's GRPO step count."""
-    from bench.peers.settings import resolve, run_all_argv
+    from bench.peers.settings import resolve_plan
 
-    argv = run_all_argv(
-        a.preset,
-        work / "ours",
-        steps,
+    return resolve_plan(
         save_every,
-        10**6,
-        a.model,
-        a.keep_constant_groups,
-        a.seed,
-        a.reproducible,
+        a.trl_normaliser,
+        preset=a.preset,
+        run_dir=work / "ours",
+        steps=steps,
+        keep=10**6,
+        model=a.model,
+        keep_constant_groups=a.keep_constant_groups,
+        seed=a.seed,
+        reproducible=a.reproducible,
     )
-    return resolve(argv, save_every)
 
 
 def run_ours(plan: Plan, work: Path) -> dict[str, Any]:
@@ -261,6 +261,13 @@ def main() -> None:
         help="ours runs with run_all's --reproducible: every batch sampled on-policy (by the "
         "weights that train on it) in lockstep, as TRL samples, and seeded",
     )
+    ap.add_argument(
+        "--trl-normaliser",
+        action="store_true",
+        help="ours normalises its loss as TRL's dr_grpo (summed over the step's tokens / "
+        "(sequences x max_tokens), `loss_aggregation: constant`), not by its trained tokens: "
+        "the same gradient lengths, so both are clipped at the same steps",
+    )
     ap.add_argument("--smoke", action="store_true", help="label the result a smoke test")
     a = ap.parse_args()
     if a.model:
@@ -308,7 +315,9 @@ def main() -> None:
         "trl_generation": trl["summary"].get("generation", "transformers"),
         "settings": matched(plan),
         "not_matched": not_matched(
-            trl["summary"].get("generation", "transformers"), plan.reproducible
+            trl["summary"].get("generation", "transformers"),
+            plan.reproducible,
+            plan.trl_normaliser,
         ),
         "order": a.order,
         "ours": ours,

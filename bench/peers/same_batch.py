@@ -39,7 +39,9 @@ directions. Both sides compute in the precision our trainer picks on this CPU
 normalisers differ by a constant (ours: the step's trained tokens; TRL ``dr_grpo``: sequences
 x max_completion_length), as do the advantage scales (ours: population std; TRL: sample std),
 so the gradients may differ in length, not in direction; at the same ``max_grad_norm`` the
-longer one is clipped more often.
+longer one is clipped more often. ``--trl-normaliser`` gives ours TRL's normaliser
+(``loss_aggregation: constant`` over the completion budget): then only the std's factor
+sqrt(G / (G - 1)) is left between the lengths.
 """
 
 from __future__ import annotations
@@ -111,6 +113,30 @@ def sample_batch(
     return out
 
 
+def side_settings(plan: Plan, side: str, bf16: bool, micro: int) -> dict[str, Any]:
+    """What one side's steps depend on besides the batches (paths left out): ours its
+    resolved trainer config, TRL its ``GRPOConfig`` keywords; both the env's config (the
+    reward)."""
+    from bench.peers.settings import trl_args
+
+    env = plan.env.model_dump(mode="json", exclude={"metrics_path"})
+    if side == "ours":
+        return {"env": env, "grpo": plan.grpo.model_dump(mode="json", exclude={"save_path"})}
+    args = trl_args(plan, Path("."), bf16, micro)
+    return {"env": env, "trl": {k: v for k, v in args.items() if k != "output_dir"}}
+
+
+def same_settings(recorded: Path, settings: dict[str, Any]) -> bool:
+    """Whether a side's finished run in ``recorded``'s folder ran with ``settings``: its
+    ``settings.json`` says so (none recorded: not known, so not reused)."""
+    same = recorded.exists() and json.loads(recorded.read_text()) == json.loads(
+        json.dumps(settings)
+    )
+    if not same:
+        print(f"[same_batch] {recorded.parent}: not run with these settings: run again", flush=True)
+    return same
+
+
 def one_run(
     plan: Plan,
     model: str,
@@ -122,7 +148,8 @@ def one_run(
     """Both sides from the same start, one optimizer step per batch in turn, each side in a
     fresh process (so neither inherits the other's memory), and what they did compared step
     by step (``compare_steps``). ``reuse``: a side whose run on these batches finished in
-    ``work`` before (its ``result.json``) is not run again."""
+    ``work`` before (its ``result.json``) with the same settings (``side_settings``, in its
+    ``settings.json``) is not run again."""
     from bench.common import run_child
     from bench.peers.one_step import SIDES
     from bench.peers.settings import compute_precision
@@ -138,11 +165,14 @@ def one_run(
     malloc = {"MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(1 << 20))}
     side = {}
     for name in SIDES:
-        done = work / name / "result.json"
-        if reuse and done.exists():
+        done, recorded = work / name / "result.json", work / name / "settings.json"
+        settings = side_settings(plan, name, bf16, micro) | {"model": model}
+        if reuse and done.exists() and same_settings(recorded, settings):
             print(f"[same_batch] reusing {done}", flush=True)
             side[name] = json.loads(done.read_text())
         else:
+            recorded.parent.mkdir(parents=True, exist_ok=True)
+            recorded.write_text(json.dumps(settings, indent=1) + "\n")
             child = spec | {"side": name, "work": str(work / name)}
             side[name] = run_child("bench.peers.one_step", child, env=malloc)
     ours, trl = side["ours"], side["trl"]
@@ -212,6 +242,13 @@ def main() -> None:
     ap.add_argument(
         "--trl-micro-batch", type=int, default=8, help="completions per TRL forward/backward"
     )
+    ap.add_argument(
+        "--trl-normaliser",
+        action="store_true",
+        help="ours normalises its loss as TRL's dr_grpo (summed over the step's tokens / "
+        "(sequences x max_tokens), `loss_aggregation: constant`), not by its trained tokens: "
+        "the same gradient lengths, so both are clipped at the same steps",
+    )
     ap.add_argument("--work-dir", type=Path, default=Path("runs/same_batch"))
     ap.add_argument(
         "--reuse-work-dir",
@@ -231,11 +268,19 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bench.peers.data import rows_in_env_order
-    from bench.peers.settings import resolve, run_all_argv
+    from bench.peers.settings import resolve_plan
 
     work = a.work_dir.resolve()
-    argv = run_all_argv(a.preset, work / "plan", None, 1, 1, str(a.model), seed=a.seed)
-    plan = resolve(argv, 1)
+    plan = resolve_plan(
+        1,
+        a.trl_normaliser,
+        preset=a.preset,
+        run_dir=work / "plan",
+        steps=None,
+        keep=1,
+        model=str(a.model),
+        seed=a.seed,
+    )
     env = plan.env
     n = plan.prompts_per_step
     rows = rows_in_env_order(env.data_dir, env.num_sessions, env.seed, n * a.batches * a.steps)

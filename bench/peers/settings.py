@@ -45,9 +45,13 @@ TRL_IMPORTANCE_RATIO = {
 NOT_MATCHED = {
     "importance_ratio": f"{OURS_IMPORTANCE_RATIO[False]}; {TRL_IMPORTANCE_RATIO['transformers']}",
     "loss_normaliser": "ours: the step's trained tokens (`loss_aggregation: token`); TRL "
-    "`dr_grpo`: sequences x max_completion_length, a constant (the advantages are held "
-    "equal: see `settings.advantages`); on one identical batch they change only the "
-    "gradient's length, not its direction (docs/results/peer_same_batch.md)",
+    "`dr_grpo`: sequences x max_completion_length, a constant; on one identical batch they "
+    "change only the gradient's length, not its direction (docs/results/peer_same_batch.md), "
+    "but at one max_grad_norm the longer gradient is clipped more often "
+    "(--trl-normaliser runs ours with TRL's)",
+    "advantage_std": "where the advantages are scaled (the presets), ours divides by the "
+    "group's population std, TRL by its sample std: a constant factor sqrt(G / (G - 1)) in "
+    "the gradient's length on one batch (1.069 at G = 8), none in its direction",
     "constant_groups": "ours (preset default): groups whose rewards are all equal are dropped "
     "before training, so every trained sequence has signal; TRL trains them at advantage 0 "
     "(--keep-constant-groups runs ours TRL's way)",
@@ -78,12 +82,23 @@ VLLM_COLOCATE_NOT_MATCHED = {
 """What differs instead when TRL generates with vLLM in its process (``vllm-colocate``)."""
 
 
-def not_matched(generation: str = "transformers", reproducible: bool = False) -> dict[str, str]:
+TRL_NORMALISER = (
+    "matched: ours takes TRL dr_grpo's normaliser (--trl-normaliser: `loss_aggregation: "
+    "constant`, `constant_length` = max_tokens = TRL's max_completion_length)"
+)
+"""The normaliser's line instead when ours runs with TRL's (``Plan.trl_normaliser``)."""
+
+
+def not_matched(
+    generation: str = "transformers", reproducible: bool = False, trl_normaliser: bool = False
+) -> dict[str, str]:
     """The differences of a comparison whose TRL side generates by ``generation``, ours
-    ``reproducible`` (on-policy lockstep) or not."""
+    ``reproducible`` (on-policy lockstep) or not, with TRL's loss normaliser or ours."""
     if generation not in TRL_GENERATION:
         raise ValueError(f"TRL generation {generation!r}: one of {TRL_GENERATION}")
     out = dict(NOT_MATCHED)
+    if trl_normaliser:
+        out["loss_normaliser"] = TRL_NORMALISER
     if generation == "vllm-colocate":
         out |= VLLM_COLOCATE_NOT_MATCHED
     if reproducible:
@@ -121,6 +136,12 @@ class Plan:
     def prompts_per_step(self) -> int:
         return self.batch_size // self.group_size
 
+    @property
+    def trl_normaliser(self) -> bool:
+        """Ours normalises its loss as TRL's ``dr_grpo``: sequences x the completion budget."""
+        loss = self.grpo.loss
+        return loss.loss_aggregation == "constant" and loss.constant_length == self.env.max_tokens
+
 
 def run_all_argv(
     preset: str,
@@ -132,13 +153,18 @@ def run_all_argv(
     keep_constant_groups: bool = False,
     seed: int | None = None,
     reproducible: bool = False,
+    constant_length: int | None = None,
 ) -> list[str]:
     """``launch/run_all.sh`` arguments of our side: no SFT-vs-RL evaluation, a checkpoint
     every ``save_every`` steps, ``keep`` of them kept, self-certainty off (see NOT_MATCHED);
     ``steps`` None: the preset's step count; ``seed`` (None: the preset's) is every
     service's seed, and TRL's side reads it from the same resolved settings;
-    ``reproducible``: ours samples on-policy in lockstep (``--reproducible``)."""
+    ``reproducible``: ours samples on-policy in lockstep (``--reproducible``);
+    ``constant_length``: ours' loss summed over the step's tokens / (sequences x it)
+    (``loss_aggregation: constant``; :func:`resolve_plan` sets it to TRL's)."""
     trainer = f"--save-every {save_every} --keep-checkpoints {keep} --self-certainty-alpha 0"
+    if constant_length is not None:
+        trainer += f" --loss-aggregation constant --constant-length {constant_length}"
     argv = [
         "--preset",
         preset,
@@ -191,6 +217,17 @@ def resolve(argv: list[str], save_every: int) -> Plan:
         cfg.launch.eval_samples,
         cfg.reproducible,
     )
+
+
+def resolve_plan(save_every: int, trl_normaliser: bool = False, **argv: Any) -> Plan:
+    """The plan of ``run_all_argv(save_every=save_every, **argv)``; ``trl_normaliser``: ours
+    normalises its loss as TRL's ``dr_grpo`` does, over sequences x the completion budget
+    (the env's ``max_tokens``, read from the first resolution)."""
+    plan = resolve(run_all_argv(save_every=save_every, **argv), save_every)
+    if not trl_normaliser:
+        return plan
+    length = plan.env.max_tokens
+    return resolve(run_all_argv(save_every=save_every, constant_length=length, **argv), save_every)
 
 
 def compute_precision(plan: Plan) -> tuple[bool, str]:

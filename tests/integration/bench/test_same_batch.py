@@ -22,7 +22,7 @@ import pytest
 
 from bench.peers.data import ShopR1Reward
 from bench.peers.same_batch import one_run
-from bench.peers.settings import resolve, run_all_argv
+from bench.peers.settings import resolve, run_all_argv, trl_args
 from env_server.data.dataset import build_dataset
 from env_server.prompts import format_target
 from env_server.rollout import prompt_ids
@@ -49,12 +49,26 @@ def spread_batch(rows: list[dict], tok, env, reward: ShopR1Reward) -> list[dict]
     return batch
 
 
+def tiny_plan(tiny_model_dir: Path, tmp_path: Path, constant_length: int | None = None):
+    """cpu-smol's settings on the tiny model, two groups of four a step."""
+    argv = run_all_argv(
+        "cpu-smol",
+        tmp_path / "plan",
+        None,
+        1,
+        1,
+        str(tiny_model_dir),
+        seed=0,
+        constant_length=constant_length,
+    )
+    argv += ["--env.group-size", str(GROUP), "--trainer.grpo.batch-size", str(GROUP * PROMPTS)]
+    return resolve(argv, 1)
+
+
 def test_our_grpo_step_is_trls_on_the_same_batch(tiny_model_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    argv = run_all_argv("cpu-smol", tmp_path / "plan", None, 1, 1, str(tiny_model_dir), seed=0)
-    argv += ["--env.group-size", str(GROUP), "--trainer.grpo.batch-size", str(GROUP * PROMPTS)]
-    plan = resolve(argv, 1)
+    plan = tiny_plan(tiny_model_dir, tmp_path)
     assert (plan.group_size, plan.prompts_per_step) == (GROUP, PROMPTS)
     assert plan.grpo.scale_advantages and plan.grpo.packing == "prefix_tree"
     env = plan.env
@@ -88,3 +102,23 @@ def test_our_grpo_step_is_trls_on_the_same_batch(tiny_model_dir: Path, tmp_path:
         assert grad["cosine"] > 1 - 1e-5, (k, grad)
         assert adam["predicted"] == pytest.approx(update["cosine"], abs=1e-5), (k, adam, update)
         assert adam["same_length"] > 1 - 1e-6, (k, adam)
+
+    # With TRL's normaliser (--trl-normaliser) ours runs again on the same batches; TRL's
+    # side, whose settings did not change, is reused. The lengths then differ only by the
+    # std's, and both sides clip alike.
+    matched = tiny_plan(tiny_model_dir, tmp_path, constant_length=env.max_tokens)
+    assert matched.trl_normaliser
+    assert trl_args(matched, tmp_path, False, GROUP) == trl_args(plan, tmp_path, False, GROUP)
+    trl_result = tmp_path / "work" / "trl" / "result.json"
+    before = trl_result.stat().st_mtime_ns
+    again = one_run(matched, str(tiny_model_dir), batches, tmp_path / "work", GROUP, reuse=True)
+    assert trl_result.stat().st_mtime_ns == before  # TRL's side reused, not run again
+    std = (GROUP / (GROUP - 1)) ** 0.5
+    for k, step in enumerate(again["steps"], start=1):
+        grad, adam = step["gradient"], step["adamw_replayed"]
+        assert grad["cosine"] > 1 - 1e-5, (k, grad)
+        ours_over_trl = step["ours"]["grad_norm"] / step["trl"]["grad_norm"]
+        # step 1 on the same weights (measured 3e-6 off); later steps each on its own
+        # weights, one update apart (measured 1e-4 off at step 2)
+        assert ours_over_trl == pytest.approx(std, rel=1e-4 if k == 1 else 1e-3), k
+        assert adam["predicted"] == pytest.approx(step["update"]["cosine"], abs=1e-5), k

@@ -25,10 +25,12 @@ from bench.peers.report import (
 from bench.peers.settings import (
     NOT_MATCHED,
     TRL_GENERATION,
+    TRL_NORMALISER,
     matched,
     not_matched,
     requirement_problems,
     resolve,
+    resolve_plan,
     run_all_argv,
     trl_args,
 )
@@ -347,3 +349,23 @@ def test_reproducible_runs_ours_on_policy_and_says_so(tmp_path: Path) -> None:
         assert "staleness" not in lockstep["importance_ratio"]
         trl_half = stale["importance_ratio"].split("; TRL", 1)[1].lstrip(": ")
         assert lockstep["importance_ratio"].endswith(trl_half)
+
+
+def test_trl_normaliser_runs_ours_with_dr_grpos_and_says_so(tmp_path: Path) -> None:
+    """``--trl-normaliser``: ours sums its loss over the step's tokens / (sequences x
+    max_tokens), TRL dr_grpo's normaliser (max_completion_length = max_tokens); TRL's side
+    is unchanged, and the result's differences say the normaliser is matched."""
+    kw = dict(preset="cpu-tiny", run_dir=tmp_path / "ours", steps=2, keep=9)
+    default, plan = resolve_plan(1, **kw), resolve_plan(1, True, **kw)
+    assert default.grpo.loss.loss_aggregation == "token" and not default.trl_normaliser
+    loss = plan.grpo.loss
+    assert (loss.loss_aggregation, loss.constant_length) == ("constant", plan.env.max_tokens)
+    assert plan.trl_normaliser
+    trl = trl_args(plan, tmp_path / "trl", bf16=False)
+    assert trl == trl_args(default, tmp_path / "trl", bf16=False)
+    assert (trl["loss_type"], trl["max_completion_length"]) == ("dr_grpo", loss.constant_length)
+    for generation in TRL_GENERATION:
+        ours, theirs = not_matched(generation), not_matched(generation, trl_normaliser=True)
+        assert {k for k in ours if ours[k] != theirs[k]} == {"loss_normaliser"}
+        assert theirs["loss_normaliser"] == TRL_NORMALISER
+    assert "population std" in NOT_MATCHED["advantage_std"]

@@ -4,11 +4,15 @@ tests/integration/bench/test_same_batch.py)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from bench.peers.compare_updates import adamw_updates, cosines
-from bench.peers.same_batch import truncate_at_eos
+from bench.peers.same_batch import same_settings, side_settings, truncate_at_eos
+from bench.peers.settings import resolve_plan
 
 pytestmark = pytest.mark.unit
 
@@ -112,3 +116,22 @@ def test_compare_steps_replays_both_runs_and_names_our_clipping(tmp_path) -> Non
     # clipping turned the later updates: the step-1 clip changed how much step 1 weighs
     assert got[2]["update"]["cosine"] < 1 - 1e-4
     assert got[2]["adamw_replayed"]["unclipped"] > got[2]["update"]["cosine"]
+
+
+def test_a_finished_side_is_reused_only_with_its_settings(tmp_path: Path) -> None:
+    """``--reuse-work-dir``: a side's recorded settings must equal the run's (none recorded:
+    run again). Ours' depend on its loss (``--trl-normaliser``), TRL's do not; paths are left
+    out of both."""
+    kw = dict(preset="cpu-tiny", steps=2, keep=1)
+    token = resolve_plan(1, run_dir=tmp_path / "a", **kw)
+    constant = resolve_plan(1, True, run_dir=tmp_path / "b", **kw)
+    for side, differ in (("ours", True), ("trl", False)):
+        a, b = side_settings(token, side, False, 8), side_settings(constant, side, False, 8)
+        assert (a != b) is differ, side
+        recorded = tmp_path / side / "settings.json"
+        assert not same_settings(recorded, a)  # none recorded: not known to match
+        recorded.parent.mkdir()
+        recorded.write_text(json.dumps(a))
+        assert same_settings(recorded, a)
+        assert same_settings(recorded, b) is not differ
+    assert side_settings(token, "trl", False, 8) != side_settings(token, "trl", False, 4)
