@@ -116,7 +116,8 @@ def trl_steps(
     the start go to ``work``."""
     import torch
 
-    from bench.peers.settings import ensure_trl, trl_args
+    from bench.peers.settings import trl_args
+    from bench.peers.trl_install import ensure_trl
 
     sys.path.insert(0, str(ensure_trl()))
     from datasets import Dataset

@@ -104,7 +104,8 @@ def run_ours(plan: Plan, work: Path) -> dict[str, Any]:
 
 
 def run_trl(plan: Plan, work: Path, a: argparse.Namespace) -> dict[str, Any]:
-    from bench.peers.settings import compute_precision, ensure_trl, trl_args
+    from bench.peers.settings import compute_precision, trl_args
+    from bench.peers.trl_install import ensure_trl
     from launch.threads import available_cores
 
     trl_path = Path(a.trl_path) if a.trl_path else ensure_trl()

@@ -28,12 +28,12 @@ from bench.peers.settings import (
     TRL_NORMALISER,
     matched,
     not_matched,
-    requirement_problems,
     resolve,
     resolve_plan,
     run_all_argv,
     trl_args,
 )
+from bench.peers.trl_install import requirement_problems
 from env_server.data.dataset import build_dataset
 from env_server.inference import Completion, CompletionBatch
 from env_server.prompts import format_target
