@@ -91,7 +91,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 training_steps=args.steps,
             )
             ref: list[Reference] = []
-            run = start_run(cfg, before_resume=lambda lm, r=ref: r.append(Reference(lm)))
+            run = start_run(cfg, before_resume=lambda lm, _d, r=ref: r.append(Reference(lm)))
             stack.callback(run.metrics.close)
             ctxs[prec] = StepContext(run.loaded, ref[0], run.optimizer, run.scheduler, cfg)
         vocab = ctxs[precisions[0]].loaded.model.config.vocab_size
