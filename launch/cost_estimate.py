@@ -68,8 +68,9 @@ class Estimate:
     timed_steps: int = 1
     share: float = 1.0
     """CPU time the probe's process got / (wall time x threads): < 1 where others ran."""
-    native_bf16: bool = False
-    """Whether the CPU runs bf16 matmuls natively (trainer/precision.py)."""
+    bf16: str = "none"
+    """What bf16 is on this CPU: ``native``, ``slower`` (reported, measured no faster than
+    fp32) or ``none`` (``trainer.precision.cpu_bf16``)."""
 
     @property
     def total_s(self) -> float:
@@ -84,16 +85,19 @@ def _duration(s: float) -> str:
     return f"{s / 3600:.1f} h"
 
 
-def cpu_words(precision: str, native_bf16: bool) -> str:
+BF16_WORDS = {"native": "native bf16", "slower": "bf16 slower than fp32 here", "none": "no bf16"}
+
+
+def cpu_words(precision: str, bf16: str) -> str:
     """``AMD EPYC 7B13, fp32, no bf16``: the CPU's name (/proc/cpuinfo), the precision,
-    whether bf16 is native."""
+    what bf16 is here (``Estimate.bf16``, in ``BF16_WORDS``)."""
     name = platform.processor() or "CPU"
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 name = line.split(":", 1)[1].strip()
                 break
-    return f"{name}, {precision}, {'native bf16' if native_bf16 else 'no bf16'}"
+    return f"{name}, {precision}, {BF16_WORDS[bf16]}"
 
 
 def phase_line(est: Estimate, cpu: str) -> str:
@@ -161,7 +165,7 @@ def long_run_lines(
     return [
         f"[run_all] NOTE: preset {preset} would take ~{_duration(total)} on this CPU "
         f"({parts}), over {LONG_RUN_S / 60:.0f} min: its model's steps are measured at {steps} "
-        f"(fp32 where the CPU has no native bf16, trainer/precision.py).",
+        f"(fp32 where bf16 is not native or measured no faster, trainer/precision.py).",
         "[run_all] NOTE: the tiny preset runs the same pipeline on the project's own 4-layer "
         f"model, seconds a step (~40 min in all on 2 cores, docs/RUNNING.md): {tiny_command(argv)}",
         f"[run_all] NOTE: running the tiny preset instead, as --long-run tiny asks (what make run "

@@ -115,9 +115,9 @@ def measure_phase(
     phase_cfg: Any, model_dir: str | Path, shape: PhaseShape, threads: int | None
 ) -> Estimate:
     """:func:`measure_step` on the SFT's first training examples where the dataset is there
-    (the shape then says so), and whether this CPU runs bf16 natively."""
+    (the shape then says so), and what bf16 is on this CPU (``trainer.precision.cpu_bf16``)."""
     from trainer.config import SftConfig
-    from trainer.precision import cpu_native_bf16
+    from trainer.precision import cpu_bf16
 
     examples = None
     if isinstance(phase_cfg, SftConfig):
@@ -128,7 +128,7 @@ def measure_phase(
         shape = replace(shape, rows=len(examples), completion=longest, source=source)
         shape = replace(shape, scale=phase_cfg.micro_batch_size / len(examples))
     est = measure_step(phase_cfg, model_dir, shape, threads, examples)
-    return replace(est, native_bf16=bool(cpu_native_bf16()[0]))
+    return replace(est, bf16=cpu_bf16()[0])
 
 
 def main(argv: list[str] | None = None) -> int:

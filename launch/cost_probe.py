@@ -161,7 +161,7 @@ class CostProbe:
         threads = f"{n} thread(s)" if n else "torch's threads"
         print(f"[run_all] cost probe: timing a {name} step on this CPU ({threads})...", flush=True)
         est = self.measure(phase_cfg, model_dir, shape, n)
-        self.cpu = self.cpu or cpu_words(est.precision, est.native_bf16)
+        self.cpu = self.cpu or cpu_words(est.precision, est.bf16)
         return est
 
     def _run(self, phases: list[tuple[str, Any, str]]) -> list[str]:

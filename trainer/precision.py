@@ -11,7 +11,10 @@ when both hold:
    shared box do not decide it), is faster in bf16 than in fp32. The flags describe the
    chip, not what the libraries use: ``ONEDNN_MAX_CPU_ISA=AVX2`` (or a VM hiding part of the
    ISA from oneDNN) keeps the flags but makes bf16 as slow as on an AVX2-only CPU, and the
-   measurement catches that. It costs a few milliseconds (about 0.5 s where bf16 turns out
+   measurement catches that. So it does where bf16 runs natively but slower than fp32: a
+   2-vCPU Intel Xeon VM (family 6, model 207) reports avx512_bf16 and oneDNN runs its
+   ``avx512_core_bf16`` kernels, yet a bf16 matmul takes ~2x an fp32 one there
+   (docs/results/trainer_precision.md). It costs a few milliseconds (about 0.5 s where bf16 turns out
    emulated: 69 ms a bf16 matmul against 0.4 in fp32) and runs only when the flags say yes.
 
 Without the flags the answer is fp32 at once (nothing is measured), so on a CPU without
@@ -26,7 +29,7 @@ import argparse
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -67,15 +70,20 @@ class CpuBf16Source:
     measure: Callable[[], tuple[float, float]] = measure_matmul
 
 
-def cpu_native_bf16(source: CpuBf16Source | None = None) -> tuple[bool, str]:
-    """(bf16 is native and fast on this CPU, the reason in words)."""
+Bf16Kind = Literal["native", "slower", "none"]
+"""bf16 on a CPU: native and faster than fp32, reported by the CPU but measured no faster
+(emulated, or a native path slower than fp32), or not reported at all."""
+
+
+def cpu_bf16(source: CpuBf16Source | None = None) -> tuple[Bf16Kind, str]:
+    """(what bf16 is on this CPU, the reason in words)."""
     source = source or CpuBf16Source()
     flags = source.flags()
     native = [f for f in NATIVE_BF16_FLAGS if flags.get(f)]
     where = f"{flags.get('cpu_name', 'CPU')}, ATen dispatch {source.dispatch()}"
     if not native:
         return (
-            False,
+            "none",
             f"no native bf16 on this CPU ({where}; none of {', '.join(NATIVE_BF16_FLAGS)})",
         )
     fp32_s, bf16_s = source.measure()
@@ -83,10 +91,11 @@ def cpu_native_bf16(source: CpuBf16Source | None = None) -> tuple[bool, str]:
         f"{PROBE_SIZE}x{PROBE_SIZE} matmul bf16 {bf16_s * 1e3:.3f} ms, fp32 {fp32_s * 1e3:.3f} ms"
     )
     if bf16_s < fp32_s:
-        return True, f"native bf16 ({'+'.join(native)}; {where}); {measured}"
-    return False, (
+        return "native", f"native bf16 ({'+'.join(native)}; {where}); {measured}"
+    return "slower", (
         f"the CPU reports {'+'.join(native)} ({where}) but bf16 is not faster: "
-        f"{measured} (oneDNN limited, e.g. ONEDNN_MAX_CPU_ISA?)"
+        f"{measured} (bf16 emulated, e.g. oneDNN held to AVX2 by ONEDNN_MAX_CPU_ISA, or this "
+        f"chip's native bf16 path slower than its fp32 one)"
     )
 
 
@@ -106,8 +115,8 @@ def choose_precision(
         return torch.float32, "auto: this CUDA device has no bf16 support"
     if device.type != "cpu":
         return torch.float32, f"auto: fp32 on {device.type}"
-    native, why = cpu_native_bf16(source)
-    return (torch.bfloat16 if native else torch.float32), f"auto: {why}"
+    kind, why = cpu_bf16(source)
+    return (torch.bfloat16 if kind == "native" else torch.float32), f"auto: {why}"
 
 
 def main(argv: list[str] | None = None) -> int:

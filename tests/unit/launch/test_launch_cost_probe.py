@@ -13,6 +13,7 @@ from launch.cost_estimate import (
     Estimate,
     LongRun,
     PhaseShape,
+    cpu_words,
     grpo_shape,
     long_run_lines,
     phase_line,
@@ -81,6 +82,9 @@ def test_the_line_names_the_cpu_precision_and_numbers() -> None:
     assert "busy" not in line
     busy = Estimate(PhaseShape("SFT", 30, 0, 1024, 8, 1), 75.0, "fp32", share=0.2)
     assert "the CPU was busy: the probe got 20% of its threads' time" in phase_line(busy, "X")
+    assert cpu_words("fp32", "slower").endswith(", fp32, bf16 slower than fp32 here")
+    assert cpu_words("fp32", "none").endswith(", fp32, no bf16")
+    assert cpu_words("bf16", "native").endswith(", bf16, native bf16")
     grpo = phase_line(_estimate("GRPO", 30, 70.0), "X")
     assert "trainer compute only, not sampling" in grpo
 

@@ -17,7 +17,13 @@ import pytest
 import torch
 
 from launch.run_config import parse_args
-from trainer.precision import NATIVE_BF16_FLAGS, CpuBf16Source, choose_precision, measure_matmul
+from trainer.precision import (
+    NATIVE_BF16_FLAGS,
+    CpuBf16Source,
+    choose_precision,
+    cpu_bf16,
+    measure_matmul,
+)
 
 pytestmark = pytest.mark.unit
 CPU = torch.device("cpu")
@@ -52,6 +58,21 @@ def test_auto_with_the_flags_but_slow_bf16_is_fp32() -> None:
     """The flags describe the chip; oneDNN limited to AVX2 still emulates bf16."""
     dtype, why = choose_precision("auto", CPU, _source({"avx512_bf16": True}, (3e-4, 2.5e-2)))
     assert dtype == torch.float32 and "not faster" in why
+
+
+@pytest.mark.parametrize(
+    ("flags", "timings", "kind"),
+    [
+        ({"avx2": True}, None, "none"),
+        ({"avx512_bf16": True}, (2.1e-4, 4.1e-4), "slower"),  # the Intel Xeon of 2026-12-01
+        ({"avx512_bf16": True}, (3e-4, 2.5e-2), "slower"),  # emulated: oneDNN held to AVX2
+        ({"amx_bf16": True}, (3e-4, 8e-5), "native"),
+    ],
+)
+def test_what_bf16_is_on_the_cpu(flags: dict, timings: tuple | None, kind: str) -> None:
+    """The kind the cost probe names (``bf16 slower than fp32 here`` where the CPU reports
+    bf16 but its matmul measures no faster)."""
+    assert cpu_bf16(_source(flags, timings))[0] == kind
 
 
 def test_explicit_precisions_are_taken_as_asked() -> None:
