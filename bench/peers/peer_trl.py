@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.common import REPO, RESULTS, machine, stop_on_sigterm, write_result
-from bench.peers.settings import TRL_GENERATION, not_matched
+from bench.peers.settings import TRL_GENERATION, add_trl_normaliser, not_matched
 
 if TYPE_CHECKING:
     from bench.peers.settings import Plan
@@ -262,13 +262,7 @@ def main() -> None:
         help="ours runs with run_all's --reproducible: every batch sampled on-policy (by the "
         "weights that train on it) in lockstep, as TRL samples, and seeded",
     )
-    ap.add_argument(
-        "--trl-normaliser",
-        action="store_true",
-        help="ours normalises its loss as TRL's dr_grpo (summed over the step's tokens / "
-        "(sequences x max_tokens), `loss_aggregation: constant`), not by its trained tokens: "
-        "the same gradient lengths, so both are clipped at the same steps",
-    )
+    add_trl_normaliser(ap)
     ap.add_argument("--smoke", action="store_true", help="label the result a smoke test")
     a = ap.parse_args()
     if a.model:

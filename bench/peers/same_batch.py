@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from bench.common import RESULTS, machine, write_result
 from bench.peers.compare_updates import compare_steps
+from bench.peers.settings import add_trl_normaliser
 
 if TYPE_CHECKING:
     from bench.peers.settings import Plan
@@ -242,13 +243,7 @@ def main() -> None:
     ap.add_argument(
         "--trl-micro-batch", type=int, default=8, help="completions per TRL forward/backward"
     )
-    ap.add_argument(
-        "--trl-normaliser",
-        action="store_true",
-        help="ours normalises its loss as TRL's dr_grpo (summed over the step's tokens / "
-        "(sequences x max_tokens), `loss_aggregation: constant`), not by its trained tokens: "
-        "the same gradient lengths, so both are clipped at the same steps",
-    )
+    add_trl_normaliser(ap)
     ap.add_argument("--work-dir", type=Path, default=Path("runs/same_batch"))
     ap.add_argument(
         "--reuse-work-dir",

@@ -9,6 +9,7 @@ configs (``trl_args``), so both read one source. No torch or TRL at import time.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -208,6 +209,17 @@ def resolve(argv: list[str], save_every: int) -> Plan:
         grpo,
         cfg.launch.eval_samples,
         cfg.reproducible,
+    )
+
+
+def add_trl_normaliser(ap: argparse.ArgumentParser) -> None:
+    """The benches' ``--trl-normaliser`` flag (:func:`resolve_plan`'s ``trl_normaliser``)."""
+    ap.add_argument(
+        "--trl-normaliser",
+        action="store_true",
+        help="ours normalises its loss as TRL's dr_grpo (summed over the step's tokens / "
+        "(sequences x max_tokens), `loss_aggregation: constant`), not by its trained tokens: "
+        "the same gradient lengths, so both are clipped at the same steps",
     )
 
 
