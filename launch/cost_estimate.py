@@ -167,7 +167,8 @@ def long_run_lines(
         f"({parts}), over {LONG_RUN_S / 60:.0f} min: its model's steps are measured at {steps} "
         f"(fp32 where bf16 is not native or measured no faster, trainer/precision.py).",
         "[run_all] NOTE: the tiny preset runs the same pipeline on the project's own 4-layer "
-        f"model, seconds a step (24-40 min in all on 2 cores, docs/RUNNING.md): {tiny_command(argv)}",
+        "model, seconds a step (24-40 min in all on 2 cores, docs/RUNNING.md): "
+        + tiny_command(argv),
         f"[run_all] NOTE: running the tiny preset instead, as --long-run tiny asks (what make run "
         f"asks; --long-run warn keeps {preset})."
         if switch

@@ -14,8 +14,9 @@ when both hold:
    measurement catches that. So it does where bf16 runs natively but slower than fp32: a
    2-vCPU Intel Xeon VM (family 6, model 207) reports avx512_bf16 and oneDNN runs its
    ``avx512_core_bf16`` kernels, yet a bf16 matmul takes ~2x an fp32 one there
-   (docs/results/trainer_precision.md). It costs a few milliseconds (about 0.5 s where bf16 turns out
-   emulated: 69 ms a bf16 matmul against 0.4 in fp32) and runs only when the flags say yes.
+   (docs/results/trainer_precision.md). It costs a few milliseconds (about 0.5 s where bf16
+   turns out emulated: 69 ms a bf16 matmul against 0.4 in fp32) and runs only when the flags
+   say yes.
 
 Without the flags the answer is fp32 at once (nothing is measured), so on a CPU without
 native bf16 ``auto`` is exactly fp32 and its steps cost what fp32 steps cost. On CUDA ``auto``

@@ -130,12 +130,14 @@ def side_settings(plan: Plan, side: str, bf16: bool, micro: int) -> dict[str, An
 def same_settings(recorded: Path, settings: dict[str, Any]) -> bool:
     """Whether a side's finished run in ``recorded``'s folder ran with ``settings``: its
     ``settings.json`` says so (none recorded: not known, so not reused)."""
-    same = recorded.exists() and json.loads(recorded.read_text()) == json.loads(
-        json.dumps(settings)
-    )
-    if not same:
-        print(f"[same_batch] {recorded.parent}: not run with these settings: run again", flush=True)
-    return same
+    if not recorded.exists():
+        why = "no settings recorded"
+    elif json.loads(recorded.read_text()) != json.loads(json.dumps(settings)):
+        why = "run with other settings"
+    else:
+        return True
+    print(f"[same_batch] {recorded.parent}: {why}: run again", flush=True)
+    return False
 
 
 def one_run(
