@@ -40,7 +40,7 @@ class PhaseShape:
     rows: int  # rows (sequences) in one timed pass
     passes: int  # such passes per optimizer step (micro-batches or groups)
     scoring_forwards: int = 0  # no-grad forwards per pass (GRPO's scoring, the KL reference)
-    scale: float = 1.0  # real rows / probed rows (> 1: probed with fewer rows)
+    scale: float = 1.0  # real / probed rows (SFT examples: real / probed tokens)
     source: str = "random tokens"  # or the SFT's first training examples
 
     @property
@@ -52,7 +52,7 @@ class PhaseShape:
         shape = f"{self.rows} x {self.completion} tokens"
         if self.prompt:
             shape = f"{self.prompt}-token prompt + {shape}"
-        scaled = f", scaled x{self.scale:.3g} to the real rows" if self.scale > 1 else ""
+        scaled = f", scaled x{self.scale:.3g} to the real rows" if self.scale != 1 else ""
         return f"{shape} ({self.source}), x{self.passes} per step{scaled}"
 
 

@@ -24,6 +24,10 @@ from launch.cost_estimate import Estimate, PhaseShape
 
 Rows = list[tuple[list[int], list[int]]]
 """Sequences of one pass with their loss masks (1 = a target token)."""
+LENGTH_SAMPLE = 256
+"""Examples (the first the SFT draws) whose mean length scales the probed SFT rows to a
+micro-batch: the first few alone are not typical (cpu-smol's first two: 914 tokens on average,
+the first 256: 793, so rows alone scaled the step ~15% high)."""
 
 
 def measure_step(
@@ -93,9 +97,10 @@ def measure_step(
         torch.set_num_threads(before)
 
 
-def sft_examples(sft: Any, model_dir: str | Path, n: int) -> Rows | None:
+def sft_examples(sft: Any, model_dir: str | Path, n: int) -> tuple[Rows, float] | None:
     """The first ``n`` examples the SFT will train on (epoch 0's order, as trainer/sft.py
-    draws them), tokenized with ``model_dir``'s tokenizer; None without a dataset."""
+    draws them), tokenized with ``model_dir``'s tokenizer, and the mean length in tokens of
+    the first ``LENGTH_SAMPLE`` it draws; None without a dataset."""
     if not (Path(sft.data_dir) / "train.jsonl").exists():
         return None
     from trainer.model import load_tokenizer
@@ -107,26 +112,36 @@ def sft_examples(sft: Any, model_dir: str | Path, n: int) -> Rows | None:
         data["train"], tok, sft.max_seq_len, sft.latest_only, sft.episode, sft.stratify
     )
     order = split.order(sft.seed, 0)
-    found = split.take(order[: 4 * n])[:n]
-    return [(e.tokens, e.loss_mask) for e in found] or None
+    found = split.take(order[: max(4 * n, LENGTH_SAMPLE)])
+    if not found:
+        return None
+    sample = found[:LENGTH_SAMPLE]
+    mean = sum(len(e.tokens) for e in sample) / len(sample)
+    return [(e.tokens, e.loss_mask) for e in found[:n]], mean
 
 
 def measure_phase(
     phase_cfg: Any, model_dir: str | Path, shape: PhaseShape, threads: int | None
 ) -> Estimate:
-    """:func:`measure_step` on the SFT's first training examples where the dataset is there
-    (the shape then says so), and what bf16 is on this CPU (``trainer.precision.cpu_bf16``)."""
+    """:func:`measure_step` on the SFT's first training examples where the dataset is there,
+    scaled by tokens to a micro-batch of rows of the SFT's mean length (the shape then says
+    so), and what bf16 is on this CPU (``trainer.precision.cpu_bf16``)."""
     from trainer.config import SftConfig
     from trainer.precision import cpu_bf16
 
     examples = None
-    if isinstance(phase_cfg, SftConfig):
-        examples = sft_examples(phase_cfg, model_dir, shape.rows)
-    if examples:
+    sft = isinstance(phase_cfg, SftConfig)
+    found = sft_examples(phase_cfg, model_dir, shape.rows) if sft else None
+    if found:
+        examples, mean = found
         longest = max(len(t) for t, _ in examples)
-        source = "the first training examples; the longest shown"
-        shape = replace(shape, rows=len(examples), completion=longest, source=source)
-        shape = replace(shape, scale=phase_cfg.micro_batch_size / len(examples))
+        source = (
+            f"the first training examples, the longest shown; the real rows {mean:.0f} tokens "
+            f"on average over the first {LENGTH_SAMPLE}"
+        )
+        probed = sum(len(t) for t, _ in examples)
+        scale = phase_cfg.micro_batch_size * mean / probed
+        shape = replace(shape, rows=len(examples), completion=longest, source=source, scale=scale)
     est = measure_step(phase_cfg, model_dir, shape, threads, examples)
     return replace(est, bf16=cpu_bf16()[0])
 

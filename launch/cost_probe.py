@@ -7,9 +7,10 @@ the trainer does (``trainer.model.load_model``: the phase's precision, attention
 LoRA, frozen layers), with the trainer's thread count (launch/threads.py), and times one real
 optimizer step at the phase's shapes on synthetic tokens, after one small warm-up step:
 
-- SFT: one micro-batch of ``micro_batch_size`` rows of ``max_seq_len`` tokens (the first
-  examples the SFT will draw when the dataset is there, else random tokens, which share no
-  prefix and so cost more), times ``batch_size / micro_batch_size``, plus one AdamW step.
+- SFT: one micro-batch of ``micro_batch_size`` rows of ``max_seq_len`` tokens (random
+  tokens, which share no prefix and so cost more), times ``batch_size / micro_batch_size``,
+  plus one AdamW step. Where the dataset is there, the first examples the SFT will draw
+  instead, scaled by tokens to rows of the mean length of the first 256 it draws.
 - GRPO: one group (``env.group_size`` completions of ``env.max_tokens`` after a shared prompt
   of ``env.max_prompt_tokens``, packed as the trainer packs it; full lengths: an upper bound)
   times the step's groups, plus the scoring forward (several micro-batches) and the KL

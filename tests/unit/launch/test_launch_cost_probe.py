@@ -20,7 +20,7 @@ from launch.cost_estimate import (
     sft_shape,
     tiny_command,
 )
-from launch.cost_measure import measure_step, sft_examples
+from launch.cost_measure import measure_phase, measure_step, sft_examples
 from launch.cost_probe import CostProbe, measure_in_child
 from launch.run_config import resolve_run
 from trainer.config import GrpoConfig, SftConfig
@@ -179,6 +179,42 @@ def test_a_failing_probe_says_so_and_the_run_goes_on(
 def test_without_a_dataset_sft_is_probed_on_random_tokens(tmp_path: Path) -> None:
     sft = SftConfig(data_dir=str(tmp_path / "none"))
     assert sft_examples(sft, tmp_path, 2) is None
+
+
+def test_sft_is_probed_on_its_first_examples_scaled_by_tokens(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first examples the SFT draws are timed, and scaled to a micro-batch by tokens: to
+    rows of the mean length of the first ``LENGTH_SAMPLE`` it draws, not of the first few."""
+    from env_server.data.dataset import load_or_build
+    from trainer.model import load_tokenizer
+    from trainer.sft_data import LazySplit
+
+    monkeypatch.setattr("launch.cost_measure.LENGTH_SAMPLE", 24)
+    load_or_build(tmp_path / "data", 12, seed=0)
+    sft = SftConfig(
+        model_name=str(tiny_model_dir),
+        precision="fp32",
+        data_dir=str(tmp_path / "data"),
+        num_sessions=12,
+        batch_size=8,
+        micro_batch_size=8,
+        max_seq_len=1024,
+        training_steps=30,
+    )
+    # what trainer/sft.py draws first, in its order: the lengths the scale must come from
+    tok = load_tokenizer(str(tiny_model_dir))
+    split = LazySplit(load_or_build(tmp_path / "data", 12)["train"], tok, 1024, False)
+    drawn = [len(e.tokens) for e in split.take(split.order(sft.seed, 0)[:24])]
+    assert len(drawn) == 24 and sum(drawn) / 24 != drawn[0]  # rows alone would scale wrong
+    rows, mean = sft_examples(sft, tiny_model_dir, 2)
+    assert [len(t) for t, _ in rows] == drawn[:2] and mean == pytest.approx(sum(drawn) / 24)
+    shape = PhaseShape("SFT", 30, 0, 1024, 1, 1, 0, 8.0)  # one row probed, unlike sft_shape
+    est = measure_phase(sft, tiny_model_dir, shape, threads=1)
+    assert (est.shape.rows, est.shape.completion) == (1, drawn[0])
+    assert est.shape.scale == pytest.approx(8 * mean / drawn[0])
+    assert f"rows {mean:.0f} tokens on average over the first 24" in est.shape.describe()
+    assert f"scaled x{est.shape.scale:.3g} to the real rows" in est.shape.describe()
 
 
 def test_the_probe_runs_in_a_child_process_that_reads_the_phase_config(
