@@ -36,6 +36,7 @@ from trainer.hub import push_checkpoint
 from trainer.metrics import MetricsLogger
 from trainer.model import LoadedModel, load_model
 from trainer.optim import build_optimizer, build_scheduler
+from trainer.precision import CpuBf16Source, choose_precision
 from trainer.resume import resume_checkpoint
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,11 @@ def start_run(cfg: CommonConfig, before_resume=None) -> Run:
     torch.manual_seed(cfg.seed)
     save_path = Path(cfg.save_path)
     save_path.mkdir(parents=True, exist_ok=True)
-    on_rank = cfg if d is None else cfg.model_copy(update={"device": str(d.device)})
+    on_rank = cfg
+    if d is not None:  # every rank computes in rank 0's precision
+        on_rank = cfg.model_copy(
+            update={"device": str(d.device), "precision": ranks_precision(cfg, d)}
+        )
     loaded = load_model(on_rank)  # under torchrun on CUDA: each rank on its own GPU
     loaded.model.train()  # from_pretrained returns eval mode
     if before_resume is not None:
@@ -157,6 +162,25 @@ def start_run(cfg: CommonConfig, before_resume=None) -> Run:
     else:
         metrics = MetricsLogger(None)
     return Run(cfg, loaded, optimizer, scheduler, state, metrics, resumed_from, dist=d)
+
+
+def ranks_precision(cfg: CommonConfig, d: Dist, source: CpuBf16Source | None = None) -> str:
+    """``--precision`` for every rank as rank 0 resolves it (``bf16`` or ``fp32``). ``auto``
+    times a matmul on the CPU (trainer/precision.py), and ranks that each timed it on a busy box
+    could disagree: a rank in bf16 beside one in fp32 all-gathers shards of other sizes, and
+    gloo aborts ("Received data size doesn't match expected size"; seen once in the suite on
+    the Intel Xeon, where bf16 is ~2x slower and a preempted timing flipped one rank). So rank
+    0 decides, logs why, and tells the other ranks (over the control group)."""
+    if cfg.precision != "auto":
+        return cfg.precision
+    choice = None
+    if d.is_main:
+        dtype, why = choose_precision("auto", d.device, source)
+        choice = "bf16" if dtype == torch.bfloat16 else "fp32"
+        log.info(
+            "compute precision %s on all %d ranks, as rank 0 resolved %s", choice, d.world_size, why
+        )
+    return d.broadcast(choice)
 
 
 def _checkpoint_to_resume(cfg: CommonConfig, d: Dist | None) -> Path | None:
