@@ -169,7 +169,7 @@ def ranks_precision(cfg: CommonConfig, d: Dist, source: CpuBf16Source | None = N
     times a matmul on the CPU (trainer/precision.py), and ranks that each timed it on a busy box
     could disagree: a rank in bf16 beside one in fp32 all-gathers shards of other sizes, and
     gloo aborts ("Received data size doesn't match expected size"; seen once in the suite on
-    the Intel Xeon, where bf16 is ~2x slower and a preempted timing flipped one rank). So rank
+    an Intel Xeon whose bf16 is ~2x slower than fp32: most likely a preempted timing). So rank
     0 decides, logs why, and tells the other ranks (over the control group)."""
     if cfg.precision != "auto":
         return cfg.precision
