@@ -2,7 +2,8 @@
 two real gloo ranks whose own bf16 timings disagree end up with one dtype. A rank in bf16 beside
 one in fp32 all-gathered FSDP shards of two sizes and gloo aborted the run (seen once in the
 suite: ``test_launch_fsdp``, "Received data size doesn't match expected size. 677632 vs
-338816" -- the tiny model's root shard in fp32 and in bf16, in two chunks)."""
+338816": 338,816 is the tiny model's root shard per rank, and 2:1 the ratio of an fp32 message
+to a bf16 one)."""
 
 from __future__ import annotations
 
