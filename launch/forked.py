@@ -11,7 +11,8 @@ environment and working directory, its output in its log, a session (process gro
 own, torch's thread count from its ``OMP_NUM_THREADS`` -- and is handled like a ``Popen``:
 its PID, ``poll``/``wait`` and exit code (negative: the signal that killed it). It dies with the
 template (a parent-death signal), and the template with the process that started it (its pipe
-closes); ``launch.procs.ManagedProcess`` also registers it with the lifeline's reaper.
+closes; the children let go of their copies of it); ``launch.procs.ManagedProcess`` also
+registers it with the lifeline's reaper.
 As with multiprocessing's spawn, the child imports the starter's main script (if it is one):
 a script that starts forked servers keeps its work under ``if __name__ == "__main__"``.
 
@@ -76,8 +77,25 @@ def forking(on: bool) -> Iterator[None]:
         _by_default = before
 
 
+def _let_go_of_the_template() -> None:
+    """In the forked child: close the write end of the template's "alive" pipe, which
+    multiprocessing hands every child of the template. The template exits when every write
+    end is closed; while a child held one, a starter that died before registering that child
+    with the reaper (a launcher stopped while forking) left the template, its resource
+    tracker and the child running for good. Nothing in the child needs it: a child that
+    starts its own forkserver children gets a fresh template (``_forkserver_pid`` is unset)."""
+    from multiprocessing import forkserver
+
+    fd = forkserver._forkserver._forkserver_alive_fd
+    forkserver._forkserver._forkserver_alive_fd = None
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 def _run_module(module: str, args: list[str], env: dict, cwd: str, log_path: str) -> None:
     """In the forked child: ``python -m module *args`` with ``env``, ``cwd`` and the log."""
+    _let_go_of_the_template()
     os.setsid()  # its own process group: stopped as a whole, by its PID
     if parent_death.SUPPORTED:
         parent_death.die_with(os.getppid())  # the template

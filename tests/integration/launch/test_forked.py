@@ -1,7 +1,7 @@
 """launch/forked.py: ``python -m`` forked from the template that imported vLLM once (what the
 test session's vLLM servers use) behaves as the plain start does: argv, environment, working
 directory, log, own session, exit code; stopped by its PID with its group; and it dies with
-the process that started it when that one is SIGKILLed."""
+the process that started it when that one is SIGKILLed, registered with the reaper or not."""
 
 from __future__ import annotations
 
@@ -89,3 +89,48 @@ def test_a_forked_process_dies_with_its_starter(tmp_path: Path) -> None:
     while is_running(child, info.starttime):
         assert time.monotonic() < deadline, "the forked child outlived its starter"
         time.sleep(0.05)
+
+
+def test_the_template_and_its_child_die_with_a_starter_that_never_registered_it(
+    tmp_path: Path,
+) -> None:
+    """A starter killed between forking a child and registering it (a launcher stopped while
+    forking its API): no reaper knows the child, so the template must exit when its starter's
+    pipe closes, and the child with it. It did not while each child held a copy of the pipe."""
+    log = tmp_path / "child.log"
+    code = f"""
+        import sys, time
+        from launch.forked import fork_module
+        child = fork_module([sys.executable, "-m", {PROBE!r}, "600", "0"], {{}}, ".", sys.argv[1])
+        print(child.pid, flush=True)
+        time.sleep(600)
+    """
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    starter = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), str(log)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+        start_new_session=True,
+    )
+    try:
+        child = int(starter.stdout.readline())
+        _seen(log)
+        info = proc_info(child)
+        assert info is not None and info.ppid != starter.pid
+        template = proc_info(info.ppid)
+        assert template is not None and template.ppid == starter.pid
+    finally:
+        starter.kill()
+        starter.wait(timeout=60)
+    deadline, left = time.monotonic() + LIMIT_S, ((child, info), (info.ppid, template))
+    try:
+        for pid, started in left:
+            while is_running(pid, started.starttime):
+                assert time.monotonic() < deadline, f"{pid} outlived its starter"
+                time.sleep(0.05)
+    finally:  # a failure leaves nothing behind (the template's resource tracker then ends)
+        for pid, started in left:
+            if is_running(pid, started.starttime):
+                os.kill(pid, signal.SIGKILL)
