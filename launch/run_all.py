@@ -64,6 +64,7 @@ from launch.run_plan import (
     reproducible_note,
     trainer_argv,
     vllm_extra,
+    with_precision,
 )
 from launch.supervisor import PY, ServiceFailed, Stack
 from launch.trainer_node import publish_trainer_argv
@@ -172,6 +173,11 @@ def write_configs(cfg: RunConfig, plan: RunPlan, envs: list[str]) -> dict[str, P
         f"run dir {plan.run_dir}\n[run_all] follow it: tail -f {' '.join(map(str, plan.logs(envs)))}"
     )
     say(f"{plan.threads.describe()} (launch/threads.py)")
+    if plan.precision is not None:
+        say(
+            f"trainers compute in {plan.precision}: --precision auto resolved once here, for "
+            "the trainers and the evaluations' dtype (trainer/precision.py)"
+        )
     how = "as forks of one template process that imported vLLM once" if plan.forked else "plainly"
     say(f"services start {how} (launch/forked.py; --fork-services / --no-fork-services)")
     return files
@@ -336,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = launcher_config(
                 layers, asked, plan.api_url, plan.vllm_urls, run_dir, plan.place.trainer_device
             )
+            cfg = with_precision(cfg, plan.precision)  # one resolution of `auto` for all
             with forking(plan.forked):  # the services' start (launch/forked.py)
                 return launch(cfg, plan, stack, argv)
     except ServiceFailed as e:

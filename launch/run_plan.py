@@ -134,28 +134,62 @@ RUN_DTYPE = "as the run's servers"
 """What an evaluation's ``server_dtype`` says where its server has the run's dtype."""
 
 
-def eval_dtype(cfg: RunConfig, device: str) -> str | None:
+def _lora(cfg: RunConfig) -> bool:
+    return cfg.trainer.grpo.lora_r > 0 or cfg.weight_bridge_mode == "lora_only"
+
+
+def _follows_training(cfg: RunConfig, device: str) -> bool:
+    """The evaluations' own servers serve in the dtype the GRPO trainer computes in (a CPU
+    run without LoRA, ``--eval-dtype auto``)."""
+    auto = cfg.launch.eval_dtype == "auto"
+    return auto and device == "cpu" and not _lora(cfg) and own_eval_server(cfg, device)
+
+
+def launcher_precision(cfg: RunConfig, device: str) -> str | None:
+    """``--precision auto`` resolved once, by the launcher, where the evaluations' dtype
+    follows it: ``bf16`` or ``fp32``, written into the trainers' configs (``with_precision``)
+    so that the trainers and the evaluations cannot each time the CPU and disagree. None
+    elsewhere (each trainer resolves its own; under torchrun rank 0 decides for all)."""
+    if not _follows_training(cfg, device) or cfg.trainer.grpo.precision != "auto":
+        return None
+    return cpu_precision()
+
+
+def with_precision(cfg: RunConfig, precision: str | None) -> RunConfig:
+    """``cfg`` whose SFT and GRPO trainers compute in ``precision`` where they asked for
+    ``auto`` (the launcher's one resolution, :func:`launcher_precision`); ``cfg`` if None."""
+    if precision is None:
+        return cfg
+    trainer = cfg.trainer
+    update = {
+        name: section.model_copy(update={"precision": precision})
+        for name in ("sft", "grpo")
+        if (section := getattr(trainer, name)).precision == "auto"
+    }
+    return cfg.model_copy(update={"trainer": trainer.model_copy(update=update)})
+
+
+def eval_dtype(cfg: RunConfig, device: str, precision: str | None = None) -> str | None:
     """``launch.eval_dtype`` resolved for a trainer on ``device``: the ``--dtype`` of the
     evaluations' own servers, None for the run's servers' dtype (also where they have none).
     Both evaluations must have it, so a LoRA run (its RL evaluation stays on the run's
-    server) keeps the run's."""
+    server) keeps the run's. ``precision``: the launcher's resolution of ``auto``, if made."""
     if not own_eval_server(cfg, device):
         return None
     choice = cfg.launch.eval_dtype
-    lora = cfg.trainer.grpo.lora_r > 0 or cfg.weight_bridge_mode == "lora_only"
-    if lora and choice != "auto":
+    if _lora(cfg) and choice != "auto":
         raise ValueError(
             f"--eval-dtype {choice}: a LoRA run's RL evaluation is on the run's server, in "
             "its dtype (set --vllm.dtype for both)"
         )
     if choice != "auto":
         return choice
-    if device != "cpu" or lora:
+    if not _follows_training(cfg, device):
         return None
-    precision = cfg.trainer.grpo.precision
-    if precision == "auto":
-        precision = cpu_precision()
-    return "bfloat16" if precision == "bf16" else None
+    trained = cfg.trainer.grpo.precision
+    if trained == "auto":
+        trained = precision or cpu_precision()
+    return "bfloat16" if trained == "bf16" else None
 
 
 def cpu_precision() -> str:
@@ -227,6 +261,9 @@ class RunPlan:
     """Services start as forks of a template (``launch.fork_services``, CPU runs only)."""
     eval_dtype: str | None = None
     """``--dtype`` of the evaluations' own servers (``launch.eval_dtype``); None: the run's."""
+    precision: str | None = None
+    """The trainers' ``auto`` precision as the launcher resolved it (``launcher_precision``),
+    None where each trainer resolves its own."""
 
     @property
     def device(self) -> str:
@@ -267,6 +304,7 @@ def plan_run(cfg: RunConfig, run_dir: Path) -> RunPlan:
     ports = [lc.vllm_port or next(picked)]
     ports += [next(picked) for _ in range(lc.num_inference_servers - 1)]
     cpu_only = device == "cpu" and not any(place.server_gpus)
+    precision = launcher_precision(cfg, device)
     return RunPlan(
         run_dir=run_dir,
         place=place,
@@ -275,5 +313,6 @@ def plan_run(cfg: RunConfig, run_dir: Path) -> RunPlan:
         api_url=f"http://{api_connect_host(cfg.api.host)}:{lc.api_port or next(picked)}",
         vllm_ports=tuple(ports),
         bridge_token=secrets.token_hex(16),
-        eval_dtype=eval_dtype(cfg, device),
+        eval_dtype=eval_dtype(cfg, device, precision),
+        precision=precision,
     )
