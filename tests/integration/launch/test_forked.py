@@ -1,7 +1,8 @@
 """launch/forked.py: ``python -m`` forked from the template that imported vLLM once (what the
 test session's vLLM servers use) behaves as the plain start does: argv, environment, working
 directory, log, own session, exit code; stopped by its PID with its group; and it dies with
-the process that started it when that one is SIGKILLed, registered with the reaper or not."""
+the process that started it when that one is SIGKILLed (the template too), registered with
+the reaper or not."""
 
 from __future__ import annotations
 
@@ -58,51 +59,28 @@ def test_a_forked_process_is_stopped_by_its_pid(tmp_path: Path) -> None:
     assert not proc.alive() and proc_info(proc.pid) is None
 
 
-def test_a_forked_process_dies_with_its_starter(tmp_path: Path) -> None:
-    log = tmp_path / "child.log"
-    code = f"""
-        import sys, time
-        from launch.procs import ManagedProcess
-        p = ManagedProcess("child", [sys.executable, "-m", {PROBE!r}, "600", "0"], sys.argv[1],
-                           forked=True).start()
-        print(p.pid, flush=True)
-        time.sleep(600)
-    """
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    parent = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code), str(log)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=REPO_ROOT,
-        start_new_session=True,
-    )
-    try:
-        child = int(parent.stdout.readline())
-        _seen(log)
-        info = proc_info(child)
-        assert info is not None and info.ppid != parent.pid  # the template's child, not ours
-    finally:
-        parent.kill()
-        parent.wait(timeout=60)
-    deadline = time.monotonic() + LIMIT_S
-    while is_running(child, info.starttime):
-        assert time.monotonic() < deadline, "the forked child outlived its starter"
-        time.sleep(0.05)
+STARTS = {
+    "registered": 'ManagedProcess("child", argv, sys.argv[1], forked=True).start()',
+    # a starter killed between forking a child and registering it with the reaper (a launcher
+    # stopped while forking its API): only the template's own exit can take the child
+    "unregistered": 'fork_module(argv, {}, ".", sys.argv[1])',
+}
 
 
-def test_the_template_and_its_child_die_with_a_starter_that_never_registered_it(
-    tmp_path: Path,
+@pytest.mark.parametrize("start", sorted(STARTS))
+def test_a_forked_process_and_the_template_die_with_their_starter(
+    start: str, tmp_path: Path
 ) -> None:
-    """A starter killed between forking a child and registering it (a launcher stopped while
-    forking its API): no reaper knows the child, so the template must exit when its starter's
-    pipe closes, and the child with it. It did not while each child held a copy of the pipe."""
+    """SIGKILL to the starter: the template exits when its starter's pipe closes (no child of
+    the template holds a copy of it any more), and the child with it, whether or not the
+    starter had registered the child with the lifeline's reaper."""
     log = tmp_path / "child.log"
     code = f"""
         import sys, time
         from launch.forked import fork_module
-        child = fork_module([sys.executable, "-m", {PROBE!r}, "600", "0"], {{}}, ".", sys.argv[1])
-        print(child.pid, flush=True)
+        from launch.procs import ManagedProcess
+        argv = [sys.executable, "-m", {PROBE!r}, "600", "0"]
+        print({STARTS[start]}.pid, flush=True)
         time.sleep(600)
     """
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
@@ -118,7 +96,7 @@ def test_the_template_and_its_child_die_with_a_starter_that_never_registered_it(
         child = int(starter.stdout.readline())
         _seen(log)
         info = proc_info(child)
-        assert info is not None and info.ppid != starter.pid
+        assert info is not None and info.ppid != starter.pid  # the template's child, not ours
         template = proc_info(info.ppid)
         assert template is not None and template.ppid == starter.pid
     finally:
