@@ -173,11 +173,6 @@ def write_configs(cfg: RunConfig, plan: RunPlan, envs: list[str]) -> dict[str, P
         f"run dir {plan.run_dir}\n[run_all] follow it: tail -f {' '.join(map(str, plan.logs(envs)))}"
     )
     say(f"{plan.threads.describe()} (launch/threads.py)")
-    if plan.precision is not None:
-        say(
-            f"trainers compute in {plan.precision}: --precision auto resolved once here, for "
-            "the trainers and the evaluations' dtype (trainer/precision.py)"
-        )
     how = "as forks of one template process that imported vLLM once" if plan.forked else "plainly"
     say(f"services start {how} (launch/forked.py; --fork-services / --no-fork-services)")
     return files
@@ -266,6 +261,11 @@ def train(
 def launch(cfg: RunConfig, plan: RunPlan, stack: Stack, argv: list[str]) -> int:
     """The run ``cfg`` (resolved with the launcher's decisions, ``plan``), phase by phase;
     ``argv``: the command line, for the cost probe's advice."""
+    if plan.precision is not None:  # before SFT, which computes in it too
+        say(
+            f"trainers compute in {plan.precision}: --precision auto resolved once here, for "
+            "the trainers and the evaluations' dtype (trainer/precision.py)"
+        )
     probe = CostProbe(cfg, argv, plan.threads.trainer_env, run_dir=plan.run_dir)
     envs = prepare(cfg, plan, probe)
     if cfg.launch.prepare_only:
