@@ -11,11 +11,12 @@ import yaml
 
 from launch import run_plan
 from launch.configs import resolve_for_run, write_service_config
+from launch.run_config import RunConfig
 
 pytestmark = pytest.mark.unit
 
 
-def _run(argv: list[str], run_dir: Path):
+def _run(argv: list[str], run_dir: Path) -> RunConfig:
     url = "http://127.0.0.1:1"
     return resolve_for_run(["--preset", "cpu-tiny", *argv], url, [url], run_dir, warn=False)
 
