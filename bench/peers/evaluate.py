@@ -17,7 +17,7 @@ import os
 import re
 import secrets
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -157,6 +157,26 @@ def evaluate_points(
     return {p.label: json.loads((work / p.label / "metrics.json").read_text()) for p in points}
 
 
+def recorded_steps(recorded: Mapping[str, Any]) -> dict[int, None]:
+    """The steps of TRL's checkpoints an earlier result evaluated (its ``eval.points``)."""
+    return {
+        int(k.rsplit("step", 1)[1]): None for k in recorded["points"] if k.startswith("trl_step")
+    }
+
+
+def same_start(recorded: Mapping[str, Any], rows: int, start: Mapping[str, float]) -> None:
+    """Refuse a recorded TRL side unless its evaluation had the same rows and the start model
+    evaluated there exactly as here (greedy: the same model gives the same answers)."""
+    was = recorded["points"]["sft_step000000"]
+    if recorded["rows"] != rows or any(abs(was[k] - start[k]) > 1e-9 for k in ("exact", "reward")):
+        raise SystemExit(
+            f"--trl-result: its start model scored exact {was['exact']:.4f}, reward "
+            f"{was['reward']:.4f} on {recorded['rows']} validation rows; here it scored "
+            f"{start['exact']:.4f}, {start['reward']:.4f} on {rows}: not the same start model "
+            "or rows, so the recorded TRL side cannot be compared with this run"
+        )
+
+
 def validation_rows(env: EnvConfig, rows: int) -> list[dict[str, Any]]:
     """The rows ``env_server.evaluate --split validation --limit rows`` evaluates."""
     from env_server.data.dataset import load_or_build
@@ -172,9 +192,13 @@ def evaluate_sides(
     rows: int,
     redo: bool = False,
     ran: Sequence[str] = (),
+    recorded: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Evaluate the start model and every checkpoint both sides saved, then compare them
-    after the same samples and after the same wall time (bench/peers/peer_trl.py's docstring)."""
+    after the same samples and after the same wall time (bench/peers/peer_trl.py's docstring).
+    ``recorded``: TRL's side is an earlier result's ``eval`` (``--trl-result``), known by
+    its means only: its checkpoints are not evaluated, the comparisons are unpaired, and the
+    start model must evaluate as it did there (the same model on the same rows)."""
     import shutil
 
     from bench.peers.report import (
@@ -184,6 +208,7 @@ def evaluate_sides(
         per_sample,
         summary_of,
         train_rewards,
+        unpaired,
     )
     from bench.peers.settings import write_vllm
 
@@ -191,12 +216,14 @@ def evaluate_sides(
     for side in ran:  # that side's checkpoints are new: its old evaluations are stale
         for d in out.glob(f"{side}_step*"):
             shutil.rmtree(d) if d.is_dir() else d.unlink()
-    ck = {"ours": ours_checkpoints(work / "ours"), "trl": trl_checkpoints(work / "trl")}
+    ck = {"ours": ours_checkpoints(work / "ours")}
+    ck["trl"] = trl_checkpoints(work / "trl") if recorded is None else recorded_steps(recorded)
     saved = sorted(set(ck["ours"]) & set(ck["trl"]))
     if not saved or saved[-1] != plan.steps:
         raise RuntimeError(f"checkpoints ours {sorted(ck['ours'])}, TRL {sorted(ck['trl'])}")
+    sides = ("ours",) if recorded is not None else ("ours", "trl")
     points = [Point("sft", 0, None)]
-    points += [Point(side, s, ck[side][s]) for side in ("ours", "trl") for s in saved]
+    points += [Point(side, s, ck[side][s]) for side in sides for s in saved]
     metrics = evaluate_points(points, plan.model, plan.env, rows, out, write_vllm(plan, out), redo)
     val = validation_rows(plan.env, rows)
     reward = plan.env.reward_config()
@@ -207,43 +234,52 @@ def evaluate_sides(
         for p in points
     }
 
+    points_out = {k: summary_of(v) for k, v in vec.items()}
+    if recorded is not None:
+        same_start(recorded, rows, points_out["sft_step000000"])
+        points_out |= {k: v for k, v in recorded["points"].items() if k.startswith("trl_")}
+
     def at(side: str, step: int) -> dict[str, list]:
         return vec[Point("sft" if step == 0 else side, step, None).label]
+
+    def versus(so: int, st: int) -> dict[str, Any]:
+        """ours after ``so`` steps against TRL after ``st`` (TRL's step 0: the start model)."""
+        o = at("ours", so)
+        if recorded is None or st == 0:
+            t = at("trl", st)
+            return {"ours": summary_of(o), "trl": summary_of(t), "diff": compare(t, o)}
+        t = points_out[Point("trl", st, None).label]
+        return {"ours": summary_of(o), "trl": t, "diff": unpaired(t, o)}
 
     b = plan.batch_size
     comparisons = []
     for s in saved:
-        o, t = at("ours", s), at("trl", s)
         comparisons.append(
-            {
-                "point": f"{s * b} samples",
-                "samples_ours": s * b,
-                "samples_trl": s * b,
-                "ours": summary_of(o),
-                "trl": summary_of(t),
-                "diff": compare(t, o),
-            }
+            {"point": f"{s * b} samples", "samples_ours": s * b, "samples_trl": s * b}
+            | versus(s, s)
         )
-    times = {"ours": elapsed(ours["timeline"]), "trl": elapsed(trl["timeline"])}
+    trl_times = (
+        elapsed(trl["timeline"])
+        if recorded is None
+        else {int(k): v for k, v in recorded["elapsed_s"]["trl"].items()}
+    )
+    times = {"ours": elapsed(ours["timeline"]), "trl": trl_times}
     wall = min(times["ours"][plan.steps], times["trl"][plan.steps])
     so, st = (at_wall_time(times[side], saved, wall) for side in ("ours", "trl"))
-    o, t = at("ours", so), at("trl", st)
     comparisons.append(
         {
             "point": f"{wall / 60:.1f} min of training",
             "wall_s": wall,
             "samples_ours": so * b,
             "samples_trl": st * b,
-            "ours": summary_of(o),
-            "trl": summary_of(t),
-            "diff": compare(t, o),
         }
+        | versus(so, st)
     )
     return {
         "rows": rows,
         "split": "validation",
-        "sft": summary_of(vec["sft_step000000"]),
-        "points": {k: summary_of(v) for k, v in vec.items()},
+        "sft": points_out["sft_step000000"],
+        "points": points_out,
         "elapsed_s": {side: {str(k): v for k, v in t.items()} for side, t in times.items()},
         "comparisons": comparisons,
     }

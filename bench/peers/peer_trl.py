@@ -40,7 +40,10 @@ key) and the markdown table beside it (``.md``), which it also prints.
   and checkpoint methods (bench/peers/run_trl.py).
 
 ``--skip-ours`` / ``--skip-trl`` reuse that side's run in ``--work-dir``; evaluations already
-done there are reused unless that side ran again (or ``--redo-eval``).
+done there are reused unless that side ran again (or ``--redo-eval``). ``--trl-result`` takes
+TRL's side from an earlier run's result JSON instead (rates, timeline and evaluations: the
+same settings and rows, the start model evaluating as it did there); its per-row results
+are not in the JSON, so those comparisons are unpaired.
 """
 
 from __future__ import annotations
@@ -220,6 +223,15 @@ def main() -> None:
     ap.add_argument("--work-dir", type=Path, default=None, help="default runs/peer_trl/<preset>")
     ap.add_argument("--skip-ours", action="store_true", help="reuse our run in --work-dir")
     ap.add_argument("--skip-trl", action="store_true", help="reuse TRL's run in --work-dir")
+    ap.add_argument(
+        "--trl-result",
+        type=Path,
+        default=None,
+        help="TRL's side from an earlier run's result JSON (its rates and evaluations) "
+        "instead of a run in --work-dir: the same settings, seed and validation rows, the "
+        "start model must evaluate as it did there; comparisons unpaired (per-row results "
+        "are not in the JSON)",
+    )
     ap.add_argument("--redo-eval", action="store_true", help="evaluate every checkpoint again")
     ap.add_argument("--order", choices=["ours-first", "trl-first"], default="ours-first")
     ap.add_argument("--trl-threads", type=int, default=None, help="default: every core")
@@ -281,6 +293,7 @@ def main() -> None:
             f"steps ({steps}) a multiple of --eval-points ({a.eval_points})"
         )
     plan = _plan(a, work, steps, steps // a.eval_points)
+    recorded = recorded_trl(a.trl_result, plan) if a.trl_result else None
     _prepare(plan, work)
     sides = ["ours", "trl"] if a.order == "ours-first" else ["trl", "ours"]
     ran = []
@@ -288,14 +301,24 @@ def main() -> None:
         if side == "ours" and not a.skip_ours:
             run_ours(plan, work)
             ran.append("ours")
-        if side == "trl" and not a.skip_trl:
+        if side == "trl" and not a.skip_trl and recorded is None:
             run_trl(plan, work, a)
             ran.append("trl")
-    for side in ("ours", "trl"):
+    for side in ("ours",) if recorded else ("ours", "trl"):
         if not (work / f"{side}_meta.json").exists():
             raise SystemExit(f"no run of {side} in {work}: run it (leave out --skip-{side})")
-    ours, trl = side_ours(plan, work), side_trl(plan, work)
-    ev = evaluate_sides(plan, work, ours, trl, a.eval_rows, redo=a.redo_eval, ran=ran)
+    ours = side_ours(plan, work)
+    trl = recorded["trl"] if recorded else side_trl(plan, work)
+    ev = evaluate_sides(
+        plan,
+        work,
+        ours,
+        trl,
+        a.eval_rows,
+        redo=a.redo_eval,
+        ran=ran,
+        recorded=recorded["eval"] if recorded else None,
+    )
     from bench.peers.report import markdown
     from bench.peers.settings import matched
 
@@ -315,6 +338,7 @@ def main() -> None:
             plan.trl_normaliser,
         ),
         "order": a.order,
+        "trl_result": str(a.trl_result) if a.trl_result else None,
         "ours": ours,
         "trl": trl,
         "eval": ev,
@@ -324,6 +348,27 @@ def main() -> None:
     a.out.with_suffix(".md").write_text(table)
     print(table, flush=True)
     print(f"[peer_trl] written to {a.out} and {a.out.with_suffix('.md')}", flush=True)
+
+
+def recorded_trl(path: Path, plan: Plan) -> dict[str, Any]:
+    """TRL's side of an earlier result (``--trl-result``), refused unless it ran with this
+    run's settings (the start model's path aside: its evaluation must match instead)."""
+    from bench.peers.settings import matched
+
+    data = json.loads(path.read_text())
+    if plan.preset not in data or not data[plan.preset].get("eval"):
+        raise SystemExit(f"--trl-result {path}: no evaluated {plan.preset} result in it")
+    res = data[plan.preset]
+    want = {k: v for k, v in matched(plan).items() if k != "model"}
+    was = {k: v for k, v in res["settings"].items() if k != "model"}
+    differ = {k: (was.get(k), v) for k, v in want.items() if was.get(k) != v}
+    if differ or res["steps"] != plan.steps or res["save_every"] != plan.save_every:
+        raise SystemExit(
+            f"--trl-result {path}: TRL ran with other settings (recorded, here): {differ}; "
+            f"steps {res['steps']}, {plan.steps}; checkpoint every {res['save_every']}, "
+            f"{plan.save_every}"
+        )
+    return res
 
 
 def _prepare(plan: Plan, work: Path) -> None:

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -122,7 +123,24 @@ def compare(a: Mapping[str, Sequence[float]], b: Mapping[str, Sequence[float]]) 
     return {k: paired(a[k], b[k]) for k in ("exact", "reward", "train_reward")}
 
 
-def _pm(c: Mapping[str, float], scale: float = 1.0, digits: int = 2) -> str:
+def unpaired(a: Mapping[str, float], b: Mapping[str, Sequence[float]]) -> dict:
+    """``b - a`` where ``a`` is known only by its means (a recorded evaluation of the same
+    rows, ``--trl-result``): exact match with the standard error of two independent
+    proportions (larger than the paired one when the two models agree on rows), the
+    rewards with none (their spread over rows was not recorded)."""
+    n = len(b["exact"])
+    pa, pb = a["exact"], sum(b["exact"]) / n
+    se = math.sqrt(pa * (1 - pa) / a["n"] + pb * (1 - pb) / n)
+    out = {"exact": {"diff": pb - pa, "se": se, "paired": False}}
+    for k in ("reward", "train_reward"):
+        out[k] = {"diff": sum(b[k]) / n - a[k], "se": None, "paired": False}
+    return out
+
+
+def plus_minus(c: Mapping[str, Any], scale: float = 1.0, digits: int = 2) -> str:
+    """``diff ± se`` (scaled); an unknown SE says so."""
+    if c.get("se") is None:
+        return f"{scale * c['diff']:+.{digits}f} (unpaired, SE unknown)"
     return f"{scale * c['diff']:+.{digits}f} ± {scale * c['se']:.{digits}f}"
 
 
@@ -170,11 +188,17 @@ def markdown(res: Mapping[str, Any]) -> str:
         lines.append(f"- {side}: " + ", ".join(f"{k} {v:.2f}" for k, v in bd.items()))
     ev = res.get("eval")
     if ev:
+        how = (
+            "paired over the same rows; differences are this stack minus TRL, ± paired SE"
+            if not res.get("trl_result")
+            else f"the same rows; TRL's side is the recorded run of `{res['trl_result']}`, "
+            "whose per-row results were not kept, so differences are this stack minus TRL "
+            "unpaired: exact match ± the SE of two independent proportions, rewards without one"
+        )
         lines += [
             "",
-            f"Validation, {ev['rows']} rows, greedy (vLLM), paired over the same rows; "
-            "reward = the paper's (DARS 1000), trained reward = the preset's variant; "
-            "differences are this stack minus TRL, ± paired SE:",
+            f"Validation, {ev['rows']} rows, greedy (vLLM), {how}; reward = the paper's "
+            "(DARS 1000), trained reward = the preset's variant:",
             "",
             "| point | samples (ours / TRL) | exact match % (ours / TRL) | diff (points) | "
             "reward (ours / TRL) | diff | trained reward (ours / TRL) | diff |",
@@ -184,10 +208,10 @@ def markdown(res: Mapping[str, Any]) -> str:
             o, t, c = row["ours"], row["trl"], row["diff"]
             lines.append(
                 f"| {row['point']} | {row['samples_ours']} / {row['samples_trl']} | "
-                f"{100 * o['exact']:.1f} / {100 * t['exact']:.1f} | {_pm(c['exact'], 100, 1)} | "
-                f"{o['reward']:.2f} / {t['reward']:.2f} | {_pm(c['reward'])} | "
+                f"{100 * o['exact']:.1f} / {100 * t['exact']:.1f} | {plus_minus(c['exact'], 100, 1)} | "
+                f"{o['reward']:.2f} / {t['reward']:.2f} | {plus_minus(c['reward'])} | "
                 f"{o['train_reward']:.3f} / {t['train_reward']:.3f} | "
-                f"{_pm(c['train_reward'], 1, 3)} |"
+                f"{plus_minus(c['train_reward'], 1, 3)} |"
             )
         sft = ev["sft"]
         lines.append(

@@ -14,7 +14,9 @@ sampling and training) into ``<out>/seed<S>/`` (``peer.json`` and its ``.md``, t
 - ``curve.png``: validation exact match against minutes since step 1, both sides, every seed.
 
 Options after ``--`` go to every peer_trl run (its ``--out``, ``--work-dir`` and ``--seed`` are
-this bench's). A seed whose ``peer.json`` exists is kept, not run again.
+this bench's), ``{seed}`` in them replaced by the seed (``--trl-result old/seed{seed}/peer.json``
+compares each seed with TRL's recorded run of that seed). A seed whose ``peer.json`` exists is
+kept, not run again.
 
   flock /tmp/heavy.lock .venv/bin/python -m bench.peers.seeds --out runs/peer_seeds \\
       --seeds 0 1 2 -- --preset cpu-smol --trl-generation vllm-colocate --trl-micro-batch 8
@@ -38,7 +40,7 @@ OWN_FLAGS = ("--out", "--work-dir", "--seed")
 
 
 def peer_argv(out: Path, seed: int, extra: Sequence[str]) -> list[str]:
-    """The peer_trl command of one seed."""
+    """The peer_trl command of one seed (``{seed}`` in ``extra`` replaced by it)."""
     clash = [a for a in extra if a.split("=")[0] in OWN_FLAGS]
     if clash:
         raise SystemExit(f"bench.peers.seeds sets {', '.join(OWN_FLAGS)} itself; drop {clash}")
@@ -47,7 +49,7 @@ def peer_argv(out: Path, seed: int, extra: Sequence[str]) -> list[str]:
         sys.executable,
         "-m",
         "bench.peers.peer_trl",
-        *extra,
+        *(a.replace("{seed}", str(seed)) for a in extra),
         "--seed",
         str(seed),
         "--out",
@@ -142,8 +144,10 @@ def curve(results: Mapping[int, Mapping[str, Any]], png: Path) -> None:
     plt.close(fig)
 
 
-def _pm(d: Mapping[str, float]) -> str:
-    return f"{d['diff']:+.1f} ± {d['se']:.1f}"
+def _pm(d: Mapping[str, Any]) -> str:
+    from bench.peers.report import plus_minus
+
+    return plus_minus(d, digits=1)
 
 
 def table(rows: Mapping[int, Mapping[str, Any]], summary: Mapping[str, Any]) -> str:
@@ -192,6 +196,13 @@ def report(out: Path) -> int:
     }
     text = table(rows, summary)
     first = next(iter(results.values()))
+    recorded = {s: r["trl_result"] for s, r in results.items() if r.get("trl_result")}
+    if recorded:  # TRL's side taken from earlier results: unpaired (bench/peers/report.py)
+        text += (
+            "\n\nTRL's side recorded by earlier runs (--trl-result; seeds "
+            f"{', '.join(map(str, recorded))}): ours - TRL unpaired, exact match ± the SE of "
+            "two independent proportions, rewards without an SE."
+        )
     machine = {s: r["machine"] for s, r in results.items()}
     result = {"seeds": {str(s): r for s, r in rows.items()}, "summary": summary}
     result |= {"machine": machine, "commands": {str(s): r["command"] for s, r in results.items()}}

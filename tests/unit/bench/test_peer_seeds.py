@@ -74,8 +74,22 @@ def test_a_seed_runs_peer_trl_with_its_own_seed_out_and_work_dir(tmp_path: Path)
     assert tail[tail.index("--work-dir") + 1] == str(tmp_path / "seed2" / "work")
     with pytest.raises(SystemExit, match="sets --out, --work-dir, --seed itself"):
         peer_argv(tmp_path, 0, ["--seed=3"])
+    each = peer_argv(tmp_path, 1, ["--trl-result", "old/seed{seed}/peer.json"])
+    assert each[3:5] == ["--trl-result", "old/seed1/peer.json"]  # that seed's recorded run
 
 
 def test_no_finished_seed_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="no finished seed"):
         main(["--out", str(tmp_path), "--report"])
+
+
+def test_a_recorded_trl_side_is_reported_as_unpaired(tmp_path: Path) -> None:
+    res = _result(30.0, 10.0, 0.05) | {"trl_result": "/old/seed0/peer.json"}
+    for row in res["eval"]["comparisons"]:
+        row["diff"]["reward"] = {"diff": -3.0, "se": None, "paired": False}
+    (tmp_path / "seed0").mkdir()
+    (tmp_path / "seed0" / "peer.json").write_text(json.dumps({"cpu-smol": res}))
+    assert main(["--out", str(tmp_path), "--report"]) == 0
+    table = (tmp_path / "table.md").read_text()
+    assert "(-3.0 (unpaired, SE unknown))" in table.splitlines()[2]
+    assert "TRL's side recorded by earlier runs (--trl-result; seeds 0)" in table

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from bench.peers.data import ShopR1Reward, prompt_text, rows_in_env_order, trl_rows
+from bench.peers.evaluate import recorded_steps, same_start
+from bench.peers.peer_trl import recorded_trl
 from bench.peers.report import (
     OURS_PARTS,
     TRL_PARTS,
@@ -19,8 +21,10 @@ from bench.peers.report import (
     compare,
     elapsed,
     markdown,
+    plus_minus,
     steady_rate,
     timeline,
+    unpaired,
 )
 from bench.peers.settings import (
     NOT_MATCHED,
@@ -369,3 +373,36 @@ def test_trl_normaliser_runs_ours_with_dr_grpos_and_says_so(tmp_path: Path) -> N
         assert {k for k in ours if ours[k] != theirs[k]} == {"loss_normaliser"}
         assert theirs["loss_normaliser"] == TRL_NORMALISER
     assert "population std" in NOT_MATCHED["advantage_std"]
+
+
+def test_unpaired_comparison_against_a_recorded_side() -> None:
+    trl = {"exact": 0.25, "reward": 2.0, "train_reward": 0.5, "n": 4}
+    ours = {"exact": [1, 1, 0, 0], "reward": [2.0, 3.0, 4.0, 5.0], "train_reward": [1, 1, 1, 1]}
+    c = unpaired(trl, ours)
+    assert c["exact"]["diff"] == pytest.approx(0.25) and c["exact"]["paired"] is False
+    assert c["exact"]["se"] == pytest.approx((0.25 * 0.75 / 4 + 0.5 * 0.5 / 4) ** 0.5)
+    assert c["reward"] == {"diff": 1.5, "se": None, "paired": False}
+    assert plus_minus(c["reward"]) == "+1.50 (unpaired, SE unknown)"
+    assert plus_minus(c["exact"], 100, 1) == "+25.0 ± 33.1"
+
+
+def test_a_recorded_trl_side_needs_the_same_start_and_settings(tmp_path: Path) -> None:
+    plan = resolve_plan(1, preset="cpu-tiny", run_dir=tmp_path / "ours", steps=2, keep=9, seed=3)
+    start = {"exact": 0.0703125, "reward": 41.16, "train_reward": 41.16, "n": 256}
+    rec = {"rows": 256, "points": {"sft_step000000": start, "trl_step000002": start}}
+    same_start(rec, 256, start)  # the same model on the same rows: accepted
+    with pytest.raises(SystemExit, match="not the same start model or rows"):
+        same_start(rec, 256, start | {"exact": 0.07421875})
+    with pytest.raises(SystemExit, match="not the same start model or rows"):
+        same_start(rec, 128, start)
+    assert recorded_steps(rec) == {2: None}
+    result = {"settings": matched(plan) | {"model": "/elsewhere"}, "steps": 2, "save_every": 1}
+    path = tmp_path / "peer.json"
+    path.write_text(json.dumps({"cpu-tiny": result | {"eval": rec, "trl": {}}}))
+    assert recorded_trl(path, plan)["eval"] == rec  # another path to the model is fine
+    path.write_text(json.dumps({"cpu-tiny": result | {"eval": rec, "settings": {"seed": 4}}}))
+    with pytest.raises(SystemExit, match="TRL ran with other settings"):
+        recorded_trl(path, plan)
+    path.write_text(json.dumps({"cpu-smol": result | {"eval": rec}}))
+    with pytest.raises(SystemExit, match="no evaluated cpu-tiny result"):
+        recorded_trl(path, plan)
