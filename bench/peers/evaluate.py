@@ -157,6 +157,34 @@ def evaluate_points(
     return {p.label: json.loads((work / p.label / "metrics.json").read_text()) for p in points}
 
 
+def vectors(
+    plan: Plan, points: Sequence[Point], rows: int, out: Path, redo: bool = False
+) -> dict[str, dict[str, list]]:
+    """``{label: per-row vectors}`` of ``points`` evaluated into ``out`` (see
+    :func:`evaluate_points`): exact match, the paper's reward, the trained reward."""
+    from bench.peers.report import per_sample, train_rewards
+    from bench.peers.settings import write_vllm
+
+    metrics = evaluate_points(points, plan.model, plan.env, rows, out, write_vllm(plan, out), redo)
+    val = validation_rows(plan.env, rows)
+    reward = plan.env.reward_config()
+    return {
+        p.label: per_sample(
+            metrics[p.label], train_rewards(out / p.label / "predictions.jsonl", val, reward)
+        )
+        for p in points
+    }
+
+
+def check_start(plan: Plan, work: Path, recorded: Mapping[str, Any], rows: int) -> None:
+    """Before any training: the start model evaluated (kept for :func:`evaluate_sides`) and
+    checked against a recorded TRL side's (:func:`same_start`)."""
+    from bench.peers.report import summary_of
+
+    start = vectors(plan, [Point("sft", 0, None)], rows, work / "eval")["sft_step000000"]
+    same_start(recorded, rows, summary_of(start))
+
+
 def recorded_steps(recorded: Mapping[str, Any]) -> dict[int, None]:
     """The steps of TRL's checkpoints an earlier result evaluated (its ``eval.points``)."""
     return {
@@ -205,12 +233,9 @@ def evaluate_sides(
         at_wall_time,
         compare,
         elapsed,
-        per_sample,
         summary_of,
-        train_rewards,
         unpaired,
     )
-    from bench.peers.settings import write_vllm
 
     out = work / "eval"
     for side in ran:  # that side's checkpoints are new: its old evaluations are stale
@@ -224,16 +249,7 @@ def evaluate_sides(
     sides = ("ours",) if recorded is not None else ("ours", "trl")
     points = [Point("sft", 0, None)]
     points += [Point(side, s, ck[side][s]) for side in sides for s in saved]
-    metrics = evaluate_points(points, plan.model, plan.env, rows, out, write_vllm(plan, out), redo)
-    val = validation_rows(plan.env, rows)
-    reward = plan.env.reward_config()
-    vec = {
-        p.label: per_sample(
-            metrics[p.label], train_rewards(out / p.label / "predictions.jsonl", val, reward)
-        )
-        for p in points
-    }
-
+    vec = vectors(plan, points, rows, out, redo)
     points_out = {k: summary_of(v) for k, v in vec.items()}
     if recorded is not None:
         same_start(recorded, rows, points_out["sft_step000000"])

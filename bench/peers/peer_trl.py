@@ -280,7 +280,7 @@ def main() -> None:
     if a.model:
         a.model = str(Path(a.model).resolve())
     stop_on_sigterm()
-    from bench.peers.evaluate import evaluate_sides
+    from bench.peers.evaluate import check_start, evaluate_sides
 
     work = (a.work_dir or REPO / "runs" / "peer_trl" / a.preset).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -295,6 +295,8 @@ def main() -> None:
     plan = _plan(a, work, steps, steps // a.eval_points)
     recorded = recorded_trl(a.trl_result, plan) if a.trl_result else None
     _prepare(plan, work)
+    if recorded:  # the same start model, or stop before training
+        check_start(plan, work, recorded["eval"], a.eval_rows)
     sides = ["ours", "trl"] if a.order == "ours-first" else ["trl", "ours"]
     ran = []
     for side in sides:
