@@ -224,9 +224,10 @@ def evaluate_sides(
 ) -> dict[str, Any]:
     """Evaluate the start model and every checkpoint both sides saved, then compare them
     after the same samples and after the same wall time (bench/peers/peer_trl.py's docstring).
-    ``recorded``: TRL's side is an earlier result's ``eval`` (``--trl-result``), known by
-    its means only: its checkpoints are not evaluated, the comparisons are unpaired, and the
-    start model must evaluate as it did there (the same model on the same rows)."""
+    ``recorded``: TRL's side is an earlier result's ``eval`` (``--trl-result``): its
+    checkpoints are not evaluated again, the start model must evaluate as it did there (the
+    same model on the same rows), and the comparisons are paired where it kept its per-row
+    results (``per_row``), unpaired on its means where not."""
     import shutil
 
     from bench.peers.report import (
@@ -254,6 +255,8 @@ def evaluate_sides(
     if recorded is not None:
         same_start(recorded, rows, points_out["sft_step000000"])
         points_out |= {k: v for k, v in recorded["points"].items() if k.startswith("trl_")}
+        kept = recorded.get("per_row", {})  # where kept: paired
+        vec |= {k: v for k, v in kept.items() if k.startswith("trl_")}
 
     def at(side: str, step: int) -> dict[str, list]:
         return vec[Point("sft" if step == 0 else side, step, None).label]
@@ -261,7 +264,7 @@ def evaluate_sides(
     def versus(so: int, st: int) -> dict[str, Any]:
         """ours after ``so`` steps against TRL after ``st`` (TRL's step 0: the start model)."""
         o = at("ours", so)
-        if recorded is None or st == 0:
+        if recorded is None or st == 0 or Point("trl", st, None).label in vec:
             t = at("trl", st)
             return {"ours": summary_of(o), "trl": summary_of(t), "diff": compare(t, o)}
         t = points_out[Point("trl", st, None).label]
@@ -298,4 +301,5 @@ def evaluate_sides(
         "points": points_out,
         "elapsed_s": {side: {str(k): v for k, v in t.items()} for side, t in times.items()},
         "comparisons": comparisons,
+        "per_row": vec,  # each point's per-row vectors, so a later --trl-result pairs with them
     }

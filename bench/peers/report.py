@@ -190,8 +190,8 @@ def markdown(res: Mapping[str, Any]) -> str:
     if ev:
         how = (
             "paired over the same rows; differences are this stack minus TRL, ± paired SE"
-            if not res.get("trl_result")
-            else f"the same rows; TRL's side is the recorded run of `{res['trl_result']}`, "
+            if not any(c["diff"]["exact"].get("paired") is False for c in ev["comparisons"])
+            else f"the same rows; TRL's side is the recorded run of `{res.get('trl_result')}`, "
             "whose per-row results were not kept, so differences are this stack minus TRL "
             "unpaired: exact match ± the SE of two independent proportions, rewards without one"
         )

@@ -96,6 +96,11 @@ def _comparison(res: Mapping[str, Any], wall: bool) -> dict[str, Any]:
     return rows[-1]
 
 
+def _percent(d: Mapping[str, Any]) -> dict[str, Any]:
+    """A difference of exact-match fractions in points (``paired`` kept as it is)."""
+    return {k: 100 * v if k in ("diff", "se") and v is not None else v for k, v in d.items()}
+
+
 def seed_row(res: Mapping[str, Any]) -> dict[str, Any]:
     """One seed's numbers (see the module docstring); exact match in percent."""
     ours, trl = res["ours"]["rate"], res["trl"]["rate"]
@@ -107,11 +112,10 @@ def seed_row(res: Mapping[str, Any]) -> dict[str, Any]:
         "start_exact": 100 * res["eval"]["sft"]["exact"],
         "samples": {"ours": same["samples_ours"], "trl": same["samples_trl"]},
         "exact": {"ours": 100 * same["ours"]["exact"], "trl": 100 * same["trl"]["exact"]},
-        "same_samples": {k: 100 * v for k, v in same["diff"]["exact"].items()},
+        "same_samples": _percent(same["diff"]["exact"]),
         "reward": {"ours": same["ours"]["reward"], "trl": same["trl"]["reward"]},
         "reward_same_samples": dict(same["diff"]["reward"]),
-        "same_wall": {k: 100 * v for k, v in wall["diff"]["exact"].items()}
-        | {"point": wall["point"]},
+        "same_wall": _percent(wall["diff"]["exact"]) | {"point": wall["point"]},
     }
 
 
@@ -196,8 +200,8 @@ def report(out: Path) -> int:
     }
     text = table(rows, summary)
     first = next(iter(results.values()))
-    recorded = {s: r["trl_result"] for s, r in results.items() if r.get("trl_result")}
-    if recorded:  # TRL's side taken from earlier results: unpaired (bench/peers/report.py)
+    recorded = [s for s, r in rows.items() if r["same_samples"].get("paired") is False]
+    if recorded:  # TRL's side from earlier results, per-row results lost (bench/peers/report.py)
         text += (
             "\n\nTRL's side recorded by earlier runs (--trl-result; seeds "
             f"{', '.join(map(str, recorded))}): ours - TRL unpaired, exact match ± the SE of "

@@ -86,6 +86,7 @@ def test_no_finished_seed_is_an_error(tmp_path: Path) -> None:
 def test_a_recorded_trl_side_is_reported_as_unpaired(tmp_path: Path) -> None:
     res = _result(30.0, 10.0, 0.05) | {"trl_result": "/old/seed0/peer.json"}
     for row in res["eval"]["comparisons"]:
+        row["diff"]["exact"]["paired"] = False
         row["diff"]["reward"] = {"diff": -3.0, "se": None, "paired": False}
     (tmp_path / "seed0").mkdir()
     (tmp_path / "seed0" / "peer.json").write_text(json.dumps({"cpu-smol": res}))
@@ -93,3 +94,8 @@ def test_a_recorded_trl_side_is_reported_as_unpaired(tmp_path: Path) -> None:
     table = (tmp_path / "table.md").read_text()
     assert "(-3.0 (unpaired, SE unknown))" in table.splitlines()[2]
     assert "TRL's side recorded by earlier runs (--trl-result; seeds 0)" in table
+    assert json.loads((tmp_path / "result.json").read_text())["seeds"]["0"]["same_samples"] == {
+        "diff": 5.0,
+        "se": 2.0,
+        "paired": False,
+    }
