@@ -7,7 +7,10 @@ gold answer (the env's reward pays it the most), another row's answer, the gold 
 short, and a non-answer (reward 0), with different lengths, so that the two loss normalisers
 (ours: the trained tokens; TRL ``dr_grpo``: sequences x max_completion_length) really differ.
 The preset is cpu-smol's (group-scaled advantages, prefix-tree packing), the tiny model in
-place of SmolLM2, and two groups of four a step. Step 1 is checked in full (the gradients'
+place of SmolLM2, and two groups of four a step, computed in fp32 on every CPU: ``auto``
+picks bf16 where the CPU has native bf16, and bf16's rounding alone moves the two sides'
+gradient cosine to ~1 - 1e-5 (0.99998868 on an avx512_bf16 EPYC), so the test's 1e-6 would
+pass or fail by CPU. Step 1 is checked in full (the gradients'
 lengths as the normalisers predict them); at step 2 each side's gradient is taken on its own
 weights and AdamW's replay of both sides' gradients (moments carried over, each side's
 clipping) must predict the update since the start.
@@ -62,6 +65,7 @@ def tiny_plan(tiny_model_dir: Path, tmp_path: Path, constant_length: int | None 
         constant_length=constant_length,
     )
     argv += ["--env.group-size", str(GROUP), "--trainer.grpo.batch-size", str(GROUP * PROMPTS)]
+    argv += ["--trainer.grpo.precision", "fp32"]  # on every CPU (module docstring)
     return resolve(argv, 1)
 
 
@@ -80,7 +84,9 @@ def test_our_grpo_step_is_trls_on_the_same_batch(tiny_model_dir: Path, tmp_path:
         for k in range(STEPS)
     ]
 
-    steps = one_run(plan, str(tiny_model_dir), batches, tmp_path / "work", micro=GROUP)["steps"]
+    run = one_run(plan, str(tiny_model_dir), batches, tmp_path / "work", micro=GROUP)
+    assert (run["precision"]["ours"], run["precision"]["trl"]) == ("torch.float32",) * 2
+    steps = run["steps"]
     got = steps[0]
     grad, update = got["gradient"], got["update"]
     assert grad["tensors_nonzero_in_both"] == grad["tensors"]  # every tensor got a gradient
