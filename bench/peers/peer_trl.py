@@ -42,8 +42,8 @@ key) and the markdown table beside it (``.md``), which it also prints.
 ``--skip-ours`` / ``--skip-trl`` reuse that side's run in ``--work-dir``; evaluations already
 done there are reused unless that side ran again (or ``--redo-eval``). ``--trl-result`` takes
 TRL's side from an earlier run's result JSON instead (rates, timeline and evaluations: the
-same settings and rows, the start model evaluating as it did there); its per-row results
-are not in the JSON, so those comparisons are unpaired.
+same settings and rows, the start model evaluating as it did there); comparisons with it
+are paired where that result kept its per-row vectors (``eval.per_row``), unpaired where not.
 """
 
 from __future__ import annotations
@@ -229,8 +229,8 @@ def main() -> None:
         default=None,
         help="TRL's side from an earlier run's result JSON (its rates and evaluations) "
         "instead of a run in --work-dir: the same settings, seed and validation rows, the "
-        "start model must evaluate as it did there; comparisons unpaired (per-row results "
-        "are not in the JSON)",
+        "start model must evaluate as it did there; comparisons paired where that result "
+        "kept its per-row vectors (eval.per_row), unpaired where not",
     )
     ap.add_argument("--redo-eval", action="store_true", help="evaluate every checkpoint again")
     ap.add_argument("--order", choices=["ours-first", "trl-first"], default="ours-first")
