@@ -33,6 +33,12 @@ class _Loss(BaseModel):
     mismatch_mask_high: float | None = Field(None, gt=1)
     """ICEPOP / MIS masking: a token whose trainer/inference probability ratio is above this
     (e.g. 2 or 5) gets no policy-gradient term (None: no upper bound)."""
+    mismatch_mask_level: Literal["token", "sequence"] = "token"
+    """What the mask bounds compare: each token's trainer/inference ratio (``token``, ICEPOP)
+    or its sequence's, the product of its tokens' ratios, so a sequence outside the bounds
+    loses every token's policy term (``sequence``; with ``tis_cap`` at the upper bound and
+    ``tis_level sequence`` it is TRL's default ``vllm_importance_sampling_mode``,
+    ``sequence_mask``)."""
     loss_aggregation: Literal["token", "sequence", "constant"] = "token"
     """Average the loss over all tokens of the step (``token``), per sequence then over
     sequences (``sequence``), or sum it over the step's tokens and divide by a constant, its
@@ -49,6 +55,13 @@ class _Loss(BaseModel):
             raise ValueError("tis_cap must be >= 1 (a cap below 1 down-weights every token)")
         if self.tis_level == "sequence" and self.tis_cap is None:
             raise ValueError("tis_level sequence needs tis_cap (the truncation of its weight)")
+        if self.mismatch_mask_level == "sequence" and (
+            self.mismatch_mask_low is None and self.mismatch_mask_high is None
+        ):
+            raise ValueError(
+                "mismatch_mask_level sequence needs mismatch_mask_low or mismatch_mask_high "
+                "(the bounds a sequence's trainer/inference ratio is masked outside)"
+            )
         if self.loss_aggregation == "constant" and self.constant_length is None:
             raise ValueError(
                 "loss_aggregation constant needs constant_length (tokens per sequence of its "

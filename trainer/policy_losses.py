@@ -18,7 +18,10 @@ Importance ratios, with ``pi_old`` the trainer's own (detached) logprobs:
   the product of its tokens' weights (``"sequence"``, TRL's ``sequence_truncate``).
 - ``mask_low``/``mask_high`` (ICEPOP / MIS): a token whose trainer/inference ratio
   pi_old / pi_inference lies outside [mask_low, mask_high] contributes no policy term (its KL
-  term stays); it still counts in the normaliser, as IcePop's objective does.
+  term stays); it still counts in the normaliser, as IcePop's objective does. With
+  ``mask_level="sequence"`` the bounds compare the sequence's ratio (the product of its
+  tokens'), and a sequence outside them loses every token's policy term: with ``tis_cap`` =
+  ``mask_high`` and ``tis_level="sequence"``, TRL's ``sequence_mask`` (its vLLM default).
 
 KL: ``kl_beta * kl_estimate(pi, ref, kl_estimator)`` per token (k1, k2 or k3). Every log ratio
 is clamped to +-``LOG_RATIO_BOUND`` before ``exp`` (trainer/loss.py), so a token the inference
@@ -78,6 +81,8 @@ class LossSettings:
     tis_level: IsLevel = "token"
     mask_low: float | None = None
     mask_high: float | None = None
+    mask_level: IsLevel = "token"
+    """What ``mask_low``/``mask_high`` compare: each token's ratio or its sequence's."""
     kl_beta: float = 0.0
     kl_estimator: KlEstimator = "k3"
     aggregation: Aggregation = "token"
@@ -91,6 +96,7 @@ class LossSettings:
         for name, value, allowed in (
             ("aggregation", self.aggregation, Aggregation),
             ("tis_level", self.tis_level, IsLevel),
+            ("mask_level", self.mask_level, IsLevel),
             ("KL estimator", self.kl_estimator, KlEstimator),
         ):
             if value not in get_args(allowed):
@@ -108,6 +114,7 @@ class LossSettings:
             tis_level=loss.tis_level,
             mask_low=loss.mismatch_mask_low,
             mask_high=loss.mismatch_mask_high,
+            mask_level=loss.mismatch_mask_level,
             kl_beta=cfg.kl_beta,
             kl_estimator=cfg.kl_estimator,
             aggregation=loss.loss_aggregation,
@@ -214,7 +221,10 @@ def importance(inp: LossInput, s: LossSettings) -> Importance:
         iw = raw_iw.clamp(max=s.tis_cap)
     keep = m
     if s.mask_low is not None or s.mask_high is not None:
-        w = safe_exp(behaviour)
+        if s.mask_level == "sequence":
+            w = safe_exp(behaviour.sum(-1, keepdim=True)).expand_as(lp)
+        else:
+            w = safe_exp(behaviour)
         outside = (w < s.mask_low) if s.mask_low is not None else torch.zeros_like(m)
         if s.mask_high is not None:
             outside = outside | (w > s.mask_high)

@@ -59,7 +59,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.common import REPO, RESULTS, machine, stop_on_sigterm, write_result
-from bench.peers.settings import TRL_GENERATION, add_trl_normaliser, not_matched
+from bench.peers.settings import (
+    TRL_GENERATION,
+    add_trl_importance,
+    add_trl_normaliser,
+    not_matched,
+)
 
 if TYPE_CHECKING:
     from bench.peers.settings import Plan
@@ -92,6 +97,7 @@ def _plan(a: argparse.Namespace, work: Path, steps: int | None, save_every: int)
         keep_constant_groups=a.keep_constant_groups,
         seed=a.seed,
         reproducible=a.reproducible,
+        trl_importance=a.trl_importance,
     )
 
 
@@ -275,8 +281,13 @@ def main() -> None:
         "weights that train on it) in lockstep, as TRL samples, and seeded",
     )
     add_trl_normaliser(ap)
+    add_trl_importance(ap)
     ap.add_argument("--smoke", action="store_true", help="label the result a smoke test")
     a = ap.parse_args()
+    if a.trl_importance and a.trl_generation != "vllm-colocate":
+        ap.error(
+            "--trl-importance is TRL's vLLM correction: it needs --trl-generation vllm-colocate"
+        )
     if a.model:
         a.model = str(Path(a.model).resolve())
     stop_on_sigterm()
@@ -338,6 +349,7 @@ def main() -> None:
             trl["summary"].get("generation", "transformers"),
             plan.reproducible,
             plan.trl_normaliser,
+            plan.trl_importance,
         ),
         "order": a.order,
         "trl_result": str(a.trl_result) if a.trl_result else None,

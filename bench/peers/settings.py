@@ -75,6 +75,18 @@ VLLM_COLOCATE_NOT_MATCHED = {
 """What differs instead when TRL generates with vLLM in its process (``vllm-colocate``)."""
 
 
+TRL_IMPORTANCE = (
+    "matched: ours takes TRL's vLLM correction (--trl-importance: `tis_cap 3, tis_level "
+    "sequence, mismatch_mask_high 3, mismatch_mask_level sequence`, TRL 1.16's default "
+    "`sequence_mask` at clip_max 3): the ratio is pi_trainer / pi_old = 1 (one update per batch), "
+    "each sequence weighed by pi_old / pi_vLLM over its tokens, 0 above 3"
+)
+"""The importance ratio's line when ours takes TRL's correction (``Plan.trl_importance``)."""
+TRL_IS_FLAGS = (
+    "--tis-cap 3 --tis-level sequence --mismatch-mask-high 3 --mismatch-mask-level sequence"
+)
+"""Ours' trainer flags for TRL's default vLLM correction (docs/TRAINER.md)."""
+
 TRL_NORMALISER = (
     "matched: ours takes TRL dr_grpo's normaliser (--trl-normaliser: `loss_aggregation: "
     "constant`, `constant_length` = max_tokens = TRL's max_completion_length)"
@@ -83,10 +95,14 @@ TRL_NORMALISER = (
 
 
 def not_matched(
-    generation: str = "transformers", reproducible: bool = False, trl_normaliser: bool = False
+    generation: str = "transformers",
+    reproducible: bool = False,
+    trl_normaliser: bool = False,
+    trl_importance: bool = False,
 ) -> dict[str, str]:
     """The differences of a comparison whose TRL side generates by ``generation``, ours
-    ``reproducible`` (on-policy lockstep) or not, with TRL's loss normaliser or ours."""
+    ``reproducible`` (on-policy lockstep) or not, with TRL's loss normaliser or ours, with
+    TRL's vLLM importance correction (``trl_importance``) or ours' PPO ratio."""
     if generation not in TRL_GENERATION:
         raise ValueError(f"TRL generation {generation!r}: one of {TRL_GENERATION}")
     out = dict(NOT_MATCHED)
@@ -97,6 +113,16 @@ def not_matched(
     if reproducible:
         ours, trl = OURS_IMPORTANCE_RATIO[True], TRL_IMPORTANCE_RATIO[generation]
         out["importance_ratio"] = f"{ours}; {trl}"
+    if trl_importance:
+        if generation != "vllm-colocate":
+            raise ValueError(
+                "--trl-importance is TRL's vLLM correction: TRL must generate with vLLM"
+            )
+        out["importance_ratio"] = TRL_IMPORTANCE + (
+            "; on-policy (--reproducible)"
+            if reproducible
+            else "; ours' rollouts up to the API's staleness bound behind"
+        )
     return out
 
 
@@ -135,6 +161,19 @@ class Plan:
         loss = self.grpo.loss
         return loss.loss_aggregation == "constant" and loss.constant_length == self.env.max_tokens
 
+    @property
+    def trl_importance(self) -> bool:
+        """Ours weighs its tokens as TRL's default vLLM correction (``sequence_mask`` at 3)."""
+        loss = self.grpo.loss
+        return (loss.tis_cap, loss.tis_level, loss.mismatch_mask_low) == (
+            3.0,
+            "sequence",
+            None,
+        ) and (
+            loss.mismatch_mask_high,
+            loss.mismatch_mask_level,
+        ) == (3.0, "sequence")
+
 
 def run_all_argv(
     preset: str,
@@ -147,6 +186,7 @@ def run_all_argv(
     seed: int | None = None,
     reproducible: bool = False,
     constant_length: int | None = None,
+    trl_importance: bool = False,
 ) -> list[str]:
     """``launch/run_all.sh`` arguments of our side: no SFT-vs-RL evaluation, a checkpoint
     every ``save_every`` steps, ``keep`` of them kept, self-certainty off (see NOT_MATCHED);
@@ -154,10 +194,13 @@ def run_all_argv(
     service's seed, and TRL's side reads it from the same resolved settings;
     ``reproducible``: ours samples on-policy in lockstep (``--reproducible``);
     ``constant_length``: ours' loss summed over the step's tokens / (sequences x it)
-    (``loss_aggregation: constant``; :func:`resolve_plan` sets it to TRL's)."""
+    (``loss_aggregation: constant``; :func:`resolve_plan` sets it to TRL's);
+    ``trl_importance``: ours weighs its tokens as TRL's vLLM correction (``TRL_IS_FLAGS``)."""
     trainer = f"--save-every {save_every} --keep-checkpoints {keep} --self-certainty-alpha 0"
     if constant_length is not None:
         trainer += f" --loss-aggregation constant --constant-length {constant_length}"
+    if trl_importance:
+        trainer += f" {TRL_IS_FLAGS}"
     argv = [
         "--preset",
         preset,
@@ -220,6 +263,17 @@ def add_trl_normaliser(ap: argparse.ArgumentParser) -> None:
         help="ours normalises its loss as TRL's dr_grpo (summed over the step's tokens / "
         "(sequences x max_tokens), `loss_aggregation: constant`), not by its trained tokens: "
         "the same gradient lengths, so both are clipped at the same steps",
+    )
+
+
+def add_trl_importance(ap: argparse.ArgumentParser) -> None:
+    """The benches' ``--trl-importance`` flag (``run_all_argv``'s ``trl_importance``)."""
+    ap.add_argument(
+        "--trl-importance",
+        action="store_true",
+        help="ours weighs its tokens as TRL's default vLLM correction does (ratio 1, each "
+        f"sequence weighed by pi_trainer / pi_vLLM and dropped above 3: {TRL_IS_FLAGS}), "
+        "not by its PPO ratio against vLLM's logprobs",
     )
 
 

@@ -29,6 +29,7 @@ from bench.peers.report import (
 from bench.peers.settings import (
     NOT_MATCHED,
     TRL_GENERATION,
+    TRL_IMPORTANCE,
     TRL_NORMALISER,
     matched,
     not_matched,
@@ -373,6 +374,30 @@ def test_trl_normaliser_runs_ours_with_dr_grpos_and_says_so(tmp_path: Path) -> N
         assert {k for k in ours if ours[k] != theirs[k]} == {"loss_normaliser"}
         assert theirs["loss_normaliser"] == TRL_NORMALISER
     assert "population std" in NOT_MATCHED["advantage_std"]
+
+
+def test_trl_importance_runs_ours_with_trls_sequence_mask_and_says_so(tmp_path: Path) -> None:
+    """``--trl-importance``: ours' loss takes TRL's default vLLM correction (TRL_IS_FLAGS);
+    TRL's side is unchanged, and the result's differences say the ratio is matched, and
+    whether ours samples on-policy; TRL without vLLM has no such correction to match."""
+    kw = dict(preset="cpu-tiny", run_dir=tmp_path / "ours", steps=2, keep=9)
+    default, plan = resolve_plan(1, **kw), resolve_plan(1, trl_importance=True, **kw)
+    assert not default.trl_importance and plan.trl_importance
+    loss = plan.grpo.loss
+    assert (loss.tis_cap, loss.tis_level) == (3.0, "sequence")
+    assert (loss.mismatch_mask_high, loss.mismatch_mask_level) == (3.0, "sequence")
+    assert "--trainer-args=--save-every 1 --keep-checkpoints 9" in " ".join(plan.run_all_argv)
+    assert trl_args(plan, tmp_path / "trl", bf16=False) == trl_args(
+        default, tmp_path / "trl", bf16=False
+    )
+    for reproducible in (False, True):
+        ours = not_matched("vllm-colocate", reproducible)
+        theirs = not_matched("vllm-colocate", reproducible, trl_importance=True)
+        assert {k for k in ours if ours[k] != theirs[k]} == {"importance_ratio"}
+        assert theirs["importance_ratio"].startswith(TRL_IMPORTANCE)
+        assert ("on-policy" in theirs["importance_ratio"]) == reproducible
+    with pytest.raises(ValueError, match="TRL must generate with vLLM"):
+        not_matched("transformers", trl_importance=True)
 
 
 def test_unpaired_comparison_against_a_recorded_side() -> None:

@@ -207,6 +207,7 @@ def test_settings_from_config_field_by_field() -> None:
         tis_level="sequence",
         mismatch_mask_low=0.4,
         mismatch_mask_high=3.0,
+        mismatch_mask_level="sequence",
         kl_beta=0.02,
         kl_estimator="k1",
         loss_aggregation="sequence",
@@ -219,6 +220,7 @@ def test_settings_from_config_field_by_field() -> None:
         tis_level="sequence",
         mask_low=0.4,
         mask_high=3.0,
+        mask_level="sequence",
         kl_beta=0.02,
         kl_estimator="k1",
         aggregation="sequence",
@@ -264,3 +266,41 @@ def test_constant_aggregation_needs_its_length_and_only_it_takes_one() -> None:
     assert (s.loss_type, s.aggregation, s.constant_length) == ("gspo", "constant", 128)
     with pytest.raises(ValueError, match="constant_length goes with aggregation constant"):
         LossSettings(aggregation="constant")
+
+
+def test_trls_sequence_mask_is_ours_with_its_four_settings() -> None:
+    """TRL's default correction with vLLM (``vllm_importance_sampling_mode="sequence_mask"``,
+    ``clip_max`` 3, one iteration): the ratio is 1 and each sequence's policy term is weighed
+    by w = exp(sum over its tokens of log pi_old - log pi_vLLM), or 0 where w > 3. Ours with
+    ``tis_cap 3, tis_level sequence, mask_high 3, mask_level sequence`` gives that gradient,
+    -A w grad(log pi) / normaliser, written out here; sequence 0 (w = 2.8) keeps its term,
+    sequence 1 (w = 4.5) loses it on every token; a token-level mask would keep some."""
+    lp_rows = [[-0.9, -1.6, -0.3, -2.2], [-0.5, -1.1, -3.0, -0.7]]
+    w = [2.8, 4.5]  # the sequences' trainer/inference weights (row 1: 3 masked tokens)
+    shift = [[0.4, 0.3, float(torch.tensor(2.8).log()) - 0.7, 0.0], [0.5, 0.5, 0.0, 0.0]]
+    shift[1][2] = float(torch.tensor(4.5).log()) - 1.0
+    inf = torch.tensor(lp_rows) - torch.tensor(shift)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    for row, want in enumerate(w):  # the weights as TRL computes them
+        diff = (torch.tensor(lp_rows[row]) - inf[row]) * mask[row]
+        assert float(diff.sum().exp()) == pytest.approx(want, rel=1e-5)
+    trl = LossSettings(tis_cap=3.0, tis_level="sequence", mask_high=3.0, mask_level="sequence")
+    lp = torch.tensor(lp_rows, requires_grad=True)
+    out = compute_loss(LossInput(lp, inf, torch.tensor(SEQ_ADV), mask, 7.0), trl)
+    out.loss.backward()
+    kept = torch.tensor([[w[0]], [0.0]])  # sequence 1 is above 3: masked
+    expected = -(torch.tensor(SEQ_ADV).unsqueeze(-1) * kept * mask) / 7.0
+    torch.testing.assert_close(lp.grad, expected)
+    assert out.sums["mismatch_masked"] == 3.0 and out.sums["clipped"] == 0.0
+
+    token = dataclasses.replace(trl, mask_level="token")  # per token: none is above 3
+    lp.grad = None
+    compute_loss(LossInput(lp, inf, torch.tensor(SEQ_ADV), mask, 7.0), token).loss.backward()
+    assert bool((lp.grad[1, :3] != 0).all())
+
+
+def test_a_sequence_mask_needs_a_bound() -> None:
+    with pytest.raises(ValueError, match="mismatch_mask_level sequence needs mismatch_mask_low"):
+        GrpoConfig(mismatch_mask_level="sequence")
+    with pytest.raises(ValueError, match="unknown mask_level 'batch'"):
+        LossSettings(mask_level="batch")  # type: ignore[arg-type]
