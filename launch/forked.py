@@ -33,6 +33,7 @@ import runpy
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from multiprocessing.context import ForkServerContext
@@ -154,6 +155,27 @@ def _kill_left_running() -> None:
             child.wait(10)
 
 
+LEADS_GROUP_WAIT_S = 60.0
+"""How long :func:`fork_module` waits for the child to make its own process group."""
+
+
+def _until_it_leads_its_group(process: multiprocessing.process.BaseProcess) -> None:
+    """Until the forked child has made its own process group (or exited), as a ``Popen`` with
+    a new session has when it returns: the child gets there only after multiprocessing's
+    start-up in it (which may import the starter's main script), and a group signal sent
+    before that found no group and was lost (``signal_group`` ignores a missing group): a
+    server stopped right after its start got no SIGTERM and was SIGKILLed after the stop's
+    20 s wait. Best effort after ``LEADS_GROUP_WAIT_S``."""
+    deadline = time.monotonic() + LEADS_GROUP_WAIT_S
+    while process.exitcode is None and time.monotonic() < deadline:
+        try:
+            if os.getpgid(int(process.pid or 0)) == process.pid:
+                return
+        except ProcessLookupError:
+            return
+        time.sleep(0.005)
+
+
 def fork_module(
     argv: Sequence[str], env: Mapping[str, str], cwd: Path | str, log_path: Path | str
 ) -> ForkedPopen:
@@ -174,6 +196,7 @@ def fork_module(
         name=f"{module} (forked)",
     )
     process.start()
+    _until_it_leads_its_group(process)
     child = ForkedPopen(process)
     _running[:] = [c for c in _running if c.poll() is None] + [child]
     return child

@@ -47,6 +47,19 @@ def test_a_forked_module_sees_what_python_m_would(tmp_path: Path) -> None:
     assert proc.stop() == 3
 
 
+def test_a_forked_process_leads_its_group_when_started_and_a_stop_at_once_is_a_sigterm(
+    tmp_path: Path,
+) -> None:
+    """As a ``Popen`` with a new session, the child leads its own process group as soon as
+    ``start()`` returns, so a stop right away reaches it with SIGTERM (before, the group did
+    not exist yet, the SIGTERM was lost, and the stop SIGKILLed it after its 20 s wait)."""
+    for i in range(3):
+        argv = [sys.executable, "-m", PROBE, "600", "0"]
+        proc = ManagedProcess("sleeper", argv, tmp_path / f"s{i}.log", forked=True).start()
+        assert os.getpgid(proc.pid) == proc.pid
+        assert proc.stop(timeout=LIMIT_S) == -signal.SIGTERM
+
+
 def test_a_forked_process_is_stopped_by_its_pid(tmp_path: Path) -> None:
     proc = ManagedProcess(
         "sleeper", [sys.executable, "-m", PROBE, "600", "0"], tmp_path / "s.log", forked=True
