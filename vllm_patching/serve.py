@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from settings.bind import check_bind
 from settings.ports import VLLM_PORT
+from vllm_patching import startup_signals
 from vllm_patching.config import VllmConfig
 from vllm_patching.protocol import (
     PLUGIN_NAME,
@@ -321,6 +322,7 @@ def main(argv: list[str] | None = None) -> None:
         f"[bridge] mode={settings.mode} backend={settings.backend} config={path}", file=sys.stderr
     )
     sys.argv = ["vllm.entrypoints.openai.api_server", *vllm_args]
+    startup_signals.install()  # a SIGTERM during the start ends it (vLLM's would hang)
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
 
 
