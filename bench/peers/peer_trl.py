@@ -350,6 +350,7 @@ def main() -> None:
             plan.reproducible,
             plan.trl_normaliser,
             plan.trl_importance,
+            plan.keeps_constant_groups,
         ),
         "order": a.order,
         "trl_result": str(a.trl_result) if a.trl_result else None,

@@ -87,6 +87,11 @@ TRL_IS_FLAGS = (
 )
 """Ours' trainer flags for TRL's default vLLM correction (docs/TRAINER.md)."""
 
+KEPT_CONSTANT_GROUPS = (
+    "matched: ours trains constant groups at advantage 0 as TRL does (--keep-constant-groups)"
+)
+"""The constant groups' line when ours keeps them (``Plan.keeps_constant_groups``)."""
+
 TRL_NORMALISER = (
     "matched: ours takes TRL dr_grpo's normaliser (--trl-normaliser: `loss_aggregation: "
     "constant`, `constant_length` = max_tokens = TRL's max_completion_length)"
@@ -99,10 +104,12 @@ def not_matched(
     reproducible: bool = False,
     trl_normaliser: bool = False,
     trl_importance: bool = False,
+    keep_constant_groups: bool = False,
 ) -> dict[str, str]:
     """The differences of a comparison whose TRL side generates by ``generation``, ours
     ``reproducible`` (on-policy lockstep) or not, with TRL's loss normaliser or ours, with
-    TRL's vLLM importance correction (``trl_importance``) or ours' PPO ratio."""
+    TRL's vLLM importance correction (``trl_importance``) or ours' PPO ratio, training its
+    constant groups as TRL (``keep_constant_groups``) or dropping them."""
     if generation not in TRL_GENERATION:
         raise ValueError(f"TRL generation {generation!r}: one of {TRL_GENERATION}")
     out = dict(NOT_MATCHED)
@@ -113,6 +120,10 @@ def not_matched(
     if reproducible:
         ours, trl = OURS_IMPORTANCE_RATIO[True], TRL_IMPORTANCE_RATIO[generation]
         out["importance_ratio"] = f"{ours}; {trl}"
+    if keep_constant_groups:
+        out["constant_groups"] = KEPT_CONSTANT_GROUPS
+        if reproducible:  # one batch in flight, nothing dropped: TRL's prompts, in its order
+            out.pop("prompt_order")
     if trl_importance:
         if generation != "vllm-colocate":
             raise ValueError(
@@ -160,6 +171,11 @@ class Plan:
         """Ours normalises its loss as TRL's ``dr_grpo``: sequences x the completion budget."""
         loss = self.grpo.loss
         return loss.loss_aggregation == "constant" and loss.constant_length == self.env.max_tokens
+
+    @property
+    def keeps_constant_groups(self) -> bool:
+        """Ours trains groups whose rewards are all equal (at advantage 0), as TRL does."""
+        return not self.env.drop_constant_groups
 
     @property
     def trl_importance(self) -> bool:

@@ -27,6 +27,7 @@ from bench.peers.report import (
     unpaired,
 )
 from bench.peers.settings import (
+    KEPT_CONSTANT_GROUPS,
     NOT_MATCHED,
     TRL_GENERATION,
     TRL_IMPORTANCE,
@@ -398,6 +399,21 @@ def test_trl_importance_runs_ours_with_trls_sequence_mask_and_says_so(tmp_path: 
         assert ("on-policy" in theirs["importance_ratio"]) == reproducible
     with pytest.raises(ValueError, match="TRL must generate with vLLM"):
         not_matched("transformers", trl_importance=True)
+
+
+def test_kept_constant_groups_and_lockstep_match_the_prompts_and_say_so(tmp_path: Path) -> None:
+    """``--keep-constant-groups``: the constant-groups line says they are matched; with
+    ``--reproducible`` too (one batch in flight, nothing dropped: TRL's prompts in its order)
+    the prompt-order difference is gone from the result."""
+    kw = dict(preset="cpu-tiny", run_dir=tmp_path / "ours", steps=2, keep=9)
+    assert not resolve_plan(1, **kw).keeps_constant_groups
+    assert resolve_plan(1, keep_constant_groups=True, **kw).keeps_constant_groups
+    base = not_matched("vllm-colocate")
+    kept = not_matched("vllm-colocate", keep_constant_groups=True)
+    assert {k for k in base if base.get(k) != kept.get(k)} == {"constant_groups"}
+    assert kept["constant_groups"] == KEPT_CONSTANT_GROUPS
+    both = not_matched("vllm-colocate", reproducible=True, keep_constant_groups=True)
+    assert "prompt_order" not in both and "prompt_order" in kept
 
 
 def test_unpaired_comparison_against_a_recorded_side() -> None:
