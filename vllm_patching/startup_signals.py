@@ -11,8 +11,8 @@ SIGKILLed it, so a Ctrl-C during a run's start took 20 s more than it should).
 Until uvicorn installs its own handlers (from then on a SIGTERM stops the server gracefully,
 as before), :func:`end_the_start` takes SIGTERM instead: it passes the signal on to the
 server's child processes (its engine core, which shuts down on it), waits up to
-``CHILDREN_GRACE`` seconds for them, kills what is left, and ends this process by the same
-signal, so whoever started it sees it killed by SIGTERM (exit -15), as a start interrupted
+``CHILDREN_GRACE`` seconds for them, kills what is left (and waits for it to go), and ends
+this process by the same signal, so whoever started it sees it killed by SIGTERM (exit -15), as a start interrupted
 during vLLM's imports already was.
 """
 
@@ -41,6 +41,7 @@ def end_the_start(signum: int = signal.SIGTERM, frame: FrameType | None = None) 
     for child in alive:
         with contextlib.suppress(psutil.Error):
             child.kill()
+    psutil.wait_procs(alive, timeout=CHILDREN_GRACE)  # gone (reaped) before this process is
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
 
