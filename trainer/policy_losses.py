@@ -209,22 +209,23 @@ def importance(inp: LossInput, s: LossSettings) -> Importance:
     zeros = torch.zeros_like(lp)
     inf_lp = torch.where(m, inp.inference_logprobs.float(), lp.detach())  # masked: ratio 1
     behaviour = torch.where(m, lp.detach() - inf_lp, zeros)  # log(pi_old / pi_inference)
+
+    def weight(level: IsLevel) -> torch.Tensor:
+        """pi_old / pi_inference per token, or per sequence (its tokens' product) on each."""
+        if level == "sequence":
+            return safe_exp(behaviour.sum(-1, keepdim=True)).expand_as(lp)
+        return safe_exp(behaviour)
+
     if s.tis_cap is None:
         old, raw_iw = inf_lp, torch.ones_like(lp)
         iw = raw_iw
     else:
         old = lp.detach()
-        if s.tis_level == "sequence":
-            raw_iw = safe_exp(behaviour.sum(-1, keepdim=True)).expand_as(lp)
-        else:
-            raw_iw = safe_exp(behaviour)
+        raw_iw = weight(s.tis_level)
         iw = raw_iw.clamp(max=s.tis_cap)
     keep = m
     if s.mask_low is not None or s.mask_high is not None:
-        if s.mask_level == "sequence":
-            w = safe_exp(behaviour.sum(-1, keepdim=True)).expand_as(lp)
-        else:
-            w = safe_exp(behaviour)
+        w = weight(s.mask_level)
         outside = (w < s.mask_low) if s.mask_low is not None else torch.zeros_like(m)
         if s.mask_high is not None:
             outside = outside | (w > s.mask_high)

@@ -82,10 +82,20 @@ TRL_IMPORTANCE = (
     "each sequence weighed by pi_old / pi_vLLM over its tokens, 0 above 3"
 )
 """The importance ratio's line when ours takes TRL's correction (``Plan.trl_importance``)."""
-TRL_IS_FLAGS = (
-    "--tis-cap 3 --tis-level sequence --mismatch-mask-high 3 --mismatch-mask-level sequence"
+TRL_IS_LOSS = {
+    "tis_cap": 3.0,
+    "tis_level": "sequence",
+    "mismatch_mask_low": None,
+    "mismatch_mask_high": 3.0,
+    "mismatch_mask_level": "sequence",
+}
+"""Ours' loss settings for TRL's default vLLM correction (docs/TRAINER.md)."""
+TRL_IS_FLAGS = " ".join(
+    f"--{k.replace('_', '-')} {format(v, 'g') if isinstance(v, float) else v}"
+    for k, v in TRL_IS_LOSS.items()
+    if v is not None
 )
-"""Ours' trainer flags for TRL's default vLLM correction (docs/TRAINER.md)."""
+"""The same as trainer flags: ``--tis-cap 3 --tis-level sequence ...``."""
 
 KEPT_CONSTANT_GROUPS = (
     "matched: ours trains constant groups at advantage 0 as TRL does (--keep-constant-groups)"
@@ -180,15 +190,7 @@ class Plan:
     @property
     def trl_importance(self) -> bool:
         """Ours weighs its tokens as TRL's default vLLM correction (``sequence_mask`` at 3)."""
-        loss = self.grpo.loss
-        return (loss.tis_cap, loss.tis_level, loss.mismatch_mask_low) == (
-            3.0,
-            "sequence",
-            None,
-        ) and (
-            loss.mismatch_mask_high,
-            loss.mismatch_mask_level,
-        ) == (3.0, "sequence")
+        return all(getattr(self.grpo.loss, k) == v for k, v in TRL_IS_LOSS.items())
 
 
 def run_all_argv(

@@ -5,10 +5,10 @@ left the API server waiting for its engine core for good once the engine core wa
 (no exit 25 s after the signal; a launcher's stop waited its 20 s and SIGKILLed it). The
 window is made certain, not timed: as soon as the engine core exists (by its process title;
 other children, such as multiprocessing's resource tracker, can come first and do not hold
-the start) it is frozen (SIGSTOP), so the server cannot finish starting; then the server is stopped as the launcher
-stops it (SIGTERM to its group, then SIGCONT, SIGKILL only after the wait). It must exit by
-the SIGTERM (-15), and its engine core go too (waited for: a SIGKILLed process takes a
-moment to end); a SIGKILL (-9) would mean the SIGTERM was not
+the start) it is frozen (SIGSTOP), so the server cannot finish starting; then the server is
+stopped as the launcher stops it (SIGTERM to its group, then SIGCONT, SIGKILL only after the
+wait). It must exit by the SIGTERM (-15), and its engine core go too (waited for: a
+SIGKILLed process takes a moment to end); a SIGKILL (-9) would mean the SIGTERM was not
 enough. Plain and forked starts.
 """
 
