@@ -98,6 +98,7 @@ def _plan(a: argparse.Namespace, work: Path, steps: int | None, save_every: int)
         seed=a.seed,
         reproducible=a.reproducible,
         trl_importance=a.trl_importance,
+        vllm_dtype=a.ours_vllm_dtype,
     )
 
 
@@ -282,6 +283,13 @@ def main() -> None:
     )
     add_trl_normaliser(ap)
     add_trl_importance(ap)
+    ap.add_argument(
+        "--ours-vllm-dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="the dtype ours' vLLM server samples in (default: the run's, fp32); bfloat16 "
+        "samples as TRL's colocated vLLM does. The evaluations' servers keep the run's dtype",
+    )
     ap.add_argument("--smoke", action="store_true", help="label the result a smoke test")
     a = ap.parse_args()
     if a.trl_importance and a.trl_generation != "vllm-colocate":
@@ -351,6 +359,7 @@ def main() -> None:
             plan.trl_normaliser,
             plan.trl_importance,
             plan.keeps_constant_groups,
+            plan.sampling_dtype,
         ),
         "order": a.order,
         "trl_result": str(a.trl_result) if a.trl_result else None,

@@ -115,11 +115,13 @@ def not_matched(
     trl_normaliser: bool = False,
     trl_importance: bool = False,
     keep_constant_groups: bool = False,
+    sampling_dtype: str | None = None,
 ) -> dict[str, str]:
     """The differences of a comparison whose TRL side generates by ``generation``, ours
     ``reproducible`` (on-policy lockstep) or not, with TRL's loss normaliser or ours, with
     TRL's vLLM importance correction (``trl_importance``) or ours' PPO ratio, training its
-    constant groups as TRL (``keep_constant_groups``) or dropping them."""
+    constant groups as TRL (``keep_constant_groups``) or dropping them, its vLLM sampling in
+    ``sampling_dtype`` (None: the run's fp32)."""
     if generation not in TRL_GENERATION:
         raise ValueError(f"TRL generation {generation!r}: one of {TRL_GENERATION}")
     out = dict(NOT_MATCHED)
@@ -130,6 +132,10 @@ def not_matched(
     if reproducible:
         ours, trl = OURS_IMPORTANCE_RATIO[True], TRL_IMPORTANCE_RATIO[generation]
         out["importance_ratio"] = f"{ours}; {trl}"
+    if sampling_dtype is not None:
+        out["generation"] = out["generation"].replace(
+            "ours: vLLM (fp32,", f"ours: vLLM ({sampling_dtype} by --ours-vllm-dtype,", 1
+        )
     if keep_constant_groups:
         out["constant_groups"] = KEPT_CONSTANT_GROUPS
         if reproducible:  # one batch in flight, nothing dropped: TRL's prompts, in its order
@@ -163,6 +169,15 @@ class Plan:
     eval_samples: int
     reproducible: bool = False
     """Ours runs with ``--reproducible``: seeded, on-policy lockstep sampling."""
+    sampling_dtype: str | None = None
+    """The dtype of ours' sampling vLLM server where the bench sets one (``--ours-vllm-dtype``,
+    the last two of ``run_all_argv``); None: the run's (fp32). The evaluations' servers keep the
+    run's either way (``eval_argv``), so their numbers compare with every earlier result."""
+
+    @property
+    def eval_argv(self) -> list[str]:
+        """``run_all_argv`` without ``--ours-vllm-dtype``'s ``--vllm.dtype``: the evaluations'."""
+        return self.run_all_argv[:-2] if self.sampling_dtype else self.run_all_argv
 
     @property
     def batch_size(self) -> int:
@@ -205,6 +220,7 @@ def run_all_argv(
     reproducible: bool = False,
     constant_length: int | None = None,
     trl_importance: bool = False,
+    vllm_dtype: str | None = None,
 ) -> list[str]:
     """``launch/run_all.sh`` arguments of our side: no SFT-vs-RL evaluation, a checkpoint
     every ``save_every`` steps, ``keep`` of them kept, self-certainty off (see NOT_MATCHED);
@@ -213,7 +229,8 @@ def run_all_argv(
     ``reproducible``: ours samples on-policy in lockstep (``--reproducible``);
     ``constant_length``: ours' loss summed over the step's tokens / (sequences x it)
     (``loss_aggregation: constant``; :func:`resolve_plan` sets it to TRL's);
-    ``trl_importance``: ours weighs its tokens as TRL's vLLM correction (``TRL_IS_FLAGS``)."""
+    ``trl_importance``: ours weighs its tokens as TRL's vLLM correction (``TRL_IS_FLAGS``);
+    ``vllm_dtype``: ours' vLLM server samples in it (``--vllm.dtype``, the last two)."""
     trainer = f"--save-every {save_every} --keep-checkpoints {keep} --self-certainty-alpha 0"
     if constant_length is not None:
         trainer += f" --loss-aggregation constant --constant-length {constant_length}"
@@ -238,11 +255,14 @@ def run_all_argv(
         argv += ["--seed", str(seed)]
     if reproducible:
         argv.append("--reproducible")
+    if vllm_dtype is not None:
+        argv += ["--vllm.dtype", vllm_dtype]
     return argv
 
 
-def resolve(argv: list[str], save_every: int) -> Plan:
-    """The env's and the trainer's configs as run_all resolves them from ``argv``."""
+def resolve(argv: list[str], save_every: int, sampling_dtype: str | None = None) -> Plan:
+    """The env's and the trainer's configs as run_all resolves them from ``argv``
+    (``sampling_dtype``: the ``--vllm.dtype`` that ends it, if any)."""
     from launch.configs import resolve_for_run
     from launch.run_config import parse_args
 
@@ -270,6 +290,7 @@ def resolve(argv: list[str], save_every: int) -> Plan:
         grpo,
         cfg.launch.eval_samples,
         cfg.reproducible,
+        sampling_dtype,
     )
 
 
@@ -299,11 +320,13 @@ def resolve_plan(save_every: int, trl_normaliser: bool = False, **argv: Any) -> 
     """The plan of ``run_all_argv(save_every=save_every, **argv)``; ``trl_normaliser``: ours
     normalises its loss as TRL's ``dr_grpo`` does, over sequences x the completion budget
     (the env's ``max_tokens``, read from the first resolution)."""
-    plan = resolve(run_all_argv(save_every=save_every, **argv), save_every)
+    dtype = argv.get("vllm_dtype")
+    plan = resolve(run_all_argv(save_every=save_every, **argv), save_every, dtype)
     if not trl_normaliser:
         return plan
     length = plan.env.max_tokens
-    return resolve(run_all_argv(save_every=save_every, constant_length=length, **argv), save_every)
+    full = run_all_argv(save_every=save_every, constant_length=length, **argv)
+    return resolve(full, save_every, dtype)
 
 
 def compute_precision(plan: Plan) -> tuple[bool, str]:
@@ -319,11 +342,12 @@ def compute_precision(plan: Plan) -> tuple[bool, str]:
 
 
 def write_vllm(plan: Plan, run_dir: Path) -> Path:
-    """``<run_dir>/config/vllm.yaml``: the vLLM options run_all gives the run's servers."""
+    """``<run_dir>/config/vllm.yaml``: the vLLM options run_all gives the run's servers, for the
+    evaluations' (without ``--ours-vllm-dtype``: ``Plan.eval_argv``)."""
     from launch.configs import vllm_values, write_config
     from launch.run_config import parse_args
 
-    return write_config(run_dir, "vllm", {"vllm": vllm_values(parse_args(plan.run_all_argv))})
+    return write_config(run_dir, "vllm", {"vllm": vllm_values(parse_args(plan.eval_argv))})
 
 
 def _schedule(grpo: GrpoConfig) -> dict[str, Any]:

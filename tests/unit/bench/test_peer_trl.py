@@ -447,3 +447,37 @@ def test_a_recorded_trl_side_needs_the_same_start_and_settings(tmp_path: Path) -
     path.write_text(json.dumps({"cpu-smol": result | {"eval": rec}}))
     with pytest.raises(SystemExit, match="no evaluated cpu-tiny result"):
         recorded_trl(path, plan)
+
+
+def test_ours_vllm_dtype_samples_in_it_and_evaluates_in_the_runs(tmp_path: Path) -> None:
+    """``--ours-vllm-dtype bfloat16``: ours' run gives its vLLM server that dtype (the run's
+    resolved ``vllm.dtype``), the evaluations' vLLM file keeps the run's own (none: the
+    launcher's CPU default, fp32), the held-equal settings and TRL's side are unchanged, and
+    the generation line says it."""
+    import yaml
+
+    from bench.peers.settings import write_vllm
+    from launch.run_config import parse_args
+    from launch.vllm_server import SERVER_DEFAULTS
+
+    kw = dict(preset="cpu-tiny", run_dir=tmp_path / "ours", steps=2, keep=9)
+    default, plan = resolve_plan(1, **kw), resolve_plan(1, True, vllm_dtype="bfloat16", **kw)
+    assert default.sampling_dtype is None and default.eval_argv == default.run_all_argv
+    assert plan.run_all_argv[-2:] == ["--vllm.dtype", "bfloat16"] and plan.trl_normaliser
+    assert parse_args(plan.run_all_argv).vllm.dtype == "bfloat16"  # what ours samples in
+    assert parse_args(default.run_all_argv).vllm.dtype is None  # SERVER_DEFAULTS: float32
+    assert parse_args(plan.eval_argv).vllm.dtype is None
+    assert SERVER_DEFAULTS[SERVER_DEFAULTS.index("--dtype") + 1] == "float32"
+    evals = yaml.safe_load(write_vllm(plan, tmp_path / "eval").read_text())
+    assert evals == yaml.safe_load(write_vllm(default, tmp_path / "eval0").read_text())
+    assert "dtype" not in evals["vllm"]
+    assert matched(plan) == matched(default)
+    assert trl_args(plan, tmp_path / "trl", bf16=True) == trl_args(
+        default, tmp_path / "trl", bf16=True
+    )
+    fp32, bf16 = (
+        not_matched("vllm-colocate"),
+        not_matched("vllm-colocate", sampling_dtype="bfloat16"),
+    )
+    assert {k for k in fp32 if fp32[k] != bf16[k]} == {"generation"}
+    assert bf16["generation"].startswith("ours: vLLM (bfloat16 by --ours-vllm-dtype, eager,")
