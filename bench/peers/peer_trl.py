@@ -59,12 +59,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.common import REPO, RESULTS, machine, stop_on_sigterm, write_result
-from bench.peers.settings import (
-    TRL_GENERATION,
-    add_trl_importance,
-    add_trl_normaliser,
-    not_matched,
-)
+from bench.peers.differences import not_matched
+from bench.peers.settings import TRL_GENERATION, add_trl_importance, add_trl_normaliser
 
 if TYPE_CHECKING:
     from bench.peers.settings import Plan

@@ -11,6 +11,13 @@ from pathlib import Path
 import pytest
 
 from bench.peers.data import ShopR1Reward, prompt_text, rows_in_env_order, trl_rows
+from bench.peers.differences import (
+    KEPT_CONSTANT_GROUPS,
+    NOT_MATCHED,
+    TRL_IMPORTANCE,
+    TRL_NORMALISER,
+    not_matched,
+)
 from bench.peers.evaluate import recorded_steps, same_start
 from bench.peers.peer_trl import recorded_trl
 from bench.peers.report import (
@@ -27,13 +34,8 @@ from bench.peers.report import (
     unpaired,
 )
 from bench.peers.settings import (
-    KEPT_CONSTANT_GROUPS,
-    NOT_MATCHED,
     TRL_GENERATION,
-    TRL_IMPORTANCE,
-    TRL_NORMALISER,
     matched,
-    not_matched,
     resolve,
     resolve_plan,
     run_all_argv,
