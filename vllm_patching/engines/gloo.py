@@ -61,6 +61,7 @@ class GlooBroadcastWeightTransferEngine(StagedWeightTransferEngine):
         self._recv: list[torch.Tensor] = []
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        self.abandon()  # an update still receiving over the old group never completes
         self.shutdown()
         pc = self.parallel_config
         # Unique across data-parallel replicas, as in vLLM's NCCL engine.
@@ -97,9 +98,11 @@ class GlooBroadcastWeightTransferEngine(StagedWeightTransferEngine):
             # Allocated once and reused: no per-sync allocation and page faults. The staged
             # views are dropped after each apply, before the next receive writes here.
             self._recv = [torch.empty(n, dtype=torch.uint8) for n in plan.bucket_sizes]
-        for buf in self._recv:
-            broadcast(self.group, buf, root=0)
-        return list(unpack(plan, self._recv))
+        # this update's group and buffers, whatever a new init puts on the engine meanwhile
+        group, recv = self.group, self._recv
+        for buf in recv:
+            broadcast(group, buf, root=0)
+        return list(unpack(plan, recv))
 
     def shutdown(self) -> None:
         self.group = None

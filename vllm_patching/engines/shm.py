@@ -35,6 +35,7 @@ class SharedMemoryWeightTransferEngine(StagedWeightTransferEngine):
         self.segment: ShmSegment | None = None
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
+        self.abandon()  # an update staged from the old segment is never applied
         self.shutdown()
         self.segment = ShmSegment(init_info.segment, init_info.size, create=False)
 

@@ -58,6 +58,8 @@ class StagedWeightTransferEngine(WeightTransferEngine[WeightTransferInitInfo, St
         self._thread: threading.Thread | None = None
         self._staged: list[tuple[str, torch.Tensor]] | None = None
         self._error: BaseException | None = None
+        self._generation = 0
+        """Bumped by ``abandon``: an updater thread started before keeps its result to itself."""
         self.last_timings: dict[str, Any] = {}
         self.last_path = ""
         """How the last update reached this worker (``shm``, ``gloo``), for the timings."""
@@ -79,7 +81,10 @@ class StagedWeightTransferEngine(WeightTransferEngine[WeightTransferInitInfo, St
         if self._thread is not None:
             raise RuntimeError("update_weights called twice in one weight update")
         self._thread = threading.Thread(
-            target=self._run_stage, args=(info,), name="shop-r1-weight-updater", daemon=True
+            target=self._run_stage,
+            args=(info, self._generation),
+            name="shop-r1-weight-updater",
+            daemon=True,
         )
         self._thread.start()
 
@@ -92,16 +97,34 @@ class StagedWeightTransferEngine(WeightTransferEngine[WeightTransferInitInfo, St
             raise RuntimeError("a previous weight update is still being received")
         self._thread, self._staged, self._error = None, None, None
 
+    def abandon(self) -> None:
+        """Forget the current update because its transfer is being replaced (a new group or
+        segment: a trainer that gave up on a sync and connected again). A weight-updater
+        thread still receiving over the old transfer -- a stale /bridge/stage that a frozen
+        server ran once it woke, after the trainer had dropped that transfer -- runs to its
+        own end (the old peer is gone: an error, or the old group's timeout) on the buffers it
+        took, and its result is dropped; the next update starts at once."""
+        if self._thread is not None and self._thread.is_alive():
+            logger.warning("abandoning a weight update still receiving over the old transfer")
+        self._generation += 1
+        self._thread, self._staged, self._error = None, None, None
+
     def receive_weights(self, update_info: StagedUpdateInfo) -> None:  # pragma: no cover
         raise RuntimeError("staged engines receive in their weight-updater thread")
 
-    def _run_stage(self, info: StagedUpdateInfo) -> None:
+    def _run_stage(self, info: StagedUpdateInfo, generation: int) -> None:
         t0 = time.perf_counter()
+        staged, error = None, None
         try:
-            self._staged = self.stage(info)
+            staged = self.stage(info)
         except BaseException as e:  # surfaced by finish_weight_update
-            logger.exception("weight-updater thread failed")
-            self._error = e
+            error = e
+        if generation != self._generation:  # abandoned: a newer update owns the engine
+            logger.warning("an abandoned weight update ended (%r); its result is dropped", error)
+            return
+        if error is not None:
+            logger.error("weight-updater thread failed", exc_info=error)
+        self._staged, self._error = staged, error
         self.last_timings = {"stage_s": time.perf_counter() - t0, "path": self.last_path}
 
     def finish_weight_update(self) -> None:

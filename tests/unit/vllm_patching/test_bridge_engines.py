@@ -135,3 +135,35 @@ def test_discard_refuses_while_receiving_and_clears_after() -> None:
     eng.discard()
     assert eng._thread is None and eng._staged is None
     eng.finish_weight_update()  # nothing staged: a no-op, which lets vLLM close the session
+
+
+def test_a_new_transfer_abandons_an_update_still_receiving_over_the_old_one() -> None:
+    """A frozen server that wakes runs the stale /bridge/stage of a sync the trainer gave up
+    on: its updater thread waits on the old group. The trainer's next connect (a new group:
+    ``abandon``) must not be refused by it, and when the old thread ends its result (here an
+    error) must not land on the new update."""
+    eng = _engine()
+    gate, started = threading.Event(), threading.Event()
+
+    def old_receive(info):  # the stale receive: blocked until the old group fails
+        started.set()
+        gate.wait(60)
+        raise RuntimeError("Connection closed by peer")
+
+    eng.stage = old_receive
+    eng.start_weight_update()
+    eng.update_weights({"names": [], "dtype_names": [], "shapes": []})
+    old = eng._thread
+    assert started.wait(60)
+    with pytest.raises(RuntimeError, match="still being received"):
+        eng.discard()  # the same transfer: still refused
+    eng.abandon()  # what init_transfer_engine does first
+    eng.start_weight_update()  # not refused
+    new = [("w", torch.ones(1))]
+    eng.stage = lambda info: new
+    eng.update_weights({"names": [], "dtype_names": [], "shapes": []})
+    eng._thread.join(60)
+    gate.set()
+    old.join(60)
+    assert not old.is_alive()
+    assert eng._error is None and eng._staged == new  # the old thread's error was dropped
