@@ -60,6 +60,8 @@ class StagedWeightTransferEngine(WeightTransferEngine[WeightTransferInitInfo, St
         self._error: BaseException | None = None
         self._generation = 0
         """Bumped by ``abandon``: an updater thread started before keeps its result to itself."""
+        self._publish = threading.Lock()
+        """Makes ``abandon``'s bump and an updater thread's check-then-publish one step each."""
         self.last_timings: dict[str, Any] = {}
         self.last_path = ""
         """How the last update reached this worker (``shm``, ``gloo``), for the timings."""
@@ -106,8 +108,9 @@ class StagedWeightTransferEngine(WeightTransferEngine[WeightTransferInitInfo, St
         took, and its result is dropped; the next update starts at once."""
         if self._thread is not None and self._thread.is_alive():
             logger.warning("abandoning a weight update still receiving over the old transfer")
-        self._generation += 1
-        self._thread, self._staged, self._error = None, None, None
+        with self._publish:
+            self._generation += 1
+            self._thread, self._staged, self._error = None, None, None
 
     def receive_weights(self, update_info: StagedUpdateInfo) -> None:  # pragma: no cover
         raise RuntimeError("staged engines receive in their weight-updater thread")
@@ -119,13 +122,16 @@ class StagedWeightTransferEngine(WeightTransferEngine[WeightTransferInitInfo, St
             staged = self.stage(info)
         except BaseException as e:  # surfaced by finish_weight_update
             error = e
-        if generation != self._generation:  # abandoned: a newer update owns the engine
-            logger.warning("an abandoned weight update ended (%r); its result is dropped", error)
-            return
-        if error is not None:
-            logger.error("weight-updater thread failed", exc_info=error)
-        self._staged, self._error = staged, error
-        self.last_timings = {"stage_s": time.perf_counter() - t0, "path": self.last_path}
+        with self._publish:
+            if generation != self._generation:  # abandoned: a newer update owns the engine
+                logger.warning(
+                    "an abandoned weight update ended (%r); its result is dropped", error
+                )
+                return
+            if error is not None:
+                logger.error("weight-updater thread failed", exc_info=error)
+            self._staged, self._error = staged, error
+            self.last_timings = {"stage_s": time.perf_counter() - t0, "path": self.last_path}
 
     def finish_weight_update(self) -> None:
         """Wait for staging, then load + finalize + tied lm_head refresh (scheduler paused)."""
