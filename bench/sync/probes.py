@@ -92,10 +92,11 @@ class FreezeProbe:
             self.close()
             raise RuntimeError("the freeze probe's process did not start within 120 s")
 
-    def reset(self) -> None:
-        """Open a new window now."""
+    def reset(self) -> float:
+        """Open a new window now; returns its start (monotonic s), the time it counts from."""
         with self._state.get_lock():
             self._state[0], self._state[1] = time.monotonic(), 0.0
+            return self._state[0]
 
     def largest(self) -> float:
         """The longest oversleep since :meth:`reset`, in seconds (the part of a freeze that
@@ -109,9 +110,12 @@ class FreezeProbe:
 
 
 def _oversleep_loop(state, looping) -> None:
+    # measured from the previous wake, not from before the sleep: a stop that lands anywhere in
+    # the loop (even between a wake and its update) is inside the next wake's gap
     looping.set()
+    woke = time.monotonic()
     while True:
-        due = time.monotonic() + 0.01
+        due = woke + 0.01
         time.sleep(0.01)
         woke = time.monotonic()
         with state.get_lock():

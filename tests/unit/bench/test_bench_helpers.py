@@ -194,6 +194,12 @@ def test_bridge_table_names_the_rounds_a_box_freeze_hit() -> None:
     assert "\n- tiny LoRA: 1 of 4 rounds hit a box freeze" in table({"tiny": res})
 
 
+def _proc_state(pid: int) -> str:
+    """The process state letter from ``/proc/PID/stat`` ("T": stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def test_freeze_probe_counts_a_stop_inside_its_window_only() -> None:
     import os
     import signal
@@ -204,18 +210,19 @@ def test_freeze_probe_counts_a_stop_inside_its_window_only() -> None:
     probe = FreezeProbe()
     try:
         time.sleep(0.1)  # the probe loops once its constructor returns
-        opened = time.monotonic()
-        probe.reset()
+        opened = probe.reset()
         time.sleep(0.2)
         # nothing stopped it: at most the window itself (a loaded box oversleeps, by chance)
         assert probe.largest() <= time.monotonic() - opened
         # the probe process stopped for ~1.3 s, 0.3 s of it after the window opened (what a
         # freeze of the whole VM looks like to it): only the part inside the window counts,
-        # bounded by the times this test measured, not by what a loaded box allows
+        # bounded by the times this test measured, not by what a loaded box allows. The window
+        # opens only once the kernel reports the probe stopped (a signal is delivered later).
         os.kill(probe._proc.pid, signal.SIGSTOP)
+        while _proc_state(probe._proc.pid) != "T":
+            time.sleep(0.01)
         time.sleep(1.0)
-        opened = time.monotonic()
-        probe.reset()
+        opened = probe.reset()
         time.sleep(0.3)
         continued = time.monotonic()
         os.kill(probe._proc.pid, signal.SIGCONT)
