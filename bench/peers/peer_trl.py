@@ -129,7 +129,12 @@ def run_trl(plan: Plan, work: Path, a: argparse.Namespace) -> dict[str, Any]:
         "prompts": plan.steps * plan.prompts_per_step,
         "env": plan.env.model_dump(mode="json", exclude={"api_token"}),
         "trl_args": trl_args(
-            plan, out, bf16=bf16, micro_batch=a.trl_micro_batch, generation=a.trl_generation
+            plan,
+            out,
+            bf16=bf16,
+            micro_batch=a.trl_micro_batch,
+            generation=a.trl_generation,
+            seed=a.trl_seed,
         ),
     }
     (out / "spec.json").write_text(json.dumps(spec, indent=2) + "\n")
@@ -272,6 +277,14 @@ def main() -> None:
         "training; one --work-dir and --out per seed",
     )
     ap.add_argument(
+        "--trl-seed",
+        type=int,
+        default=None,
+        help="TRL's own seed (default: --seed): its sampling and training random streams; "
+        "its rows keep --seed's order (TRL does not shuffle them), so another --trl-seed is "
+        "another run of TRL on the same data, as ours' runs of one seed are",
+    )
+    ap.add_argument(
         "--reproducible",
         action="store_true",
         help="ours runs with run_all's --reproducible: every batch sampled on-policy (by the "
@@ -292,6 +305,8 @@ def main() -> None:
         ap.error(
             "--trl-importance is TRL's vLLM correction: it needs --trl-generation vllm-colocate"
         )
+    if a.trl_seed is not None and (a.trl_result or a.skip_trl):
+        ap.error("--trl-seed is for a run of TRL here: not with --trl-result or --skip-trl")
     if a.model:
         a.model = str(Path(a.model).resolve())
     stop_on_sigterm()
@@ -359,6 +374,7 @@ def main() -> None:
         ),
         "order": a.order,
         "trl_result": str(a.trl_result) if a.trl_result else None,
+        "trl_seed": a.trl_seed if a.trl_seed is not None else plan.grpo.seed,
         "ours": ours,
         "trl": trl,
         "eval": ev,

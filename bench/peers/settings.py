@@ -259,8 +259,12 @@ def trl_args(
     bf16: bool,
     micro_batch: int | None = None,
     generation: str = "transformers",
+    seed: int | None = None,
 ) -> dict[str, Any]:
     """``GRPOConfig`` keywords that hold our run's settings (TRL 1.16's names).
+
+    ``seed`` (None: the run's) is TRL's own: its sampling and training random streams. The
+    rows it walks are the env's order of the run's seed either way (``shuffle_dataset`` off).
 
     ``per_device_train_batch_size`` counts completions in TRL (prompts x num_generations),
     as our ``batch_size`` counts sequences; one generation batch per optimizer step.
@@ -306,7 +310,7 @@ def trl_args(
         "bf16": bf16,
         "fp16": False,
         "use_cpu": plan.grpo.device in ("cpu", "auto"),
-        "seed": g.seed,
+        "seed": g.seed if seed is None else seed,
         "shuffle_dataset": False,
         "logging_steps": 1,
         "report_to": "none",

@@ -188,6 +188,10 @@ def test_a_seed_reaches_both_sides(tmp_path: Path) -> None:
     assert plan.grpo.seed == 7 and plan.env.seed == 7  # the row order both sides walk
     assert trl_args(plan, tmp_path / "trl", bf16=False)["seed"] == 7  # TRL's training
     assert matched(plan)["seed"] == 7
+    # --trl-seed: another run of TRL on the same rows (their order is the env's, seed 7's)
+    other = trl_args(plan, tmp_path / "trl", bf16=False, seed=107)
+    assert other["seed"] == 107 and other["shuffle_dataset"] is False
+    assert other | {"seed": 7} == trl_args(plan, tmp_path / "trl", bf16=False)
 
 
 def test_requirements_are_checked_against_the_venv() -> None:
