@@ -137,6 +137,7 @@ def run_trl(plan: Plan, work: Path, a: argparse.Namespace) -> dict[str, Any]:
             seed=a.trl_seed,
         ),
     }
+    spec["reseed_after_vllm"] = a.trl_seed
     (out / "spec.json").write_text(json.dumps(spec, indent=2) + "\n")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(trl_path), str(REPO), env.get("PYTHONPATH", "")])
@@ -280,9 +281,12 @@ def main() -> None:
         "--trl-seed",
         type=int,
         default=None,
-        help="TRL's own seed (default: --seed): its sampling and training random streams; "
-        "its rows keep --seed's order (TRL does not shuffle them), so another --trl-seed is "
-        "another run of TRL on the same data, as ours' runs of one seed are",
+        help="TRL's own seed (default: --seed): its GRPOConfig seed, and the process's "
+        "generators seeded again once TRL's colocated vLLM has started (vLLM's worker seeds "
+        "them with 0, TRL 1.16's LLM(seed=process_index), whatever GRPOConfig says: without "
+        "this every run of TRL samples from the same stream). Its rows keep --seed's order "
+        "(TRL does not shuffle them): another --trl-seed is another run of TRL on the same "
+        "data, as ours' runs of one seed are",
     )
     ap.add_argument(
         "--reproducible",

@@ -5,7 +5,9 @@ reward, timed step by step; it generates with transformers ``generate`` (its CPU
     python -m bench.peers.run_trl --spec WORK/trl/spec.json    (bench/peers/peer_trl.py writes it)
 
 The spec names the model, the ``GRPOConfig`` keywords (bench/peers/settings.py
-``trl_args``), the env's resolved config (prompts, reward) and the thread count. TRL itself
+``trl_args``), the env's resolved config (prompts, reward), the thread count and
+``reseed_after_vllm`` (``--trl-seed``: the generators seeded again once TRL's colocated
+vLLM, which seeds them with 0, has started; None: as TRL leaves them). TRL itself
 comes from the folder ``bench/peers/peer_trl.py`` puts on ``PYTHONPATH`` (``ensure_trl``).
 
 Written into ``output_dir``: ``checkpoint-N/`` (TRL's own), ``peer_metrics.jsonl`` (one row
@@ -180,6 +182,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         print(f"[trl] vLLM weight sync: {vllm_sync}", flush=True)
         _timed(trainer.vllm_generation, "sync_weights", clock)
     state["probe"] = _dtype_probe(trainer.model, seen, "scoring" if use_vllm else "generation")
+    if spec.get("reseed_after_vllm") is not None:
+        # vLLM's worker, in this process, seeded torch/numpy/random with 0 as it started (TRL
+        # 1.16 gives it seed=process_index); seeded again, TRL samples from this seed's stream
+        from transformers import set_seed
+
+        set_seed(spec["reseed_after_vllm"])
+        print(f"[trl] generators seeded {spec['reseed_after_vllm']} after vLLM's start", flush=True)
 
     def write_row(step: int) -> None:
         gen_score = clock.get("_generate_and_score_completions", 0.0)
