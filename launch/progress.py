@@ -207,26 +207,29 @@ class Board:
         if not self.quiet:
             print(line, file=self.out, flush=True)
 
+    # A phase's lines are printed under the lock, and only while it is active: its periodic
+    # line can never follow its "done" line (the poller reads its source outside the lock).
+
     def _start(self, ph: Phase) -> None:
         with self._lock:
             self.active.append(ph)
-        if not self.live:
-            self.print(ph.line("started"))
+            if not self.live:
+                self.print(ph.line("started"))
 
     def _end(self, ph: Phase, failed: bool) -> None:
         with self._lock:
             if ph not in self.active:
                 return  # finished already
             self.active.remove(ph)
-        t = ph._task
-        if not failed and t.total is None:  # a phase without numbers: a full bar when done
-            full = max(t.completed, 1)
-            self.progress.update(ph.task, total=full, completed=full)
-        if failed and self.live:  # a plain line says "stopped" itself
-            ph.update(info=(ph.info + " " if ph.info else "") + "(stopped)")
-        self.progress.stop_task(ph.task)
-        if not self.live:
-            self.print(ph.line("stopped" if failed else "done"))
+            t = ph._task
+            if not failed and t.total is None:  # a phase without numbers: a full bar when done
+                full = max(t.completed, 1)
+                self.progress.update(ph.task, total=full, completed=full)
+            if failed and self.live:  # a plain line says "stopped" itself
+                ph.update(info=(ph.info + " " if ph.info else "") + "(stopped)")
+            self.progress.stop_task(ph.task)
+            if not self.live:
+                self.print(ph.line("stopped" if failed else "done"))
 
     def _poll_loop(self) -> None:
         while not self._stop.wait(POLL_S):
@@ -234,9 +237,11 @@ class Board:
                 phases = list(self.active)
             for ph in phases:
                 ph.poll()
-                if not self.live and time.monotonic() - ph.last_line >= self.interval:
-                    ph.last_line = time.monotonic()
-                    self.print(ph.line())
+                with self._lock:
+                    due = time.monotonic() - ph.last_line >= self.interval
+                    if ph in self.active and not self.live and due:
+                        ph.last_line = time.monotonic()
+                        self.print(ph.line())
 
     def __enter__(self) -> Board:
         self.progress.start()

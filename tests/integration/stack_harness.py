@@ -206,7 +206,7 @@ class Stack:
         return rows[-1]["step"] if rows else 0
 
     def vllm_health(self) -> dict:
-        return httpx.get(f"{self.vllm_url}/bridge/health", timeout=5).json()
+        return httpx.get(f"{self.vllm_url}/bridge/health", timeout=60).json()
 
     def log_text(self, name: str) -> str:
         """Every log of service ``name``, its restarts' in order."""

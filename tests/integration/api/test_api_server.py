@@ -91,8 +91,9 @@ def test_kill9_during_ingest_loses_no_acknowledged_group(tmp_path: Path) -> None
 
         thread = threading.Thread(target=pusher)
         thread.start()
-        while len(acknowledged) < total // 3:
+        while len(acknowledged) < total // 3 and thread.is_alive():
             time.sleep(0.01)
+        assert thread.is_alive(), f"the pusher stopped after {len(acknowledged)} groups"
         proc.kill9()  # mid-ingest: requests are in flight
         thread.join(timeout=30)
         assert 0 < len(acknowledged) < total

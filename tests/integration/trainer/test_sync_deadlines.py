@@ -120,16 +120,15 @@ def hang_then_recover(
         bridge.sync(model, version)
     new_weights(model, version + 1)
     with frozen_at(phase, server, monkeypatch):
-        t0 = time.monotonic()
         with pytest.raises(SyncTimeout) as err:
             bridge.sync(model, version + 1)
-        waited = time.monotonic() - t0
         bridge.close()  # the trainer's `finally`, the server still frozen: bounded too
         time.sleep(DEADLINE)  # frozen for longer than the deadline, then continued
     e = err.value
+    # the phase's own deadline fired (bounded() waits that long, then names the phase): no
+    # wall-clock bound here, which a loaded box could break by chance
     assert (e.phase, e.server, e.deadline_s) == (phase, url, DEADLINE), str(e)
     assert f"weight sync to {url} timed out in phase '{phase}' after {DEADLINE:g} s" in str(e)
-    assert waited < OTHERS["check"], f"{phase}: waited {waited:.1f} s, more than any other phase"
     # the next sync, from a fresh bridge with the default deadlines (a resumed trainer's)
     new_weights(model, version + 2)
     with build(SyncDeadlines()) as fresh:

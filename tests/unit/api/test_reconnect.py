@@ -47,10 +47,11 @@ def test_api_client_gives_up_after_give_up_s(caplog: pytest.LogCaptureFixture) -
     assert e.value.status_code is None and "ConnectError" in str(e.value)
     assert time.monotonic() - t0 >= 1.0
     retries = [r for r in caplog.records if "retry" in r.getMessage()]
-    # past `retries` (one retry), until give_up_s, each one logged; and no more than the
-    # shortest backoffs fit in give_up_s (0.05, 0.1, 0.2, 0.4, 0.8 s at least: a sixth would
-    # start past 1.55 s), so it gave up by the deadline, not by a wall-clock bound
-    assert 2 <= len(retries) <= 5, [r.getMessage() for r in retries]
+    # it kept trying until give_up_s (the elapsed time above; `retries` alone allows one
+    # retry, ~0.1 s), each retry logged; and no more than the shortest backoffs fit in
+    # give_up_s (0.05, 0.1, 0.2, 0.4, 0.8 s at least: a sixth would start past 1.55 s), so it
+    # gave up by the deadline. Counts, not wall-clock bounds: a stalled box only lowers them.
+    assert 1 <= len(retries) <= 5, [r.getMessage() for r in retries]
     caplog.clear()
     quick = ApiClient(url, retries=1, backoff=0.05, connect_timeout=0.5)  # default: count only
     with caplog.at_level(logging.WARNING, logger="api.client"), pytest.raises(ApiError):
@@ -95,7 +96,7 @@ def test_env_retry_helper_is_bounded_and_skips_permanent_errors() -> None:
         asyncio.run(retry_call_async(down, "down", is_transient, policy))
     # the deadline bounds the tries: the backoffs are at least 0.05, 0.1, 0.1, ... s, so a
     # seventh try starts past 0.55 s
-    assert time.monotonic() - t0 >= 0.5 and 3 <= calls <= 7, calls
+    assert time.monotonic() - t0 >= 0.5 and 2 <= calls <= 7, calls
 
     async def bad() -> None:
         nonlocal calls

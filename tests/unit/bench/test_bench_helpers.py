@@ -200,6 +200,27 @@ def _proc_state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
+def _stop_outside_its_lock(probe) -> None:
+    """SIGSTOP the probe's process where it does not hold its state's lock (stopped inside
+    its update, it would block the test's reset for good): stopped ("T" in /proc), the lock
+    free, or continued and stopped again, a bounded number of times."""
+    import os
+    import signal
+    import time
+
+    pid, lock = probe._proc.pid, probe._state.get_lock()
+    for _ in range(100):
+        os.kill(pid, signal.SIGSTOP)
+        while _proc_state(pid) != "T":
+            time.sleep(0.01)
+        if lock.acquire(False):
+            lock.release()
+            return
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.01)
+    raise AssertionError("the probe was stopped holding its lock 100 times")
+
+
 def test_freeze_probe_counts_a_stop_inside_its_window_only() -> None:
     import os
     import signal
@@ -218,9 +239,7 @@ def test_freeze_probe_counts_a_stop_inside_its_window_only() -> None:
         # freeze of the whole VM looks like to it): only the part inside the window counts,
         # bounded by the times this test measured, not by what a loaded box allows. The window
         # opens only once the kernel reports the probe stopped (a signal is delivered later).
-        os.kill(probe._proc.pid, signal.SIGSTOP)
-        while _proc_state(probe._proc.pid) != "T":
-            time.sleep(0.01)
+        _stop_outside_its_lock(probe)
         time.sleep(1.0)
         opened = probe.reset()
         time.sleep(0.3)

@@ -114,7 +114,11 @@ def test_plain_lines_when_not_a_terminal(tmp_path: Path) -> None:
         with board.phase("GRPO", 4, "steps", grpo_source(tmp_path, 4)):
             for step in range(1, 5):
                 metrics.log(step, {"score_mean": float(step), "format_rate": 1.0, "sync_s": 0.1})
-                time.sleep(0.7)  # the poller reads it, the next periodic line shows it
+                # the poller reads it and a periodic line shows it (waited for, not slept on)
+                deadline = time.monotonic() + 60
+                while f"[run_all] GRPO | {step}/4 steps" not in out.getvalue():
+                    assert time.monotonic() < deadline, out.getvalue()
+                    time.sleep(0.05)
         with board.phase("build the dataset"):
             pass
     metrics.close()

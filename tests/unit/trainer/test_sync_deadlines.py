@@ -78,9 +78,21 @@ def test_the_abandoned_request_ends_with_the_phase_deadline(frozen_url: str) -> 
         client.close()
 
 
-def test_an_error_is_raised_as_is_and_the_first_late_server_is_named() -> None:
+def test_an_error_is_raised_as_is_and_the_first_late_server_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import concurrent.futures
+
+    import trainer.bridge.deadline as deadline
+
     with pytest.raises(ValueError, match="bad"):
         bounded("stage", [("a", lambda: (_ for _ in ()).throw(ValueError("bad")))], 30)
+
+    def a_done_first(fs, timeout):  # "a" answered before the deadline ran: not by chance
+        fs[0].result(60)
+        return concurrent.futures.wait(fs, timeout=timeout)
+
+    monkeypatch.setattr(deadline, "wait", a_done_first)
     gate = threading.Event()
     try:
         with pytest.raises(SyncTimeout, match="weight sync to b timed out in phase 'stage'"):
