@@ -378,7 +378,8 @@ def main() -> None:
         ),
         "order": a.order,
         "trl_result": str(a.trl_result) if a.trl_result else None,
-        "trl_seed": a.trl_seed if a.trl_seed is not None else plan.grpo.seed,
+        # None: TRL's GRPOConfig.seed is --seed's and it samples from vLLM's seed-0 stream
+        "trl_seed": a.trl_seed,
         "ours": ours,
         "trl": trl,
         "eval": ev,
