@@ -194,12 +194,6 @@ def test_bridge_table_names_the_rounds_a_box_freeze_hit() -> None:
     assert "\n- tiny LoRA: 1 of 4 rounds hit a box freeze" in table({"tiny": res})
 
 
-def _proc_state(pid: int) -> str:
-    """The process state letter from ``/proc/PID/stat`` ("T": stopped)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
-
-
 def _stop_outside_its_lock(probe) -> None:
     """SIGSTOP the probe's process where it does not hold its state's lock (stopped inside
     its update, it would block the test's reset for good): stopped ("T" in /proc), the lock
@@ -208,10 +202,14 @@ def _stop_outside_its_lock(probe) -> None:
     import signal
     import time
 
+    from launch.lifeline import is_stopped
+
     pid, lock = probe._proc.pid, probe._state.get_lock()
     for _ in range(100):
         os.kill(pid, signal.SIGSTOP)
-        while _proc_state(pid) != "T":
+        deadline = time.monotonic() + 60  # bounded: a probe that died fails, not hangs
+        while not is_stopped(pid):
+            assert time.monotonic() < deadline and probe._proc.is_alive(), "probe not stopped"
             time.sleep(0.01)
         if lock.acquire(False):
             lock.release()
