@@ -40,7 +40,7 @@ from trainer.checkpoint import CheckpointWriteError
 from trainer.config import GrpoConfig
 from trainer.dist_weights import SyncReplica, make_replica
 from trainer.distributed import Dist, Work, launched_by_torchrun
-from trainer.faults import fault_point
+from procutil.faults import fault_point
 from trainer.gail import build_gail_reward
 from trainer.grpo_step import StepContext, grpo_step
 from trainer.leasing import ack_checkpointed, next_batch, remember
@@ -173,7 +173,7 @@ class Loop:
         for done in self.pending_acks if run.is_main else []:  # durable: the API may forget
             self.api.ack(done)
         self.pending_acks.clear()
-        fault_point("checkpointed")  # test-only (trainer/faults.py): unset, nothing
+        fault_point("checkpointed")  # test-only (procutil/faults.py): unset, nothing
 
     def publish(self, acks: list[dict[str, Any]] | None = None) -> None:
         """Serve the current weights: gather the shards (every rank), then rank 0 syncs the

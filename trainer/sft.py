@@ -17,7 +17,7 @@ from trainer.config import SftConfig
 from trainer.dist_checkpoint import unsharded_copy
 from trainer.distributed import Work
 from trainer.evaluate import format_valid_rate
-from trainer.faults import fault_point
+from procutil.faults import fault_point
 from trainer.forward import target_nll
 from trainer.model import LoadedModel, autocast
 from trainer.optim import clip_and_step
@@ -73,7 +73,7 @@ def train(cfg: SftConfig) -> Run:
                 row["val_loss"] = validation_loss(lm, held_out, cfg, work)
             if state.step % cfg.save_every == 0 or last:
                 run.checkpoint()
-                fault_point("checkpointed")  # test-only (trainer/faults.py): unset, nothing
+                fault_point("checkpointed")  # test-only (procutil/faults.py): unset, nothing
             run.metrics.log(state.step, row)
             bar.set_postfix(loss=f"{loss:.3f}")
             bar.update(1)

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 from vllm.logger import init_logger
 
+from procutil.faults import fault_point
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
@@ -27,7 +29,8 @@ def keep_fork_on_cpu() -> None:
     engine core is forked from the server, as vLLM does on CUDA before CUDA is initialised.
     Only at world size 1 (one worker, inside the engine core; tensor or pipeline parallel
     workers on the CPU keep vLLM's spawn). Not applied on other platforms. The forked engine
-    core says so in the server's log (tests/integration/vllm_patching/test_bridge_modes.py checks it)."""
+    core says so in the server's log (tests/integration/vllm_patching/test_bridge_modes.py checks it)
+    and, for a test, can stop there (the fault point ``engine_core_forked``, procutil/faults.py)."""
     from vllm.platforms import current_platform
 
     cls = type(current_platform)
@@ -45,11 +48,12 @@ def keep_fork_on_cpu() -> None:
     cls.check_and_update_config = classmethod(check_and_update_config)
     cls._shop_r1_keeps_fork = True
     server = os.getpid()
-    os.register_at_fork(  # the server forks only its engine core
-        after_in_child=lambda: print(
-            f"[bridge] engine core forked from server pid {server}", flush=True
-        )
-    )
+
+    def forked_engine_core() -> None:  # the server forks only its engine core
+        print(f"[bridge] engine core forked from server pid {server}", flush=True)
+        fault_point("engine_core_forked")  # test-only (procutil/faults.py): unset, nothing
+
+    os.register_at_fork(after_in_child=forked_engine_core)
 
 
 def register() -> None:

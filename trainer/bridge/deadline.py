@@ -21,7 +21,7 @@ The phases (each transport uses the ones it has, docs/BRIDGE.md):
 Packing and saving run in the trainer's own process on its own memory and disk, with no
 server to wait for, and are not bounded here.
 
-Tests stop a server at a chosen phase for certain, not by timing (trainer/faults.py).
+Tests stop a server at a chosen phase for certain, not by timing (procutil/faults.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from typing import TypeVar
 
-from trainer.faults import fault_point
+from procutil.faults import fault_point
 from trainer.weights_config import SyncDeadlines
 
 T = TypeVar("T")

@@ -2,7 +2,7 @@
 
 The launcher runs the CPU preset (3 GRPO steps, the shared fixture's 3-step SFT model). Once
 the trainer has checkpointed step 1 it stops itself (SIGSTOP, the test-only fault point
-``checkpointed`` of trainer/faults.py), so its next step cannot begin however fast the box;
+``checkpointed`` of procutil/faults.py), so its next step cannot begin however fast the box;
 the test moves the stopped process into a memory cgroup with a 48 MiB limit
 (bench/faults/memcg.py) and continues it: its next training step allocates far more, and the
 kernel's OOM killer kills it. The launcher must say so: the trainer exited with -9, it was
@@ -38,7 +38,7 @@ from launch.exits import kernel_log
 from launch.lifeline import is_stopped, proc_info
 from tests.integration.launch.test_launch_run_all import artifacts_env, check_run, launcher
 from tests.integration.launcher_harness import LauncherRun
-from trainer.faults import FAULT_ENV
+from procutil.faults import FAULT_ENV
 
 pytestmark = pytest.mark.integration
 STEPS = 3

@@ -3,7 +3,7 @@
 For every phase of every CPU transport (broadcast, single copy, LoRA, reload; the table in
 docs/FAULT_TOLERANCE.md, "A weight sync that hangs"), the server (its API server and its
 engine core) is frozen with SIGSTOP just before the phase's first call -- for certain, not
-by timing: the trainer's test-only fault point (``trainer.faults.FAULT_ENV``) sends
+by timing: the trainer's test-only fault point (``procutil.faults.FAULT_ENV``) sends
 the signal itself -- and then:
 
 1. the sync raises ``SyncTimeout`` naming that phase, the server's URL and the phase's
@@ -40,7 +40,7 @@ from launch.vllm_server import BridgeServer, start_bridge_server
 from tests.integration.bridge_checks import assert_greedy, hf_model, prompt_ids, vllm_greedy
 from trainer.bridge import WeightBridge, make_bridge
 from trainer.bridge.deadline import SyncTimeout
-from trainer.faults import FAULT_ENV, reset_faults
+from procutil.faults import FAULT_ENV, reset_faults
 from trainer.weights_config import SyncDeadlines
 
 pytestmark = pytest.mark.integration

@@ -1,7 +1,7 @@
 """SFT on the embedded tiny model: the loss falls, and a run killed with SIGKILL and resumed
 ends with exactly the weights of an uninterrupted run (same data order, optimizer, schedule).
 The run to kill stops itself once its first checkpoint is written (the test-only fault point
-``checkpointed``, trainer/faults.py), so the kill lands mid-run whatever the box's speed."""
+``checkpointed``, procutil/faults.py), so the kill lands mid-run whatever the box's speed."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from launch.lifeline import is_stopped
 from launch.procs import ManagedProcess
 from trainer.config import SftConfig
-from trainer.faults import FAULT_ENV
+from procutil.faults import FAULT_ENV
 from trainer.sft import train
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-"""The trainer's test-only fault points (trainer/faults.py): unset they do nothing; set, they
+"""The test-only fault points (procutil/faults.py): unset they do nothing; set, they
 SIGSTOP the named processes (``self``: the process that reaches the point) once, at the named
 point only."""
 
@@ -13,7 +13,7 @@ import time
 import pytest
 
 from launch.lifeline import is_stopped, proc_info
-from trainer.faults import FAULT_ENV, fault_point, reset_faults
+from procutil.faults import FAULT_ENV, fault_point, reset_faults
 
 pytestmark = pytest.mark.unit
 
@@ -81,7 +81,7 @@ def test_the_named_process_is_stopped(sleeper, monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_self_stops_the_process_that_reaches_the_point() -> None:
-    code = "from trainer.faults import fault_point; fault_point('checkpointed'); print('went on')"
+    code = "from procutil.faults import fault_point; fault_point('checkpointed'); print('went on')"
     env = {**os.environ, FAULT_ENV: "checkpointed:self"}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE)
     try:

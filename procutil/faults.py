@@ -1,20 +1,23 @@
-"""Test-only fault points: freeze chosen processes when the trainer reaches a chosen point,
-for certain rather than by timing.
+"""Test-only fault points: freeze chosen processes when a process reaches a chosen point, for
+certain rather than by timing.
 
-``SHOP_R1_TEST_FAULT=<point>:<pid>[,<pid>...]`` makes the trainer SIGSTOP those processes
-(``self``: the trainer process that reaches the point) the first time it reaches
-``<point>``. The points:
+``SHOP_R1_TEST_FAULT=<point>:<pid>[,<pid>...]`` makes the process that reaches ``<point>``
+SIGSTOP those processes (``self``: itself) the first time it reaches it. The points:
 
-- a weight sync's phases (``check``, ``connect``, ``stage``, ``transfer``, ``apply``,
-  ``close``; trainer/bridge/deadline.py): just before the phase's first call, so the phase
-  meets a frozen server (tests/integration/trainer/test_sync_deadlines.py);
-- ``checkpointed``: right after a checkpoint is written (GRPO: and its batches acked),
+- a weight sync's phases in the trainer (``check``, ``connect``, ``stage``, ``transfer``,
+  ``apply``, ``close``; trainer/bridge/deadline.py): just before the phase's first call, so
+  the phase meets a frozen server (tests/integration/trainer/test_sync_deadlines.py);
+- ``checkpointed``: right after the trainer wrote a checkpoint (GRPO: and acked its batches),
   before the next step, in GRPO and SFT alike (tests/integration/launch/test_launch_oom.py:
   the trainer stops itself there, the test moves it into a memory cgroup and continues it,
   so its next step runs out of memory whatever the box's speed;
-  tests/integration/trainer/test_trainer_sft.py kills the stopped SFT and resumes it).
+  tests/integration/trainer/test_trainer_sft.py kills the stopped SFT and resumes it);
+- ``engine_core_forked``: in vLLM's engine core, right after a CPU server forked it
+  (vllm_patching/plugin.py), so the server cannot finish starting
+  (tests/integration/vllm_patching/test_start_sigterm.py stops the server then).
 
-Unset (every real run), a point costs one environment lookup.
+Unset (every real run), a point costs one environment lookup. It imports no package of ours
+(``procutil``), so the trainer and the vLLM plugin share it.
 """
 
 from __future__ import annotations
