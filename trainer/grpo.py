@@ -35,12 +35,12 @@ from typing import Any
 import torch
 
 from api.protocol import ScoredGroup
+from procutil.faults import fault_point
 from trainer.batch import flatten_groups
 from trainer.checkpoint import CheckpointWriteError
 from trainer.config import GrpoConfig
 from trainer.dist_weights import SyncReplica, make_replica
 from trainer.distributed import Dist, Work, launched_by_torchrun
-from procutil.faults import fault_point
 from trainer.gail import build_gail_reward
 from trainer.grpo_step import StepContext, grpo_step
 from trainer.leasing import ack_checkpointed, next_batch, remember

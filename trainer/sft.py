@@ -12,12 +12,12 @@ import torch
 from tqdm import tqdm
 
 from env_server.sessions import as_episodes
+from procutil.faults import fault_point
 from trainer.checkpoint import save_final_model
 from trainer.config import SftConfig
 from trainer.dist_checkpoint import unsharded_copy
 from trainer.distributed import Work
 from trainer.evaluate import format_valid_rate
-from procutil.faults import fault_point
 from trainer.forward import target_nll
 from trainer.model import LoadedModel, autocast
 from trainer.optim import clip_and_step

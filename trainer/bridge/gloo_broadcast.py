@@ -13,11 +13,11 @@ from typing import Any, TypeVar
 
 import torch
 
+from procutil.faults import fault_point
 from settings.ports import free_port
 from trainer.bridge.deadline import SyncDeadlines, SyncTimeout, bounded, spawn
 from trainer.bridge.http import ServerClient
 from trainer.bridge.staged import StagedBridge, sweep_segments
-from procutil.faults import fault_point
 from vllm_patching.gloo_group import (
     allgather_flags,
     broadcast,

@@ -36,9 +36,9 @@ import pytest
 from bench.faults.memcg import MemoryCgroup
 from launch.exits import kernel_log
 from launch.lifeline import is_stopped, proc_info
+from procutil.faults import FAULT_ENV
 from tests.integration.launch.test_launch_run_all import artifacts_env, check_run, launcher
 from tests.integration.launcher_harness import LauncherRun
-from procutil.faults import FAULT_ENV
 
 pytestmark = pytest.mark.integration
 STEPS = 3

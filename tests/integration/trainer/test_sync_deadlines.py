@@ -37,10 +37,10 @@ import torch
 
 from launch.lifeline import descendants
 from launch.vllm_server import BridgeServer, start_bridge_server
+from procutil.faults import FAULT_ENV, reset_faults
 from tests.integration.bridge_checks import assert_greedy, hf_model, prompt_ids, vllm_greedy
 from trainer.bridge import WeightBridge, make_bridge
 from trainer.bridge.deadline import SyncTimeout
-from procutil.faults import FAULT_ENV, reset_faults
 from trainer.weights_config import SyncDeadlines
 
 pytestmark = pytest.mark.integration

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from launch.lifeline import is_stopped
 from launch.procs import ManagedProcess
-from trainer.config import SftConfig
 from procutil.faults import FAULT_ENV
+from trainer.config import SftConfig
 from trainer.sft import train
 
 pytestmark = pytest.mark.integration
