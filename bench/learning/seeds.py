@@ -3,10 +3,11 @@
 Runs ``make run`` (its install is a no-op where the venv is there) once per seed, with
 ``RUN_ARGS="--seed S --run-dir ..."``, each from scratch: its own artifacts folder (``SHOP_R1_ARTIFACTS``), so the SFT cold start
 is trained again with that seed, then GRPO, then both evaluations on the 512 held-out test
-steps. ``--seed S`` is every service's seed (the SFT's data order, the GRPO trainer, the
-env's row order, vLLM's sampling). The base model and the dataset are the same bytes for
-every seed: they are copied from ``--from-artifacts`` when it holds them (else each run
-builds them, deterministically), so the test rows are the same and every RL - SFT is
+steps (a study on validation: ``-- --eval-split validation --eval-samples 256``; the table
+says which split). ``--seed S`` is every service's seed (the SFT's data order, the GRPO
+trainer, the env's row order, vLLM's sampling). The base model and the dataset are the same
+bytes for every seed: they are copied from ``--from-artifacts`` when it holds them (else each
+run builds them, deterministically), so the rows answered are the same and every RL - SFT is
 paired on them.
 
 Writes ``<out>/seed<S>/`` (the run's folder ``run/``, its console ``console.log``; the
@@ -183,11 +184,11 @@ def run_seed(args: argparse.Namespace, seed: int) -> None:
 
 
 def seed_row(out: Path, rows: list[dict] | None = None) -> dict[str, Any]:
-    """One seed's SFT, RL and paired RL - SFT from its evaluations; with the test ``rows``
-    the evaluations answered, also :func:`action_changes`."""
+    """One seed's SFT, RL and paired RL - SFT from its evaluations; with the rows of the split
+    the evaluations answered (:func:`eval_split`), also :func:`action_changes`."""
     sft = json.loads((out / "eval_sft" / "metrics.json").read_text())
     rl = json.loads((out / "eval_rl" / "metrics.json").read_text())
-    row: dict[str, Any] = {"rows": sft["n"]}
+    row: dict[str, Any] = {"rows": sft["n"], "split": eval_split(out)}
     for key, _, scale, _ in PAIRED:
         a, b = sft["per_sample"][key], rl["per_sample"][key]
         d, se = paired_difference(a, b)
@@ -223,14 +224,26 @@ def action_changes(rows: list[dict], sft_preds: Path, rl_preds: Path) -> dict[st
     return {"net_exact_by_gold_type": net, "where_the_shopper_leaves": leaves}
 
 
-def test_rows(artifacts: Path) -> list[dict] | None:
-    """The test split every seed answered (the dataset the runs copied), if it is there."""
+def eval_split(out: Path) -> str:
+    """The split both evaluations of a seed answered (``--eval-split``; evaluations written
+    before the metrics named it answered the test split)."""
+    named = {
+        json.loads((out / name / "metrics.json").read_text()).get("split", "test")
+        for name in ("eval_sft", "eval_rl")
+    }
+    if len(named) != 1:
+        raise SystemExit(f"{out}: the SFT and the RL evaluation answered different splits {named}")
+    return named.pop()
+
+
+def split_rows(artifacts: Path, split: str) -> list[dict] | None:
+    """The rows of ``split`` every seed answered (the dataset the runs copied), if it is there."""
     data = artifacts / paths.DATA_DIR.relative_to(paths.ARTIFACTS)
-    if not (data / "test.jsonl").exists():
+    if not (data / f"{split}.jsonl").exists():
         return None
     from env_server.data.dataset import load_or_build
 
-    return load_or_build(data)["test"].to_list()
+    return load_or_build(data)[split].to_list()
 
 
 def report(args: argparse.Namespace) -> int:
@@ -238,8 +251,12 @@ def report(args: argparse.Namespace) -> int:
     seeds = finished_seeds(args.out, "eval_rl/metrics.json")
     if not seeds:
         raise SystemExit(f"no finished seed under {args.out}")
-    test = test_rows(args.from_artifacts)  # read once: every seed answered the same rows
-    rows = {s: seed_row(args.out / f"seed{s}", test) for s in seeds}
+    splits = {eval_split(args.out / f"seed{s}") for s in seeds}
+    if len(splits) != 1:
+        raise SystemExit(f"{args.out}: the seeds answered different splits {sorted(splits)}")
+    split = splits.pop()
+    answered = split_rows(args.from_artifacts, split)  # read once: every seed answered these
+    rows = {s: seed_row(args.out / f"seed{s}", answered) for s in seeds}
     metrics = [(k, label, unit) for k, label, _, unit in PAIRED]
     metrics += [(k, label, " pts") for k, label, _ in UNPAIRED]
     head = " | ".join(f"{m[1]} SFT -> RL (RL - SFT)" for m in metrics)
@@ -280,8 +297,15 @@ def report(args: argparse.Namespace) -> int:
                 + f"; where the shopper leaves ({n} rows) it clicks on {leaves['RL']['click']}"
                 f" (SFT {leaves['SFT']['click']})."
             )
+    n = {row["rows"] for row in rows.values()}
+    lines += [
+        "",
+        f"Each seed's SFT and RL answered the first {'/'.join(map(str, sorted(n)))}"
+        f" steps of the {split} split, greedy; RL - SFT is paired on them.",
+    ]
     table = "\n".join(lines)
     result = {"seeds": {str(s): r for s, r in rows.items()}, "rl_minus_sft": summary}
+    result["split"] = split
     result["machine"] = machine()
     (args.out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / "table.md").write_text(table + "\n")

@@ -103,16 +103,19 @@ def test_no_finished_seed_is_an_error(tmp_path: Path) -> None:
         seeds.main(["--out", str(tmp_path), "--report"])
 
 
+@pytest.mark.parametrize("split", ["test", "validation", None])
 def test_each_seed_says_what_rl_changed_per_action_and_where_the_shopper_leaves(
-    tmp_path: Path,
+    tmp_path: Path, split: str | None
 ) -> None:
-    """SFT answers every test row with its gold action; RL clicks wherever the gold action is
-    ``terminate``: RL loses exactly those rows and clicks on all of them."""
+    """SFT answers every row of the split with its gold action; RL clicks wherever the gold
+    action is ``terminate``: RL loses exactly those rows and clicks on all of them. The split
+    is the one the evaluations name (``None``: metrics from before they named it, the test
+    split)."""
     from env_server.data.dataset import load_or_build
 
     art = tmp_path / "art"
     data = art / paths.DATA_DIR.relative_to(paths.ARTIFACTS)
-    rows = load_or_build(data, 12)["test"].to_list()
+    rows = load_or_build(data, 12)[split or "test"].to_list()
     leaving = [r for r in rows if json.loads(r["action"])["type"] == "terminate"]
     assert leaving and len(leaving) < len(rows)
     click = {"type": "click", "name": "add_to_cart"}
@@ -131,8 +134,10 @@ def test_each_seed_says_what_rl_changed_per_action_and_where_the_shopper_leaves(
                     + "\n"
                 )
         exact = [int(not (wrong and json.loads(r["action"])["type"] == "terminate")) for r in rows]
-        m = _m(exact, [float(e) for e in exact], 1.0, 1.0)
-        (out / name / "metrics.json").write_text(json.dumps({**m, "n": len(rows)}))
+        m = {**_m(exact, [float(e) for e in exact], 1.0, 1.0), "n": len(rows)}
+        if split:
+            m["split"] = split
+        (out / name / "metrics.json").write_text(json.dumps(m))
     assert (
         seeds.main(["--out", str(tmp_path / "seeds"), "--report", "--from-artifacts", str(art)])
         == 0
@@ -144,7 +149,23 @@ def test_each_seed_says_what_rl_changed_per_action_and_where_the_shopper_leaves(
     assert actions["where_the_shopper_leaves"]["SFT"] == {"terminate": len(leaving)}
     table = (tmp_path / "seeds" / "table.md").read_text()
     assert f"it clicks on {len(leaving)} (SFT 0)" in table
+    assert f"the first {len(rows)} steps of the {split or 'test'} split" in table
     assert "mean of" not in table  # one seed: no spread to show
+
+
+def test_seeds_that_answered_different_splits_are_an_error(tmp_path: Path) -> None:
+    out = tmp_path / "seeds"
+    for seed, split in ((0, "test"), (1, "validation")):
+        _finished(out, seed, _m([1, 0], [1, 0], 0.5, 0.5), _m([1, 1], [1, 1], 1.0, 1.0), 60)
+        for name in ("eval_sft", "eval_rl"):
+            path = out / f"seed{seed}" / name / "metrics.json"
+            path.write_text(json.dumps({**json.loads(path.read_text()), "split": split}))
+    with pytest.raises(SystemExit, match="seeds answered different splits"):
+        seeds.main(["--out", str(out), "--report"])
+    path = out / "seed1" / "eval_rl" / "metrics.json"  # one seed's two evaluations differ
+    path.write_text(json.dumps({**json.loads(path.read_text()), "split": "test"}))
+    with pytest.raises(SystemExit, match="SFT and the RL evaluation answered different splits"):
+        seeds.main(["--out", str(out), "--report"])
 
 
 def test_a_finished_run_keeps_what_it_shows_beside_its_console(tmp_path: Path) -> None:
