@@ -51,6 +51,7 @@ PAIRED = (("exact", "exact match", 100.0, " pts"), ("reward", "mean reward", 1.0
 UNPAIRED = (("type_accuracy", "type accuracy", 100.0), ("macro_f1", "macro-F1", 100.0))
 KEPT = {n: n for n in ("eval.md", "eval_sft", "eval_rl", "reward_curve.png", "config")}
 KEPT["trainer/metrics.jsonl"] = "trainer_metrics.jsonl"
+KEPT["env_metrics.jsonl"] = "env_metrics.jsonl"  # its groups: bench.learning.trained_groups
 """What of a run's folder is copied beside its console log (as what), the rest left in
 ``run/`` (its checkpoints, logs and databases)."""
 
