@@ -94,10 +94,20 @@ class EnvConfig(BaseModel):
     its steps drawn one after another so they share their history (env_server/sessions.py).
     The model must have been trained (SFT) in the same form."""
 
+    row_mix: Literal["natural", "balanced"] = "natural"
+    """Which train rows GRPO samples: ``natural``, the split's rows in a seeded order (its mix
+    of gold action types); ``balanced``, each gold action type equally often (the rarer
+    types' rows come back sooner). Steps only (docs/results/grpo_row_mix.md)."""
+
     @model_validator(mode="after")
     def _one_page_or_session(self) -> EnvConfig:
         if self.latest_only and self.episode == "session":
             raise ValueError("latest_only shows one page; it does not apply to episode: session")
+        if self.row_mix != "natural" and self.episode == "session":
+            raise ValueError(
+                "row_mix: balanced deals steps; a session holds steps of every type, so it "
+                "does not apply to episode: session"
+            )
         return self
 
     reward_variant: Literal["full", "binary", "no_dars", "no_format"] = "full"

@@ -27,7 +27,7 @@ import signal
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from env_server.config import EnvConfig
 from env_server.eval_stats import compute_metrics
@@ -97,11 +97,25 @@ class Stats:
 
 
 def cycle_rows(
-    rows: list[dict[str, Any]], seed: int, by_session: bool = False
+    rows: list[dict[str, Any]],
+    seed: int,
+    by_session: bool = False,
+    row_mix: Literal["natural", "balanced"] = "natural",
 ) -> Iterator[dict[str, Any]]:
     """Rows in a seeded random order, reshuffled every epoch; ``by_session``: whole sessions
     in a random order, each session's steps one after another (their groups then share the
-    session's history in vLLM's prefix cache and in the trainer's prefix tree)."""
+    session's history in vLLM's prefix cache and in the trainer's prefix tree).
+
+    ``row_mix="balanced"`` (steps only): each gold action type comes equally often, in turn
+    (types in sorted order), each type's rows in a seeded order of their own, reshuffled when
+    that type's rows run out; the rarer types' rows then come back sooner than the others'."""
+    if row_mix == "balanced":
+        if by_session:
+            raise ValueError("row_mix: balanced deals steps; a session holds steps of every type")
+        yield from _balanced(rows, seed)
+        return
+    if row_mix != "natural":
+        raise ValueError(f"row_mix: {row_mix!r} is not 'natural' or 'balanced'")
     units: list[list[dict[str, Any]]] = [[r] for r in rows]
     if by_session:
         sessions: dict[str, list[dict[str, Any]]] = {}
@@ -119,6 +133,33 @@ def cycle_rows(
         log.info("finished epoch %d over %d prompts", epoch, len(rows))
 
 
+def _balanced(rows: list[dict[str, Any]], seed: int) -> Iterator[dict[str, Any]]:
+    """:func:`cycle_rows`' ``row_mix="balanced"``: one row of each gold action type in turn."""
+    by_type: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_type.setdefault(json.loads(r["action"])["type"], []).append(r)
+    if not by_type:
+        raise ValueError("row_mix: balanced got no rows")
+    names = sorted(by_type)
+    log.info(
+        "row_mix balanced: %s rows of the train split, each type drawn 1/%d of the time",
+        ", ".join(f"{len(by_type[k])} {k}" for k in names),
+        len(names),
+    )
+    draws = {k: _reshuffled(by_type[k], random.Random(f"env-order-{seed}-{k}")) for k in names}
+    while True:
+        for k in names:
+            yield next(draws[k])
+
+
+def _reshuffled(rows: list[dict[str, Any]], rng: random.Random) -> Iterator[dict[str, Any]]:
+    while True:
+        order = list(range(len(rows)))
+        rng.shuffle(order)
+        for i in order:
+            yield rows[i]
+
+
 class EnvService:
     def __init__(
         self, cfg: EnvConfig, api: ApiLink, inference: InferenceClient, tokenizer: Any, dataset: Any
@@ -128,7 +169,7 @@ class EnvService:
         session = cfg.episode == "session"
         if session:  # every row carries its session's earlier turns
             train, val = as_episodes(train), as_episodes(val)
-        self.rows = cycle_rows(train, cfg.seed, by_session=session)
+        self.rows = cycle_rows(train, cfg.seed, by_session=session, row_mix=cfg.row_mix)
         self.val_rows = val[: cfg.eval_samples]
         self.reward = cfg.reward_config()
         self.stats = Stats()

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, finished_seeds, machine, spread
+from bench.common import REPO, finished_seeds, machine, spread, stop_on_sigterm
 from env_server.eval_stats import paired_difference
 from settings import paths
 
@@ -128,12 +128,14 @@ def keep(out: Path) -> None:
 def run_in_group(argv: list[str], env: dict[str, str], console: Any) -> int:
     """Run ``argv`` (make, then the launcher) in a process group of its own, its exit code.
     Stopped (SIGTERM or Ctrl-C of this bench), the whole group gets SIGINT, so the launcher
-    stops its run's services as on Ctrl-C; SIGKILL after two minutes."""
-    from launch.lifeline import signal_group
+    stops its run's services as on Ctrl-C; SIGKILL after two minutes. Killed (SIGKILL), this
+    bench's lifeline reaper sends the group SIGTERM (launch/lifeline.py)."""
+    from launch.lifeline import lifeline, signal_group
 
     proc = subprocess.Popen(
         argv, env=env, stdout=console, stderr=subprocess.STDOUT, start_new_session=True
     )
+    lifeline().register(proc.pid, "make run", console.name)
     try:
         return proc.wait()
     except BaseException:
@@ -144,6 +146,8 @@ def run_in_group(argv: list[str], env: dict[str, str], console: Any) -> int:
             signal_group(proc.pid, signal.SIGKILL)
             proc.wait()
         raise
+    finally:
+        lifeline().unregister(proc.pid)
 
 
 def run_seed(args: argparse.Namespace, seed: int) -> None:
@@ -338,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.out = args.out.resolve()
     if not args.report:
+        stop_on_sigterm()
         for seed in args.seeds:
             run_seed(args, seed)
     return report(args)

@@ -250,3 +250,54 @@ def test_a_reused_sft_model_is_copied_in_timed_and_checked_against_the_run(
         seeds.check_reused_sft(src, run_dir)
     with pytest.raises(SystemExit, match="no SFT model at"):
         seeds.reuse_sft(tmp_path / "missing", artifacts)
+
+
+def test_a_killed_bench_takes_its_run_with_it(tmp_path: Path) -> None:
+    """SIGKILL of the bench (no handler runs) still stops the run: its lifeline reaper sends
+    the run's process group SIGTERM. The grandchild stands in for the launcher under make; the
+    test waits for conditions (files written), bounded only against a hang."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ready, got = tmp_path / "ready", tmp_path / "got"
+    code = (
+        "import pathlib, signal, sys\n"
+        "def stop(*_):\n"
+        f"    pathlib.Path({str(got)!r}).write_text('term\\n'); sys.exit(143)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        f"pathlib.Path({str(ready)!r}).write_text(str(os.getpgid(0)))\n"
+        "while True: signal.pause()\n"
+    )
+    inner = shlex.join([sys.executable, "-c", "import os\n" + code])
+    argv = ["bash", "-c", f"bash -c {shlex.quote(inner)}; true"]
+    bench = (
+        "import os, sys\n"
+        "from bench.learning import seeds\n"
+        f"with open({str(tmp_path / 'console.log')!r}, 'w') as console:\n"
+        f"    seeds.run_in_group({argv!r}, dict(os.environ), console)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", bench], cwd=seeds.REPO)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert proc.poll() is None, f"the bench exited {proc.returncode} before its run"
+            assert time.monotonic() < deadline, "the run never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 120
+        while not got.exists():
+            assert time.monotonic() < deadline, "the run outlived its killed bench"
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if ready.exists() and not got.exists():  # failed: stop the run the bench left
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.killpg(int(ready.read_text()), signal.SIGKILL)
+    assert got.read_text() == "term\n"
