@@ -27,7 +27,7 @@ import signal
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from env_server.config import EnvConfig
 from env_server.eval_stats import compute_metrics
@@ -39,6 +39,7 @@ from env_server.rollout import build_group, prompt_ids
 from env_server.sessions import as_episodes
 
 log = logging.getLogger("env_server")
+T = TypeVar("T")
 REREGISTER_S = 60.0
 """Re-register this often: an API that lost its database would otherwise auto-register us
 with default weight and group size when we next ask for backpressure."""
@@ -122,22 +123,15 @@ def cycle_rows(
         for r in rows:
             sessions.setdefault(r["session_id"], []).append(r)
         units = [sorted(v, key=lambda r: r["step"]) for v in sessions.values()]
-    rng = random.Random(f"env-order-{seed}")
-    epoch = 0
-    while True:
-        order = list(range(len(units)))
-        rng.shuffle(order)
-        for i in order:
-            yield from units[i]
-        epoch += 1
-        log.info("finished epoch %d over %d prompts", epoch, len(rows))
+    for unit in _reshuffled(units, random.Random(f"env-order-{seed}"), f"{len(rows)} prompts"):
+        yield from unit
 
 
 def _balanced(rows: list[dict[str, Any]], seed: int) -> Iterator[dict[str, Any]]:
     """:func:`cycle_rows`' ``row_mix="balanced"``: one row of each gold action type in turn."""
     by_type: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-        by_type.setdefault(json.loads(r["action"])["type"], []).append(r)
+        by_type.setdefault(r["action_type"], []).append(r)
     if not by_type:
         raise ValueError("row_mix: balanced got no rows")
     names = sorted(by_type)
@@ -146,18 +140,27 @@ def _balanced(rows: list[dict[str, Any]], seed: int) -> Iterator[dict[str, Any]]
         ", ".join(f"{len(by_type[k])} {k}" for k in names),
         len(names),
     )
-    draws = {k: _reshuffled(by_type[k], random.Random(f"env-order-{seed}-{k}")) for k in names}
+    draws = {
+        k: _reshuffled(
+            by_type[k], random.Random(f"env-order-{seed}-{k}"), f"{len(by_type[k])} {k} rows"
+        )
+        for k in names
+    }
     while True:
         for k in names:
             yield next(draws[k])
 
 
-def _reshuffled(rows: list[dict[str, Any]], rng: random.Random) -> Iterator[dict[str, Any]]:
+def _reshuffled(items: list[T], rng: random.Random, what: str) -> Iterator[T]:
+    """``items`` in an order ``rng`` shuffles anew each epoch, without end (logs each epoch)."""
+    epoch = 0
     while True:
-        order = list(range(len(rows)))
+        order = list(range(len(items)))
         rng.shuffle(order)
         for i in order:
-            yield rows[i]
+            yield items[i]
+        epoch += 1
+        log.info("finished epoch %d over %s", epoch, what)
 
 
 class EnvService:

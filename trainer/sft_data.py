@@ -221,10 +221,11 @@ class LazySplit:
         else:
             if self._labels is None:
                 rows = self.rows
-                actions = (
-                    rows["action"] if hasattr(rows, "column_names") else [r["action"] for r in rows]
+                self._labels = list(
+                    rows["action_type"]
+                    if hasattr(rows, "column_names")
+                    else [r["action_type"] for r in rows]
                 )
-                self._labels = [json.loads(a)["type"] for a in actions]
             order = stratified_order(self._labels, seed, epoch)
         self._order = (seed, epoch, order)
         return order

@@ -265,17 +265,17 @@ def test_a_killed_bench_takes_its_run_with_it(tmp_path: Path) -> None:
 
     ready, got = tmp_path / "ready", tmp_path / "got"
     code = (
-        "import pathlib, signal, sys\n"
+        "import os, pathlib, signal, sys\n"
         "def stop(*_):\n"
         f"    pathlib.Path({str(got)!r}).write_text('term\\n'); sys.exit(143)\n"
         "signal.signal(signal.SIGTERM, stop)\n"
         f"pathlib.Path({str(ready)!r}).write_text(str(os.getpgid(0)))\n"
         "while True: signal.pause()\n"
     )
-    inner = shlex.join([sys.executable, "-c", "import os\n" + code])
+    inner = shlex.join([sys.executable, "-c", code])
     argv = ["bash", "-c", f"bash -c {shlex.quote(inner)}; true"]
     bench = (
-        "import os, sys\n"
+        "import os\n"
         "from bench.learning import seeds\n"
         f"with open({str(tmp_path / 'console.log')!r}, 'w') as console:\n"
         f"    seeds.run_in_group({argv!r}, dict(os.environ), console)\n"

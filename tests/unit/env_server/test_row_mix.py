@@ -17,7 +17,9 @@ TYPES = ["click"] * 6 + ["terminate"] * 2 + ["type_and_submit"] * 4
 
 
 def rows() -> list[dict]:
-    return [{"id": i, "action": json.dumps({"type": t})} for i, t in enumerate(TYPES)]
+    return [
+        {"id": i, "action": json.dumps({"type": t}), "action_type": t} for i, t in enumerate(TYPES)
+    ]
 
 
 def kind(row: dict) -> str:
