@@ -82,20 +82,21 @@ def wait_api(proc: ManagedProcess, url: str, token: str | None, timeout: float) 
     in a URL, which error messages print."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     deadline = time.monotonic() + timeout
-    while True:
-        if not proc.alive():
-            raise ServiceFailed(
-                f"api exited before {url}/health answered; read {proc.log_path}:\n"
-                f"{tail(proc.log_path)}"
-            )
-        try:
-            if httpx.get(f"{url}/health", headers=headers, timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise ServiceFailed(f"api did not answer {url}/health within {timeout:.0f}s")
-        time.sleep(0.2)
+    with httpx.Client(headers=headers, timeout=5) as client:  # one TLS context, not one a try
+        while True:
+            if not proc.alive():
+                raise ServiceFailed(
+                    f"api exited before {url}/health answered; read {proc.log_path}:\n"
+                    f"{tail(proc.log_path)}"
+                )
+            try:
+                if client.get(f"{url}/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise ServiceFailed(f"api did not answer {url}/health within {timeout:.0f}s")
+            time.sleep(0.2)
 
 
 def start_vllm_servers(

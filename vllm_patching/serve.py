@@ -253,6 +253,12 @@ def build(
         # (and top-p/top-k). vLLM's default returns the raw model's logprobs, which differ
         # from it whenever temperature != 1.
         vllm_args += ["--logprobs-mode", "processed_logprobs"]
+    if "--enforce-eager" in vllm_args:
+        # Eager means nothing compiled: vLLM still wraps its logprob-rank helper
+        # (``batched_count_greater_than``, an integer count) in ``torch.compile``, and each
+        # server traced and compiled it (inductor, a C++ build on the first) at its first
+        # logprobs request: ~5 CPU-s a server on the CPU. Eager gives the same counts.
+        env["TORCHDYNAMO_DISABLE"] = "1"
     if _flag(vllm_args, "--worker-extension-cls") is None:
         vllm_args += ["--worker-extension-cls", "vllm_patching.worker_ext.BridgeWorkerExtension"]
     run_id = uuid.uuid4().hex[:12]
@@ -317,6 +323,8 @@ def main(argv: list[str] | None = None) -> None:
     if insecure := check_access(vllm_args, settings.insecure_no_token):
         print(f"[bridge] WARNING: {insecure}", file=sys.stderr, flush=True)
     os.environ.update(env)
+    if env.get("TORCHDYNAMO_DISABLE") == "1" and "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].config.disable = True  # imported before (a forked start)
     path = write_config_file(settings, vllm_args)
     print(
         f"[bridge] mode={settings.mode} backend={settings.backend} config={path}", file=sys.stderr

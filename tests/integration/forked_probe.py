@@ -2,6 +2,7 @@
 (forked, ``launch.forked``): prints what a ``python -m`` process would see, then sleeps
 ``argv[1]`` seconds and exits with ``argv[2]``."""
 
+import gc
 import json
 import os
 import sys
@@ -15,6 +16,7 @@ if __name__ == "__main__":
         "own_session": os.getsid(0) == os.getpid(),
         "vllm_imported": "vllm.entrypoints.openai.api_server" in sys.modules,
         "torch_threads": sys.modules["torch"].get_num_threads(),
+        "frozen_objects": gc.get_freeze_count(),
     }
     print(json.dumps(seen), flush=True)
     time.sleep(float(sys.argv[1]))

@@ -105,6 +105,15 @@ def test_rollout_logprobs_are_those_of_the_sampling_distribution() -> None:
     assert argv.count("--logprobs-mode") == 1 and _flag(argv, "--logprobs-mode") == "raw_logprobs"
 
 
+def test_an_eager_server_compiles_nothing() -> None:
+    """``--enforce-eager`` (the CPU default) turns torch.compile off in the server's processes,
+    vLLM's compiled logprob-rank helper included; a server that compiles keeps it."""
+    _, _, env = _build("--enforce-eager")
+    assert env["TORCHDYNAMO_DISABLE"] == "1"
+    _, _, env = _build()
+    assert "TORCHDYNAMO_DISABLE" not in env
+
+
 def test_lora_mode_enables_runtime_lora() -> None:
     settings, argv, env = _build("--weight-bridge-mode", "lora_only", "--served-model-name", "pol")
     assert "--enable-lora" in argv and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
