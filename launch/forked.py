@@ -53,6 +53,17 @@ _running: list[ForkedPopen] = []
 _by_default = False
 
 
+def starters_main() -> list[str]:
+    """The starting process's main module when it runs as ``python -m PACKAGE.MODULE`` (the
+    launcher: ``launch.run_all``), else nothing. multiprocessing runs that module again in
+    every child it starts (as ``__mp_main__``, spawn's rule, kept by the forkserver); with it
+    in the template's preload the child finds its imports done and only re-runs its body
+    (the launcher's children each imported its config and env modules anew, ~1 CPU-s)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", None) or ""
+    return [name] if name and not name.endswith("__main__") else []
+
+
 def forkable(argv: Sequence[str]) -> bool:
     """``argv`` is ``python -m MODULE ...`` with this interpreter, MODULE not in ``UNFORKED``
     (torchrun, another venv's Python or a script start plainly)."""
@@ -192,7 +203,7 @@ def fork_module(
         raise ValueError(f"a forked start runs `python -m MODULE ...`, not {list(argv)[:3]}")
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(PRELOAD)
+        _context.set_forkserver_preload([*PRELOAD, *starters_main()])
         atexit.register(_kill_left_running)
     module, args = argv[2], list(argv[3:])
     # the log exists when this returns, as with a Popen whose output goes to it

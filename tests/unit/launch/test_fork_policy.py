@@ -4,10 +4,13 @@ nor torchrun."""
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
+import types
 
 import pytest
 
+from launch import forked
 from launch.forked import forkable, forking, forks
 
 pytestmark = pytest.mark.unit
@@ -51,3 +54,19 @@ def test_forking_is_undone_when_its_block_raises() -> None:
     with pytest.raises(RuntimeError), forking(True):
         raise RuntimeError("the run failed")
     assert not forks([PY, "-m", "trainer"], None)
+
+
+@pytest.mark.parametrize(
+    ("spec_name", "want"),
+    [("launch.run_all", ["launch.run_all"]), ("trainer.__main__", []), (None, [])],
+)
+def test_the_template_preloads_a_python_m_starters_module(
+    monkeypatch: pytest.MonkeyPatch, spec_name: str | None, want: list[str]
+) -> None:
+    """multiprocessing runs a ``python -m pkg.mod`` starter's module again in each child: the
+    template imports it once. A package's ``__main__`` (multiprocessing skips it) or a main
+    with no module spec (a script, pytest-xdist's worker) adds nothing."""
+    main = types.ModuleType("__main__")
+    main.__spec__ = None if spec_name is None else importlib.machinery.ModuleSpec(spec_name, None)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    assert forked.starters_main() == want
