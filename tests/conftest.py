@@ -242,7 +242,10 @@ def start_plain_vllm(model_dir: Path, log_path: Path, extra: list[str] | None = 
         "tiny",
         *(extra or []),
     ]
-    proc = ManagedProcess("vllm", argv, log_path, env=cpu_env(None), forked=True).start()
+    # eager as vllm_patching.serve makes an --enforce-eager server: vLLM's compiled logprob-rank
+    # helper would otherwise be traced and built (inductor, C++) at the first logprobs request
+    env = cpu_env(None) | {"TORCHDYNAMO_DISABLE": "1"}
+    proc = ManagedProcess("vllm", argv, log_path, env=env, forked=True).start()
     try:
         proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=600)
     except BaseException:
