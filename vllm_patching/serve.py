@@ -178,6 +178,15 @@ def _flag(args: list[str], name: str) -> str | None:
     return found
 
 
+def _switch(args: list[str], name: str) -> bool | None:
+    """The last of ``--name`` / ``--no-name`` in a vLLM argv (the one vLLM takes), else None."""
+    found = None
+    for a in args:
+        if a in (name, "--no-" + name[2:]):
+            found = a == name
+    return found
+
+
 def _detect_device() -> str:
     from vllm.platforms import current_platform
 
@@ -253,7 +262,7 @@ def build(
         # (and top-p/top-k). vLLM's default returns the raw model's logprobs, which differ
         # from it whenever temperature != 1.
         vllm_args += ["--logprobs-mode", "processed_logprobs"]
-    if "--enforce-eager" in vllm_args:
+    if _switch(vllm_args, "--enforce-eager"):
         # Eager means nothing compiled: vLLM still wraps its logprob-rank helper
         # (``batched_count_greater_than``, an integer count) in ``torch.compile``, and each
         # server traced and compiled it (inductor, a C++ build on the first) at its first

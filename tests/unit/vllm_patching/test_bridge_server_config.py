@@ -112,6 +112,12 @@ def test_an_eager_server_compiles_nothing() -> None:
     assert env["TORCHDYNAMO_DISABLE"] == "1"
     _, _, env = _build()
     assert "TORCHDYNAMO_DISABLE" not in env
+    # the last of the pair counts, as in vLLM's parser: a run file's enforce_eager: false
+    # after the launcher's CPU default --enforce-eager compiles
+    _, _, env = _build("--enforce-eager", "--no-enforce-eager")
+    assert "TORCHDYNAMO_DISABLE" not in env
+    _, _, env = _build("--no-enforce-eager", "--enforce-eager")
+    assert env["TORCHDYNAMO_DISABLE"] == "1"
 
 
 def test_lora_mode_enables_runtime_lora() -> None:
