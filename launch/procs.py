@@ -151,11 +151,18 @@ class ManagedProcess:
         finally:
             self.stop()
 
-    def wait_http(self, url: str, timeout: float = 300.0, interval: float = 0.5) -> None:
+    def wait_http(
+        self,
+        url: str,
+        timeout: float = 300.0,
+        interval: float = 0.5,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         """Wait until ``url`` answers 200, failing early (with the log tail) if we die.
 
         Polled under the project's retry policy (``api.retry``), backing off to ``interval``
-        seconds between tries; the tries are logged at DEBUG (a start takes minutes)."""
+        seconds between tries; the tries are logged at DEBUG (a start takes minutes).
+        ``headers`` go with every try (a bearer token: never in the URL, which errors print)."""
         from api.retry import RetryPolicy, retry_call
 
         def answered() -> None:
@@ -174,7 +181,7 @@ class ManagedProcess:
         policy = RetryPolicy(deadline_s=timeout, base_s=min(0.1, interval), cap_s=interval)
         # one client for every try: each new one builds a TLS context (~35 ms CPU with a
         # system CA bundle), and a start is polled ~50 times
-        with httpx.Client(timeout=5.0) as client:
+        with httpx.Client(headers=headers, timeout=5.0) as client:
             try:
                 retry_call(answered, f"{self.name}: {url}", not_yet, policy, level=logging.DEBUG)
             except httpx.HTTPError as e:

@@ -51,7 +51,7 @@ from launch.prepare import (
     resume_hint,
     reused_sft_eval,
 )
-from launch.procs import ManagedProcess, tail
+from launch.procs import ManagedProcess
 from launch.report import build_report
 from launch.reward_curve import reward_curve
 from launch.run_config import RunConfig, parse_run
@@ -66,7 +66,7 @@ from launch.run_plan import (
     vllm_extra,
     with_precision,
 )
-from launch.supervisor import PY, ServiceFailed, Stack
+from launch.supervisor import PY, ServiceFailed, Stack, wait_http
 from launch.trainer_node import publish_trainer_argv
 from launch.vllm_server import BridgeServer
 from settings.bind import UnsafeBind
@@ -80,23 +80,8 @@ def _raise_interrupt(signum: int, _frame: object) -> None:
 def wait_api(proc: ManagedProcess, url: str, token: str | None, timeout: float) -> None:
     """Wait until the API answers ``GET url/health`` 200, the token (if any) in a header: never
     in a URL, which error messages print."""
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    deadline = time.monotonic() + timeout
-    with httpx.Client(headers=headers, timeout=5) as client:  # one TLS context, not one a try
-        while True:
-            if not proc.alive():
-                raise ServiceFailed(
-                    f"api exited before {url}/health answered; read {proc.log_path}:\n"
-                    f"{tail(proc.log_path)}"
-                )
-            try:
-                if client.get(f"{url}/health").status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise ServiceFailed(f"api did not answer {url}/health within {timeout:.0f}s")
-            time.sleep(0.2)
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    wait_http(proc, f"{url}/health", timeout, headers=headers)
 
 
 def start_vllm_servers(

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from launch import progress
@@ -131,9 +132,12 @@ def finish_step(
         )
 
 
-def wait_http(proc: ManagedProcess, url: str, timeout: float) -> None:
-    """Wait for ``proc`` to answer ``url``; a death or a timeout is a ``ServiceFailed``."""
+def wait_http(
+    proc: ManagedProcess, url: str, timeout: float, headers: Mapping[str, str] | None = None
+) -> None:
+    """Wait for ``proc`` to answer ``url`` (``headers`` with every try); a death or a timeout
+    is a ``ServiceFailed``."""
     try:
-        proc.wait_http(url, timeout=timeout)
+        proc.wait_http(url, timeout=timeout, headers=headers)
     except (RuntimeError, TimeoutError) as e:
         raise ServiceFailed(str(e)) from e

@@ -29,18 +29,13 @@ def start_api(
         env["SHOP_R1_API_TOKEN"] = token
     proc = ManagedProcess("api", argv, log, env=env).start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    while True:  # like wait_http, with the token
-        try:
-            if httpx.get(url + "/health", headers=headers, timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if not proc.alive() or time.monotonic() > deadline:
-            proc.stop()
-            raise RuntimeError(f"API did not start; log:\n{log.read_text()}")
-        time.sleep(0.1)
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    try:  # /health needs the token too: the launcher's wait (launch/run_all.py wait_api)
+        proc.wait_http(url + "/health", timeout=60, interval=0.1, headers=headers)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, url
 
 
 def make_group(gid: str, env: str = "shop_r1", n_seqs: int = 4, length: int = 64) -> dict:
@@ -133,6 +128,8 @@ def test_bad_input_leases_and_token_on_a_live_server(tmp_path: Path) -> None:
         with pytest.raises(ApiError) as err:
             anonymous.status()
         assert err.value.status_code == 401
+        with pytest.raises(TimeoutError, match="HTTP 401"):  # a wait without the header
+            proc.wait_http(url + "/health", timeout=1)
         api = ApiClient(url, token=token)
         api.register_env("shop_r1", weight=1.0, group_size=4)
         assert api.push_groups([make_group("g1"), make_group("g2")]).accepted == 2
