@@ -47,6 +47,12 @@ GZIP_MIN_BYTES = 64 * 1024
 """Request bodies at least this large are sent gzip-compressed."""
 
 
+def bearer(token: str | None) -> dict[str, str]:
+    """The header that carries the API's token (none without one): a header, never the URL,
+    which error messages print."""
+    return {TOKEN_HEADER: f"Bearer {token}"} if token else {}
+
+
 class ApiError(RuntimeError):
     """The API answered with an error that retrying will not fix (or retries ran out)."""
 
@@ -74,7 +80,6 @@ class ApiClient:
         backoff: float = 0.5,
         give_up_s: float = 0.0,
     ) -> None:
-        headers = {TOKEN_HEADER: f"Bearer {token}"} if token else {}
         self.base_url = base_url.rstrip("/")
         # Transient failures are retried until ``give_up_s`` seconds have passed since the
         # first one (long enough to ride out an API restart) or, without it, ``retries`` times.
@@ -86,7 +91,7 @@ class ApiClient:
         )
         self._http = httpx.Client(
             base_url=self.base_url,
-            headers=headers,
+            headers=bearer(token),
             timeout=httpx.Timeout(timeout, connect=connect_timeout),
         )
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from api.client import bearer
 from api.config import TOKEN_ENV as API_TOKEN_ENV
 from api.config import check_exposure
 from launch import progress, verifiers_env
@@ -78,10 +79,8 @@ def _raise_interrupt(signum: int, _frame: object) -> None:
 
 
 def wait_api(proc: ManagedProcess, url: str, token: str | None, timeout: float) -> None:
-    """Wait until the API answers ``GET url/health`` 200, the token (if any) in a header: never
-    in a URL, which error messages print."""
-    headers = {"Authorization": f"Bearer {token}"} if token else None
-    wait_http(proc, f"{url}/health", timeout, headers=headers)
+    """Wait until the API answers ``GET url/health`` 200, the token (if any) in a header."""
+    wait_http(proc, f"{url}/health", timeout, headers=bearer(token))
 
 
 def start_vllm_servers(

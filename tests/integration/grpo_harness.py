@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
-from api.client import ApiClient
+from api.client import ApiClient, bearer
 from launch.procs import ManagedProcess
 from launch.vllm_server import BridgeServer
 from settings.ports import free_port
@@ -38,41 +37,22 @@ def reset_none_server(server: BridgeServer, model: Path) -> BridgeServer:
 
 
 def start_api(tmp_path: Path, timeout: float = 60.0) -> tuple[ManagedProcess, ApiClient, str]:
-    """Start the API with TOKEN on a free port; return it, a client and its URL once healthy.
-
-    /health needs the token too, so wait through the client rather than ``wait_http``. The
-    caller stops the process (also when this raises: it is returned only once healthy, so on
-    failure it is stopped here).
+    """Start the API with TOKEN on a free port (forked from the test session's template, as
+    the launcher's CPU runs start theirs); return it, a client and its URL once /health
+    answers (with the token: /health needs it). The caller stops the process (also when this
+    raises: it is returned only once healthy, so on failure it is stopped here).
     """
     port = free_port()
-    api = ManagedProcess(
-        "api",
-        [
-            sys.executable,
-            "-m",
-            "api",
-            "--port",
-            str(port),
-            "--db-path",
-            str(tmp_path / "api.sqlite"),
-            "--token",
-            TOKEN,
-        ],
-        tmp_path / "api.log",
-    ).start()
+    argv = [sys.executable, "-m", "api", "--port", str(port)]
+    argv += ["--db-path", str(tmp_path / "api.sqlite"), "--token", TOKEN]
+    api = ManagedProcess("api", argv, tmp_path / "api.log", forked=True).start()
     url = f"http://127.0.0.1:{port}"
-    client = ApiClient(url, token=TOKEN)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and api.alive():
-        try:
-            if client.health():
-                return api, client, url
-        except Exception:  # not listening yet
-            pass
-        time.sleep(0.3)
-    client.close()
-    api.stop()
-    raise RuntimeError(f"the API did not come up; read {api.log_path}")
+    try:
+        api.wait_http(f"{url}/health", timeout, interval=0.3, headers=bearer(TOKEN))
+    except BaseException:
+        api.stop()
+        raise
+    return api, ApiClient(url, token=TOKEN), url
 
 
 def run_trainer(

@@ -72,7 +72,7 @@ class Stack:
             "--max-staleness",
             str(MAX_STALENESS),
         ]
-        proc = ManagedProcess("api", argv, self._log("api")).start()
+        proc = ManagedProcess("api", argv, self._log("api"), forked=True).start()
         self.procs["api"] = proc
         self.history.append(proc)
         client = ApiClient(self.api_url, token=TOKEN, retries=0)

@@ -36,16 +36,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.client import ApiClient
+from api.client import ApiClient, bearer
 from bench.faults.small_disk import SmallDisk, limit_file_size
 from env_server.config import EnvConfig
 from env_server.service import ApiLink
-from launch.procs import ManagedProcess, tail
+from launch.procs import ManagedProcess
 from settings.ports import free_port
 
 pytestmark = pytest.mark.integration
 TOKEN = "disk-full-token"
-HEADERS = {"Authorization": f"Bearer {TOKEN}"}
+HEADERS = bearer(TOKEN)
 DISK_MB, RESERVE_MB = 32, 4
 
 
@@ -73,17 +73,8 @@ class Api:
         argv = [sys.executable, "-m", "api", "--port", str(self.port), "--db-path", str(self.db)]
         argv += ["--token", TOKEN, "--max-staleness", "1000", "--min-free-mb", str(min_free_mb)]
         log = self.tmp / f"api.{self.starts}.log"
-        self.proc = ManagedProcess("api", argv, log).start()
-        client = ApiClient(self.url, token=TOKEN, retries=0)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.alive(), tail(log)
-            try:
-                if client.health():
-                    return
-            except Exception:  # noqa: BLE001 - not listening yet
-                time.sleep(0.2)
-        raise AssertionError(f"the API did not come up: {tail(log)}")
+        self.proc = ManagedProcess("api", argv, log, forked=True).start()
+        self.proc.wait_http(f"{self.url}/health", 120, interval=0.2, headers=bearer(TOKEN))
 
     def push_raw(self, groups: list[dict]) -> httpx.Response:
         body = {"groups": groups}

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.client import ApiClient, ApiError
+from api.client import ApiClient, ApiError, bearer
 from launch.procs import ManagedProcess
 from settings.ports import free_port
 
@@ -27,9 +27,9 @@ def start_api(
     env = {k: v for k, v in __import__("os").environ.items() if k != "SHOP_R1_API_TOKEN"}
     if token:
         env["SHOP_R1_API_TOKEN"] = token
-    proc = ManagedProcess("api", argv, log, env=env).start()
+    proc = ManagedProcess("api", argv, log, env=env, forked=True).start()
     url = f"http://127.0.0.1:{port}"
-    headers = {"Authorization": f"Bearer {token}"} if token else None
+    headers = bearer(token)
     try:  # /health needs the token too: the launcher's wait (launch/run_all.py wait_api)
         proc.wait_http(url + "/health", timeout=60, interval=0.1, headers=headers)
     except BaseException:
@@ -135,7 +135,7 @@ def test_bad_input_leases_and_token_on_a_live_server(tmp_path: Path) -> None:
         assert api.push_groups([make_group("g1"), make_group("g2")]).accepted == 2
         assert api.push_groups([make_group("g1")]).duplicates == 1
 
-        headers = {"Authorization": f"Bearer {token}", "content-type": "application/json"}
+        headers = {**bearer(token), "content-type": "application/json"}
         bad = httpx.post(url + "/groups", content=b'{"groups": [{"group_id": 1}]}', headers=headers)
         assert bad.status_code == 422
         huge = [make_group(f"h{i}", length=2048) for i in range(8)]  # ~1 MB of JSON, gzipped

@@ -199,7 +199,8 @@ def test_atroposlib_env_and_shop_r1_train_one_trainer(tiny_model_dir: Path, tmp_
     vllm = None
     try:
         api_argv = _python("-m", "api", "--port", str(api_port), "--db-path", str(db))
-        api = ManagedProcess("api", [*api_argv, "--max-staleness", "12"], tmp_path / "api.log")
+        argv = [*api_argv, "--max-staleness", "12"]
+        api = ManagedProcess("api", argv, tmp_path / "api.log", forked=True)
         procs.append(api.start())
         api.wait_http(api_url + "/health", timeout=300)
         vllm = start_bridge_server(

@@ -216,7 +216,7 @@ def test_multiturn_managed_server_env_trains_on_what_vllm_sampled(
     try:
         api_argv = [sys.executable, "-m", "api", "--port", str(api_port), "--db-path", str(db)]
         api_argv += ["--max-staleness", "0"]  # a new version drops the older queued groups
-        api = ManagedProcess("api", api_argv, tmp_path / "api.log")
+        api = ManagedProcess("api", api_argv, tmp_path / "api.log", forked=True)
         procs.append(api.start())
         api.wait_http(api_url + "/health", timeout=300)
         vllm = start_bridge_server(

@@ -26,7 +26,7 @@ GROUP_SIZE, GROUPS, MAX_TOKENS = 4, 3, 24
 
 def start_api(port: int, db, log) -> ManagedProcess:
     argv = [sys.executable, "-m", "api", "--port", str(port), "--db-path", str(db)]
-    proc = ManagedProcess("api", argv, log).start()
+    proc = ManagedProcess("api", argv, log, forked=True).start()
     proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
     return proc
 

@@ -120,7 +120,7 @@ def test_verifiers_envs_train_through_the_stack(tiny_model_dir: Path, tmp_path: 
     vllm = None
     try:
         api_argv = [sys.executable, "-m", "api", "--port", str(api_port), "--db-path", str(db)]
-        api = ManagedProcess("api", api_argv, tmp_path / "api.log").start()
+        api = ManagedProcess("api", api_argv, tmp_path / "api.log", forked=True).start()
         procs.append(api)
         api.wait_http(api_url + "/health", timeout=300)
         vllm = start_bridge_server(

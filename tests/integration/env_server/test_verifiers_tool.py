@@ -169,7 +169,7 @@ def test_verifiers_tool_call_trains(tiny_model_dir: Path, tmp_path: Path) -> Non
     vllm = None
     try:
         api_argv = [sys.executable, "-m", "api", "--port", str(api_port), "--db-path", str(db)]
-        procs.append(ManagedProcess("api", api_argv, tmp_path / "api.log").start())
+        procs.append(ManagedProcess("api", api_argv, tmp_path / "api.log", forked=True).start())
         procs[-1].wait_http(api_url + "/health", timeout=300)
         vllm = start_bridge_server(
             model_dir,
