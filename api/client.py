@@ -48,8 +48,8 @@ GZIP_MIN_BYTES = 64 * 1024
 
 
 def bearer(token: str | None) -> dict[str, str]:
-    """The header that carries the API's token (none without one): a header, never the URL,
-    which error messages print."""
+    """The header that carries a bearer token (none without one): the API's, or an inference
+    server's key. A header, never the URL, which error messages print."""
     return {TOKEN_HEADER: f"Bearer {token}"} if token else {}
 
 

@@ -27,10 +27,11 @@ def check_service(url: str, kind: str, token: str | None = None, timeout: float 
     is still starting, a token the check does not know). ``token``: sent as a bearer token."""
     import httpx
 
+    from api.client import bearer
+
     path = "/health" if kind == "api" else "/v1/models"
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        r = httpx.get(url.rstrip("/") + path, headers=headers, timeout=timeout)
+        r = httpx.get(url.rstrip("/") + path, headers=bearer(token), timeout=timeout)
     except httpx.HTTPError:
         return
     if r.status_code in (401, 403) or r.status_code >= 500:

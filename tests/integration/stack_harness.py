@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from api.client import ApiClient
+from api.client import bearer
 from launch.procs import ManagedProcess, tail
 from launch.vllm_server import BridgeServer, start_bridge_server
 from settings.ports import free_ports
@@ -75,8 +75,7 @@ class Stack:
         proc = ManagedProcess("api", argv, self._log("api"), forked=True).start()
         self.procs["api"] = proc
         self.history.append(proc)
-        client = ApiClient(self.api_url, token=TOKEN, retries=0)
-        wait_for(lambda: healthy(client), f"API health; {proc.log_path}", proc)
+        proc.wait_http(f"{self.api_url}/health", WAIT_S, interval=0.2, headers=bearer(TOKEN))
 
     def start_vllm(self) -> None:
         self.vllm = start_bridge_server(
@@ -219,13 +218,6 @@ class Stack:
         for name in ("api", "vllm", "env"):
             proc = self.procs[name]
             assert proc.alive(), f"{name} died; {proc.log_path}:\n{tail(proc.log_path, 30)}"
-
-
-def healthy(client: ApiClient) -> bool:
-    try:
-        return client.health()
-    except Exception:  # noqa: BLE001 - not listening yet
-        return False
 
 
 def wait_for(

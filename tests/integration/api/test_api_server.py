@@ -29,9 +29,8 @@ def start_api(
         env["SHOP_R1_API_TOKEN"] = token
     proc = ManagedProcess("api", argv, log, env=env, forked=True).start()
     url = f"http://127.0.0.1:{port}"
-    headers = bearer(token)
     try:  # /health needs the token too: the launcher's wait (launch/run_all.py wait_api)
-        proc.wait_http(url + "/health", timeout=60, interval=0.1, headers=headers)
+        proc.wait_http(url + "/health", timeout=60, interval=0.1, headers=bearer(token))
     except BaseException:
         proc.stop()
         raise
