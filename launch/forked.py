@@ -42,12 +42,21 @@ from pathlib import Path
 
 from procutil import parent_death
 
-PRELOAD = ["vllm.entrypoints.openai.api_server", "vllm_patching.serve"]
-"""What the template imports once: vLLM's OpenAI server (torch, transformers) and ours."""
+PRELOAD = ["launch.forked", "vllm.entrypoints.openai.api_server", "vllm_patching.serve"]
+"""What the template imports once: this module (for its warnings filter, below), vLLM's
+OpenAI server (torch, transformers) and ours."""
 UNFORKED = ("env_server.verifiers", "torch.distributed.run")
 """Modules (and their submodules) that always start plainly: verifiers' services put another
 venv's packages first on their path, which the template's already imported ones would shadow;
 torchrun's agent starts its ranks itself (plainly) and owns their signals."""
+# A preloaded module that runs again (the starter's main module, which multiprocessing runs in
+# every child as spawn does, and the child's own module) makes runpy warn that it is already
+# imported. Its first run is in the child before the child's output goes to its log, so the
+# warning reached the starter's terminal: 13 lines in a `make run`. Set at import, the filter
+# is the template's (it preloads this module) and so every child's from its first line.
+warnings.filterwarnings(
+    "ignore", r"'.*' found in sys\.modules after import", RuntimeWarning, "runpy"
+)
 _context: ForkServerContext | None = None
 _running: list[ForkedPopen] = []
 _by_default = False
@@ -134,8 +143,6 @@ def _run_module(module: str, args: list[str], env: dict, cwd: str, log_path: str
         torch.set_num_threads(int(threads))
     os.chdir(cwd)
     sys.argv = [module, *args]
-    # a preloaded module runs again as __main__, as intended: not worth runpy's warning
-    warnings.filterwarnings("ignore", "'.*' found in sys.modules after import", RuntimeWarning)
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 

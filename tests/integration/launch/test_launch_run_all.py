@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -40,6 +41,8 @@ from tests.integration.launcher_harness import LauncherRun, gone, start_launcher
 
 pytestmark = pytest.mark.integration
 STEPS = 2
+WARNING_LINE = re.compile(r"^.+:\d+: \w*Warning: .*$", re.MULTILINE)
+"""A line Python's ``warnings`` printed: ``<frozen runpy>:128: RuntimeWarning: ...``."""
 
 
 @pytest.fixture(scope="session")
@@ -145,6 +148,9 @@ def check_run(
     assert all(gone(p["pid"]) for p in pids.values()), pids
     assert "[run_all] stopped" in out
     assert "[run_all] threads on " in out  # the thread plan is logged
+    # the terminal shows the run's lines, not Python's warnings (runpy warned in every forked
+    # child that the launcher's module, preloaded by the template, was already imported)
+    assert not WARNING_LINE.findall(out), WARNING_LINE.findall(out)
 
 
 def test_run_all_single_copy(
