@@ -70,6 +70,8 @@ class Watch:
     def poll(self, stack) -> None:
         import httpx
 
+        from api.client import bearer
+
         try:
             status = httpx.get(f"{stack.api_url}/status", timeout=2).json()
             n = stack.starts["api"]
@@ -78,7 +80,7 @@ class Watch:
         except (httpx.HTTPError, ValueError, KeyError):
             pass  # down (being killed or restarted): the next poll asks again
         if self.waiting:
-            headers = {"Authorization": f"Bearer {stack.token}"}
+            headers = bearer(stack.token)
             try:
                 health = httpx.get(f"{stack.vllm_url}/bridge/health", timeout=2, headers=headers)
                 version = int(health.json()["weight_version"])

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from api.client import bearer
 from bench.faults.small_disk import SmallDisk
 from launch.configs import resolve_for_run, write_service_configs
 from launch.procs import ManagedProcess
@@ -108,7 +109,7 @@ class SoakStack:
         url = {"api": f"{self.api_url}/health", "vllm": f"{self.vllm_url}/bridge/health"}
         if name not in url:
             return True
-        headers = {"Authorization": f"Bearer {self.token}"} if name == "vllm" else {}
+        headers = bearer(self.token) if name == "vllm" else {}
         try:
             return httpx.get(url[name], timeout=5, headers=headers).status_code == 200
         except httpx.HTTPError:

@@ -39,12 +39,12 @@ class Synthesizer:
     def __init__(self, cfg: SynthConfig) -> None:
         import httpx
 
+        from api.client import bearer
+
         self.cfg = cfg
-        key = cfg.api_key or os.environ.get("OPENAI_API_KEY")
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.http = httpx.AsyncClient(
             base_url=cfg.base_url.rstrip("/"),
-            headers=headers,
+            headers=bearer(cfg.api_key or os.environ.get("OPENAI_API_KEY")),
             timeout=httpx.Timeout(cfg.timeout_s, connect=10.0),
         )
         self.model = cfg.model

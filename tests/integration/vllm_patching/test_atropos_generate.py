@@ -16,6 +16,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
+from api.client import bearer
 from bench.api.servers import ensure_atropos
 from launch.vllm_server import start_bridge_server
 from vllm_patching.protocol import TOKEN_HEADER, VERSION_HEADER
@@ -36,8 +37,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def _post(url: str, body: dict, key: str | None = API_KEY) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.post(url, json=body, headers=headers, timeout=300)
+    return httpx.post(url, json=body, headers=bearer(key), timeout=300)
 
 
 def test_atroposlib_vllm_client_rolls_out_against_generate(
